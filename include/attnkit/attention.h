@@ -1,0 +1,148 @@
+// The attention entry points. Every function validates all of its arguments before it writes
+// anything and throws attnkit::Error naming the argument; CPU tensors run on the reference
+// backend, CUDA tensors on the backend that spec.backend selects (section 4 of DESIGN.md).
+// `stream` is a cudaStream_t passed as void* (nullptr = the legacy default stream); it is
+// ignored for CPU tensors. No entry point synchronizes the stream on the host.
+//
+// Shapes use: B sequences (requests), Hq query heads, Hkv KV heads, D head_dim, and packed
+// ("varlen") token dimensions without padding.
+#pragma once
+
+#include <cstdint>
+
+#include "attnkit/kv_cache.h"
+#include "attnkit/spec.h"
+#include "attnkit/types.h"
+
+namespace attnkit {
+
+using Stream = void*;
+
+// ---------------------------------------------------------------------------------------------
+// prefill: packed variable-length context attention.
+//
+// Queries of sequence i are the last n_i = cu_seqlens_q[i+1] - cu_seqlens_q[i] tokens of its
+// kv_len_i keys, at positions kv_len_i - n_i .. kv_len_i - 1 (bottom-right aligned, as in
+// FlashAttention); with kv_len_i == n_i this is ordinary self-attention. K/V come either from
+// packed tensors (k, v, cu_seqlens_kv) or, when `kv_cache` is set, from the cache (kv_len_i =
+// kv_cache->seq_lens[i], row i of its block table): chunked context and prefix reuse.
+struct PrefillArgs {
+  TensorView q;                           // [total_q, Hq, D] bf16/f16 (f32 on CPU)
+  TensorView cu_seqlens_q;                // int32 [B + 1], cu_seqlens_q[0] == 0, non-decreasing
+  TensorView k;                           // [total_kv, Hkv, D], same dtype as q (packed mode)
+  TensorView v;                           // [total_kv, Hkv, D] (packed mode)
+  TensorView cu_seqlens_kv;               // int32 [B + 1] (packed mode)
+  const KvCacheView* kv_cache = nullptr;  // paged mode: K/V of sequence i from row i
+  TensorView out;                         // [total_q, Hq, D], same dtype as q
+  TensorView lse;  // optional float32 [total_q, Hq], natural log; -inf for empty rows
+  // Upper bounds of the per-sequence query / key lengths. Required (> 0) for CUDA tensors, whose
+  // cu_seqlens live on the device and are never read back; computed from the data on the CPU.
+  int32_t max_seqlen_q = 0;
+  int32_t max_seqlen_kv = 0;
+};
+void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// decode: one new token per row (sequence, or beam of a sequence) over the KV cache, whose
+// seq_lens already count the new token. The query of row r sits at position seq_lens[r] - 1.
+// With beams, row r = s * beam_width + b and key position t is read from row
+// s * beam_width + cache_indirection[s][b][t].
+struct DecodeArgs {
+  TensorView q;  // [num_rows, Hq, D] bf16/f16 (f32 on CPU); num_rows = kv_cache.num_rows()
+  KvCacheView kv_cache;
+  int32_t beam_width = 1;
+  TensorView cache_indirection;  // optional int32 [num_rows / beam_width, beam_width, max_seq]
+  TensorView out;                // [num_rows, Hq, D], same dtype as q
+  TensorView lse;                // optional float32 [num_rows, Hq]
+  // Split-KV: 0 = heuristic (batch x kv_heads against the SM count, and the context length);
+  // n >= 1 forces n splits (1 = no split).
+  int32_t num_splits = 0;
+  // Upper bound of seq_lens for the split heuristic; 0 = the cache's row capacity.
+  int32_t max_seq_len = 0;
+};
+void decode(const AttentionSpec& spec, const DecodeArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// append_kv: fused QKV pre-processing. Adds the bias, applies spec.rope to Q and K at each
+// token's absolute position, writes K and V into the cache (quantized with its scales) and
+// writes the rotated Q. Token t goes to block-table row row_of_token[t] at position
+// positions[t] (slot kv_cache.slot_of(position)).
+struct AppendKvArgs {
+  TensorView qkv;  // [num_tokens, (Hq + 2 * Hkv) * D]: Q heads, then K heads, then V heads
+  // Alternatively separate inputs (qkv not given): q [num_tokens, Hq, D],
+  // k / v [num_tokens, Hkv, D].
+  TensorView q, k, v;
+  TensorView qkv_bias;      // optional [(Hq + 2 * Hkv) * D], same dtype as the input
+  TensorView positions;     // int32 [num_tokens]
+  TensorView row_of_token;  // int32 [num_tokens]: block-table row of each token
+  KvCacheView kv_cache;     // destination (seq_lens is not read)
+  TensorView q_out;         // [num_tokens, Hq, D], same dtype as the input
+};
+void append_kv(const AttentionSpec& spec, const AppendKvArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// forward: the in-flight-batching op (one call per layer per step). The batch holds
+// num_context context requests (chunks of prompts) followed by generation requests, each of
+// which contributes beam_width tokens (one per beam). Block-table rows: one per context request
+// (rows 0 .. num_context-1), then beam_width per generation request.
+//
+// Runs append_kv on every token, prefill over the cache for the context part, decode for the
+// generation part, and writes the packed output.
+struct ForwardArgs {
+  TensorView qkv;           // [num_tokens, (Hq + 2 * Hkv) * D]
+  TensorView qkv_bias;      // optional [(Hq + 2 * Hkv) * D]
+  int32_t num_context = 0;  // context requests (the first ones)
+  int32_t beam_width = 1;   // tokens per generation request
+  // int32 [num_requests + 1], host memory: token offsets of the requests in qkv.
+  TensorView cu_seqlens_q;
+  // int32 [num_requests], host memory: tokens cached before this step (c of each request).
+  TensorView past_lens;
+  // The cache; seq_lens is int32 [num_rows] with the lengths after this step (past + new).
+  KvCacheView kv_cache;
+  TensorView cache_indirection;  // optional int32 [num_generation, beam_width, max_seq]
+  TensorView out;                // [num_tokens, Hq, D]
+  TensorView lse;                // optional float32 [num_tokens, Hq]
+  TensorView workspace;          // CUDA only, optional: int8 bytes for the rotated Q and splits
+  int32_t num_splits = 0;        // decode split-KV override (see DecodeArgs)
+};
+void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// dense: [B, S, H, D] attention with no mask (diffusion, encoders, cross attention), with the
+// skip-softmax and SAGE options of spec.
+struct DenseStats {
+  int64_t tiles_total = 0;    // tiles of block_m x block_n considered
+  int64_t tiles_skipped = 0;  // tiles skipped by skip-softmax
+  double skipped_fraction() const {
+    return tiles_total ? static_cast<double>(tiles_skipped) / tiles_total : 0.0;
+  }
+};
+struct DenseArgs {
+  TensorView q;           // [B, Sq, Hq, D]
+  TensorView k;           // [B, Skv, Hkv, D]
+  TensorView v;           // [B, Skv, Hkv, D]
+  TensorView out;         // [B, Sq, Hq, D], same dtype as q
+  TensorView lse;         // optional float32 [B, Sq, Hq]
+  double timestep = 0.0;  // normalized diffusion timestep in [0, 1] (skip-softmax gate)
+  // Tile sizes the skip decisions are taken on (the fused kernel reports its own).
+  int32_t block_m = 128;
+  int32_t block_n = 128;
+  DenseStats* stats = nullptr;  // optional: filled with the skip statistics of the call
+};
+void dense(const AttentionSpec& spec, const DenseArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// merge_states: combine partial results of the same queries over disjoint key sets:
+// lse = log(exp(lse_a) + exp(lse_b)), out = (exp(lse_a) out_a + exp(lse_b) out_b) / exp(lse).
+// Rows where both lse are -inf give zeros and -inf.
+struct MergeStatesArgs {
+  TensorView out_a;  // [N, H, D]
+  TensorView lse_a;  // float32 [N, H]
+  TensorView out_b;  // [N, H, D]
+  TensorView lse_b;  // float32 [N, H]
+  TensorView out;    // [N, H, D]
+  TensorView lse;    // optional float32 [N, H]
+};
+void merge_states(const MergeStatesArgs& args, Stream stream = nullptr);
+
+}  // namespace attnkit

@@ -1,0 +1,9 @@
+// Umbrella header of the attnkit C++ API.
+#pragma once
+
+#include "attnkit/attention.h"
+#include "attnkit/config.h"
+#include "attnkit/info.h"
+#include "attnkit/kv_cache.h"
+#include "attnkit/spec.h"
+#include "attnkit/types.h"

@@ -1,0 +1,54 @@
+// The seam between the host-side dispatch (src/core/dispatch.cc) and the CUDA backend. Host-only
+// declarations: no CUDA types. Without CUDA (ATTNKIT_WITH_CUDA off) src/core/cuda_stubs.cc
+// defines these to throw. Every function receives a call already validated by
+// src/core/validate.cc.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/info.h"
+#include "core/problem.h"
+
+namespace attnkit::cuda {
+
+// "" when the fused kernels serve the call, else why not (the reason `backend=fused` raises).
+std::string fused_prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p);
+std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p);
+std::string fused_append_kv_unsupported(const AttentionSpec& spec,
+                                        const detail::AppendKvProblem& p);
+std::string fused_dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p);
+
+// Fused (optimized) kernels.
+void fused_prefill(const AttentionSpec& spec, const PrefillArgs& args,
+                   const detail::PrefillProblem& p, Stream stream);
+void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
+                  Stream stream);
+void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
+                     const detail::AppendKvProblem& p, Stream stream);
+void fused_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+                 Stream stream);
+
+// Naive GPU kernels (scores materialized): backend=vanilla on CUDA tensors, and the GPU-side
+// reference of the large gpu tests. They serve every feature the CPU reference serves.
+void vanilla_prefill(const AttentionSpec& spec, const PrefillArgs& args,
+                     const detail::PrefillProblem& p, Stream stream);
+void vanilla_decode(const AttentionSpec& spec, const DecodeArgs& args,
+                    const detail::DecodeProblem& p, Stream stream);
+void vanilla_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
+                       const detail::AppendKvProblem& p, Stream stream);
+void vanilla_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+                   Stream stream);
+// forward(): append_kv, then prefill over the cache for the context part and decode for the
+// generation part, each through the fused kernels (fused = true) or the naive ones.
+std::string fused_forward_unsupported(const AttentionSpec& spec, const detail::ForwardProblem& p);
+void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::ForwardProblem& p,
+             bool fused, Stream stream);
+
+void merge_states(const MergeStatesArgs& args, const detail::MergeStatesProblem& p, Stream stream);
+
+// Device queries (empty / 0 without a driver).
+std::vector<DeviceInfo> devices();
+
+}  // namespace attnkit::cuda

@@ -1,0 +1,64 @@
+// Built instead of the CUDA backend when attnkit is configured without CUDA: every CUDA entry
+// raises (dispatch only routes CUDA tensors here, so CPU-only users never reach these).
+#include "core/check.h"
+#include "cuda/cuda_backend.h"
+
+namespace attnkit::cuda {
+namespace {
+constexpr const char* kNoCuda =
+    "attnkit was built without the CUDA backend (configure with ATTNKIT_WITH_CUDA=ON); CUDA "
+    "tensors are not accepted";
+[[noreturn]] void no_cuda() { throw Error(kNoCuda); }
+}  // namespace
+
+std::string fused_prefill_unsupported(const AttentionSpec&, const detail::PrefillProblem&) {
+  return kNoCuda;
+}
+std::string fused_decode_unsupported(const AttentionSpec&, const detail::DecodeProblem&) {
+  return kNoCuda;
+}
+std::string fused_append_kv_unsupported(const AttentionSpec&, const detail::AppendKvProblem&) {
+  return kNoCuda;
+}
+std::string fused_dense_unsupported(const AttentionSpec&, const detail::DenseProblem&) {
+  return kNoCuda;
+}
+std::string fused_forward_unsupported(const AttentionSpec&, const detail::ForwardProblem&) {
+  return kNoCuda;
+}
+void fused_prefill(const AttentionSpec&, const PrefillArgs&, const detail::PrefillProblem&,
+                   Stream) {
+  no_cuda();
+}
+void fused_decode(const AttentionSpec&, const DecodeArgs&, const detail::DecodeProblem&, Stream) {
+  no_cuda();
+}
+void fused_append_kv(const AttentionSpec&, const AppendKvArgs&, const detail::AppendKvProblem&,
+                     Stream) {
+  no_cuda();
+}
+void fused_dense(const AttentionSpec&, const DenseArgs&, const detail::DenseProblem&, Stream) {
+  no_cuda();
+}
+void vanilla_prefill(const AttentionSpec&, const PrefillArgs&, const detail::PrefillProblem&,
+                     Stream) {
+  no_cuda();
+}
+void vanilla_decode(const AttentionSpec&, const DecodeArgs&, const detail::DecodeProblem&, Stream) {
+  no_cuda();
+}
+void vanilla_append_kv(const AttentionSpec&, const AppendKvArgs&, const detail::AppendKvProblem&,
+                       Stream) {
+  no_cuda();
+}
+void vanilla_dense(const AttentionSpec&, const DenseArgs&, const detail::DenseProblem&, Stream) {
+  no_cuda();
+}
+void forward(const AttentionSpec&, const ForwardArgs&, const detail::ForwardProblem&, bool,
+             Stream) {
+  no_cuda();
+}
+void merge_states(const MergeStatesArgs&, const detail::MergeStatesProblem&, Stream) { no_cuda(); }
+std::vector<DeviceInfo> devices() { return {}; }
+
+}  // namespace attnkit::cuda

@@ -1,0 +1,80 @@
+#include "common/test_util.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/element.h"
+
+namespace attnkit::test {
+
+HostTensor::HostTensor(DType dtype, std::initializer_list<int64_t> shape)
+    : HostTensor(dtype, std::vector<int64_t>(shape)) {}
+
+HostTensor::HostTensor(DType dtype, const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  storage_.assign(static_cast<size_t>(n) * dtype_size(dtype) + 16, 0);
+  view_.data = storage_.data();
+  view_.dtype = dtype;
+  view_.ndim = static_cast<int>(shape.size());
+  int64_t stride = 1;
+  for (int d = view_.ndim - 1; d >= 0; --d) {
+    view_.shape[d] = shape[d];
+    view_.strides[d] = stride;
+    stride *= shape[d];
+  }
+}
+
+float HostTensor::get(int64_t flat) const {
+  return detail::load_as_float(view_.data, view_.dtype, flat);
+}
+void HostTensor::set(int64_t flat, float value) {
+  detail::store_from_float(view_.data, view_.dtype, flat, value);
+}
+
+std::vector<double> HostTensor::to_double() const {
+  std::vector<double> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) out[i] = get(i);
+  return out;
+}
+
+void HostTensor::fill(float value) {
+  for (int64_t i = 0; i < numel(); ++i) set(i, value);
+}
+
+void HostTensor::fill_uniform(std::mt19937_64& rng, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  for (int64_t i = 0; i < numel(); ++i) set(i, dist(rng));
+}
+
+uint64_t test_seed() {
+  static const uint64_t seed = []() -> uint64_t {
+    if (const char* env = std::getenv("ATTNKIT_TEST_SEED")) return std::strtoull(env, nullptr, 10);
+    const uint64_t s = std::random_device{}();
+    std::fprintf(stderr, "[attnkit] test seed %llu (set ATTNKIT_TEST_SEED to replay)\n",
+                 static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const double d = std::fabs(a[i] - b[i]);
+    if (std::isnan(d)) return INFINITY;
+    m = std::max(m, d);
+  }
+  return a.size() == b.size() ? m : INFINITY;
+}
+
+bool any_nan(const std::vector<double>& a) {
+  for (double x : a) {
+    if (std::isnan(x)) return true;
+  }
+  return false;
+}
+
+}  // namespace attnkit::test

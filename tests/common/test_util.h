@@ -1,0 +1,47 @@
+// Test helpers: owning host tensors, random fills, and comparisons.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <random>
+#include <vector>
+
+#include "attnkit/types.h"
+
+namespace attnkit::test {
+
+// An owning, contiguous host tensor.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::initializer_list<int64_t> shape);
+  HostTensor(DType dtype, const std::vector<int64_t>& shape);
+
+  TensorView view() const { return view_; }
+  operator TensorView() const { return view_; }  // NOLINT: convenient in argument structs
+  int64_t numel() const { return view_.numel(); }
+  DType dtype() const { return view_.dtype; }
+
+  float get(int64_t flat) const;        // element as float
+  void set(int64_t flat, float value);  // rounded to the dtype
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(view_.data);
+  }
+  std::vector<double> to_double() const;
+  void fill(float value);                                       // e.g. NaN poison
+  void fill_uniform(std::mt19937_64& rng, float lo, float hi);  // rounded to the dtype
+  const std::vector<uint8_t>& bytes() const { return storage_; }
+
+ private:
+  std::vector<uint8_t> storage_;
+  TensorView view_;
+};
+
+// A fresh seed per test run (printed so a failure can be replayed with ATTNKIT_TEST_SEED).
+uint64_t test_seed();
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+bool any_nan(const std::vector<double>& a);
+
+}  // namespace attnkit::test
