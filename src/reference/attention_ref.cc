@@ -15,8 +15,6 @@ void append_kv(const AttentionSpec&, const AppendKvArgs&, const detail::AppendKv
 void forward(const AttentionSpec&, const ForwardArgs&, const detail::ForwardProblem&) {
   detail::fail("todo");
 }
-detail::fail("todo");
-}
 void merge_states(const MergeStatesArgs&, const detail::MergeStatesProblem&) {
   detail::fail("todo");
 }
