@@ -1,17 +1,25 @@
-// The attnkit program: info, check, config validate (bench and replay arrive with their issues).
+// The attnkit program: info, check, config validate, bench (replay arrives with its issue).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
 
-#include "attnkit/attnkit.h"
+#include "attnkit/types.h"
+#include "commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"attnkit: attention kernels for LLM and diffusion inference"};
   app.require_subcommand(1);
-  auto* info = app.add_subcommand("info", "version, build options, devices, support matrix");
-  CLI11_PARSE(app, argc, argv);
-  if (info->parsed()) {
-    std::printf("attnkit %s (CUDA backend: %s)\n", attnkit::version(),
-                attnkit::built_with_cuda() ? "yes" : "no");
+  attnkit::tools::register_info_command(app);
+  attnkit::tools::register_check_command(app);
+  attnkit::tools::register_config_command(app);
+  attnkit::tools::register_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const attnkit::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

@@ -1,0 +1,13 @@
+// Subcommands of the attnkit program; each file registers its own on the CLI11 app.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace attnkit::tools {
+
+void register_info_command(CLI::App& app);    // info_cmd.cc
+void register_check_command(CLI::App& app);   // check_cmd.cc
+void register_config_command(CLI::App& app);  // config_cmd.cc
+void register_bench_command(CLI::App& app);   // bench_cmd.cc
+
+}  // namespace attnkit::tools
