@@ -10,4 +10,8 @@ void register_check_command(CLI::App& app);   // check_cmd.cc
 void register_config_command(CLI::App& app);  // config_cmd.cc
 void register_bench_command(CLI::App& app);   // bench_cmd.cc
 
+// Benchmark subcommands under `attnkit bench` (CUDA builds measure; CPU-only builds explain).
+void register_bench_decode(CLI::App& bench);   // bench_decode.cc
+void register_bench_prefill(CLI::App& bench);  // bench_prefill.cc
+
 }  // namespace attnkit::tools
