@@ -25,8 +25,9 @@ AttentionConfig load_config(const std::string& source) {
     return AttentionConfig::from_json(source);
   } catch (const Error& e) {
     // A bare path is the most likely mistake when the text is not JSON at all.
+    const bool not_json = std::string(e.what()).rfind("config: invalid JSON", 0) == 0;
     const size_t first = source.find_first_not_of(" \t\r\n");
-    if (first != std::string::npos && source[first] != '{') {
+    if (not_json && first != std::string::npos && source[first] != '{') {
       throw Error(std::string(e.what()) + " (to read a file, write @" + source + ")");
     }
     throw;
@@ -43,7 +44,8 @@ void register_config_command(CLI::App& app) {
       "Validate an AttentionConfig and print the resolved spec of default and of every role");
   auto source = std::make_shared<std::string>();
   validate
-      ->add_option("config", *source, "JSON text, @path of a JSON file, or - to read standard input")
+      ->add_option("config", *source,
+                   "JSON text, @path of a JSON file, or - to read standard input")
       ->required();
   validate->callback([source] {
     const AttentionConfig parsed = load_config(*source);

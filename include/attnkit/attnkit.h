@@ -5,5 +5,6 @@
 #include "attnkit/config.h"
 #include "attnkit/info.h"
 #include "attnkit/kv_cache.h"
+#include "attnkit/kv_cache_manager.h"
 #include "attnkit/spec.h"
 #include "attnkit/types.h"

@@ -1,21 +1,23 @@
-// PLACEHOLDER for the fused context FMHA (prefill) and dense kernels.
-#include "core/check.h"
+// The fused context FMHA (prefill) and the plain fused dense path: both run the portable
+// prefill kernel family of src/cuda/prefill (dense = no mask, fixed lengths).
 #include "cuda/cuda_backend.h"
+#include "cuda/prefill/prefill_api.h"
 
 namespace attnkit::cuda {
 
-std::string fused_prefill_unsupported(const AttentionSpec&, const detail::PrefillProblem&) {
-  return "no fused prefill kernel in this build";
+std::string fused_prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p) {
+  return prefill::prefill_unsupported(spec, p);
 }
-std::string fused_dense_unsupported(const AttentionSpec&, const detail::DenseProblem&) {
-  return "no fused dense kernel in this build";
+std::string fused_dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
+  return prefill::dense_unsupported(spec, p);
 }
-void fused_prefill(const AttentionSpec&, const PrefillArgs&, const detail::PrefillProblem&,
-                   Stream) {
-  throw Error("prefill: no fused kernel in this build");
+void fused_prefill(const AttentionSpec& spec, const PrefillArgs& args,
+                   const detail::PrefillProblem& p, Stream stream) {
+  prefill::run_prefill(spec, args, p, stream);
 }
-void fused_dense(const AttentionSpec&, const DenseArgs&, const detail::DenseProblem&, Stream) {
-  throw Error("dense: no fused kernel in this build");
+void fused_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+                 Stream stream) {
+  prefill::run_dense(spec, args, p, stream);
 }
 
 }  // namespace attnkit::cuda

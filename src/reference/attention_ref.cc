@@ -1,21 +1,106 @@
-// PLACEHOLDER: replaced by the reference backend.
-#include "core/check.h"
+// Reference prefill (packed varlen and paged cache) and decode (paged / contiguous cache, beam
+// indirection). fp64 accumulation; outputs rounded once to their dtype.
+#include <vector>
+
+#include "reference/ref_common.h"
 #include "reference/reference.h"
 
 namespace attnkit::reference {
-void prefill(const AttentionSpec&, const PrefillArgs&, const detail::PrefillProblem&) {
-  detail::fail("todo");
+namespace internal {
+
+void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
+  const LogitRule rule(spec);
+  const int32_t num_q_heads = spec.num_q_heads;
+  const int32_t group = spec.group_size();
+  const int32_t head_dim = spec.head_dim;
+  const int64_t batch = args.cu_seqlens_q.shape[0] - 1;
+  const bool paged = args.kv_cache != nullptr;
+  const CacheReader cache(paged ? *args.kv_cache : KvCacheView{});
+  std::vector<double> q(static_cast<size_t>(head_dim)), out(static_cast<size_t>(head_dim));
+
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t q_begin = index_at(args.cu_seqlens_q, i);
+    const int64_t num_q = index_at(args.cu_seqlens_q, i + 1) - q_begin;
+    int64_t kv_begin = 0;
+    int64_t kv_len = 0;
+    if (paged) {
+      kv_len = index_at(args.kv_cache->seq_lens, i);
+    } else {
+      kv_begin = index_at(args.cu_seqlens_kv, i);
+      kv_len = index_at(args.cu_seqlens_kv, i + 1) - kv_begin;
+    }
+    for (int32_t h = 0; h < num_q_heads; ++h) {
+      const int32_t kv_head = h / group;
+      auto packed_loader = [&](const TensorView& t) {
+        return [&t, kv_begin, kv_head](int64_t j, double* x) {
+          load_head(t, kv_begin + j, kv_head, x);
+        };
+      };
+      for (int64_t t = 0; t < num_q; ++t) {
+        // Bottom-right aligned: the queries are the last num_q of the kv_len positions.
+        const int64_t position = kv_len - num_q + t;
+        load_head(args.q, q_begin + t, h, q.data());
+        double lse = 0.0;
+        if (paged) {
+          attend_row(
+              rule, q.data(), head_dim, h, position, kv_len,
+              [&](int64_t j, double* x) { cache.load_k(i, j, kv_head, x); },
+              [&](int64_t j, double* x) { cache.load_v(i, j, kv_head, x); }, out.data(), &lse);
+        } else {
+          attend_row(rule, q.data(), head_dim, h, position, kv_len, packed_loader(args.k),
+                     packed_loader(args.v), out.data(), &lse);
+        }
+        store_row(args.out, args.lse, q_begin + t, h, out.data(), lse);
+      }
+    }
+  }
 }
-void decode(const AttentionSpec&, const DecodeArgs&, const detail::DecodeProblem&) {
-  detail::fail("todo");
+
+void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
+  const LogitRule rule(spec);
+  const int32_t num_q_heads = spec.num_q_heads;
+  const int32_t group = spec.group_size();
+  const int32_t head_dim = spec.head_dim;
+  const int64_t num_rows = args.kv_cache.num_rows();
+  const int32_t beam_width = args.beam_width;
+  const TensorView& ind = args.cache_indirection;
+  const CacheReader cache(args.kv_cache);
+  std::vector<double> q(static_cast<size_t>(head_dim)), out(static_cast<size_t>(head_dim));
+
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t kv_len = index_at(args.kv_cache.seq_lens, r);
+    const int64_t position = kv_len - 1;
+    const int64_t seq = r / beam_width;
+    const int64_t beam = r % beam_width;
+    // Row whose cache holds key position j for this beam.
+    auto source_row = [&](int64_t j) -> int64_t {
+      if (!ind.defined()) return r;
+      const int64_t src_beam =
+          static_cast<const int32_t*>(ind.data)[detail::offset_of(ind, {seq, beam, j})];
+      return seq * beam_width + src_beam;
+    };
+    for (int32_t h = 0; h < num_q_heads; ++h) {
+      const int32_t kv_head = h / group;
+      load_head(args.q, r, h, q.data());
+      double lse = 0.0;
+      attend_row(
+          rule, q.data(), head_dim, h, position, kv_len,
+          [&](int64_t j, double* x) { cache.load_k(source_row(j), j, kv_head, x); },
+          [&](int64_t j, double* x) { cache.load_v(source_row(j), j, kv_head, x); }, out.data(),
+          &lse);
+      store_row(args.out, args.lse, r, h, out.data(), lse);
+    }
+  }
 }
-void append_kv(const AttentionSpec&, const AppendKvArgs&, const detail::AppendKvProblem&) {
-  detail::fail("todo");
+
+}  // namespace internal
+
+void prefill(const AttentionSpec& spec, const PrefillArgs& args, const detail::PrefillProblem&) {
+  internal::prefill_impl(spec, args);
 }
-void forward(const AttentionSpec&, const ForwardArgs&, const detail::ForwardProblem&) {
-  detail::fail("todo");
+
+void decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem&) {
+  internal::decode_impl(spec, args);
 }
-void merge_states(const MergeStatesArgs&, const detail::MergeStatesProblem&) {
-  detail::fail("todo");
-}
+
 }  // namespace attnkit::reference

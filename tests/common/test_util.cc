@@ -27,6 +27,19 @@ HostTensor::HostTensor(DType dtype, const std::vector<int64_t>& shape) {
   }
 }
 
+HostTensor::HostTensor(const HostTensor& other) : storage_(other.storage_), view_(other.view_) {
+  if (view_.data) view_.data = storage_.data();
+}
+
+HostTensor& HostTensor::operator=(const HostTensor& other) {
+  if (this != &other) {
+    storage_ = other.storage_;
+    view_ = other.view_;
+    if (view_.data) view_.data = storage_.data();
+  }
+  return *this;
+}
+
 float HostTensor::get(int64_t flat) const {
   return detail::load_as_float(view_.data, view_.dtype, flat);
 }

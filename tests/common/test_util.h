@@ -16,6 +16,11 @@ class HostTensor {
   HostTensor() = default;
   HostTensor(DType dtype, std::initializer_list<int64_t> shape);
   HostTensor(DType dtype, const std::vector<int64_t>& shape);
+  // Copies own their storage (the view points at the copy's bytes); moves keep the buffer.
+  HostTensor(const HostTensor& other);
+  HostTensor& operator=(const HostTensor& other);
+  HostTensor(HostTensor&&) noexcept = default;
+  HostTensor& operator=(HostTensor&&) noexcept = default;
 
   TensorView view() const { return view_; }
   operator TensorView() const { return view_; }  // NOLINT: convenient in argument structs

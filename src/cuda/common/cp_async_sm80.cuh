@@ -1,0 +1,25 @@
+// cp.async wrappers (sm80+): 16-byte global -> shared copies that bypass registers, committed in
+// groups and waited on by count, for multi-stage load pipelines.
+#pragma once
+
+#include <cstdint>
+
+namespace attnkit::cuda {
+
+// Copies 16 bytes when `valid`, else writes 16 zero bytes (src-size 0: nothing is read, so
+// `src` only has to be a valid-looking address).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+}  // namespace attnkit::cuda

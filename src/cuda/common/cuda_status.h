@@ -1,0 +1,24 @@
+// CUDA error checks for the backend's host code: every runtime call and every launch is checked
+// and a failure becomes attnkit::Error naming the operation (never a silent sticky error).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/check.h"
+
+namespace attnkit::cuda {
+
+inline void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
+    detail::fail(what, ": CUDA error ", cudaGetErrorName(status), " (",
+                 cudaGetErrorString(status), ")");
+  }
+}
+
+// After a <<<...>>> launch: reports configuration errors (grid, shared memory, parameters).
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+inline cudaStream_t as_cuda_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+}  // namespace attnkit::cuda

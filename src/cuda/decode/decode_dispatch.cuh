@@ -1,0 +1,132 @@
+// Turns a decode call's runtime types into template arguments. decode_launch.cu calls
+// launch_decode<kHeadDim>(); each decode_hd<D>.cu instantiates it for one head_dim so that
+// build time stays predictable (ATTNKIT_KERNEL_SUBSET compiles head_dim 128 only).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <mutex>
+
+#include "attnkit/types.h"
+#include "core/check.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/decode/decode_kernel.cuh"
+#include "cuda/decode/decode_launch.h"
+
+namespace attnkit::cuda {
+
+namespace decode_detail {
+
+template <typename Traits, DecodeLogits kLogits>
+void prepare_kernel() {
+  // The shared-memory opt-in is per device; 16 devices is plenty for one process.
+  static std::once_flag flags[16];
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  std::call_once(flags[device & 15], [] {
+    check_cuda(
+        cudaFuncSetAttribute(decode_kernel<Traits, kLogits>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
+        "decode: cudaFuncSetAttribute(max dynamic shared memory)");
+  });
+}
+
+template <typename Traits>
+void launch_traits(const DecodeParams& p, bool transformed, cudaStream_t stream) {
+  const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
+  if (transformed) {
+    prepare_kernel<Traits, DecodeLogits::kTransformed>();
+    decode_kernel<Traits, DecodeLogits::kTransformed>
+        <<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  } else {
+    prepare_kernel<Traits, DecodeLogits::kPlain>();
+    decode_kernel<Traits, DecodeLogits::kPlain>
+        <<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  }
+  check_launch("decode_kernel");
+}
+
+template <typename Traits>
+DecodeKernelInfo info_traits() {
+  prepare_kernel<Traits, DecodeLogits::kPlain>();
+  // Cached per device: the heuristic runs on every call without a split override.
+  static std::atomic<int> cached[16] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  int ctas = cached[device & 15].load(std::memory_order_relaxed);
+  if (ctas == 0) {
+    int value = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                   &value, decode_kernel<Traits, DecodeLogits::kPlain>, Traits::kThreads,
+                   Traits::kSmemBytes),
+               "decode: cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    ctas = value < 1 ? 1 : value;
+    cached[device & 15].store(ctas, std::memory_order_relaxed);
+  }
+  DecodeKernelInfo info;
+  info.tile_n = Traits::kTileN;
+  info.ctas_per_sm = ctas;
+  return info;
+}
+
+// Calls f.template operator()<Traits>() for the (query type, cache type) pair.
+template <int kHeadDim, typename R, typename F>
+R with_traits(DType q_dtype, DType kv_dtype, F&& f) {
+  const bool native = kv_dtype == q_dtype;
+  if (q_dtype == DType::kBF16) {
+    if (native) return f.template operator()<DecodeTraits<kHeadDim, Bf16Tag, KvNative>>();
+    if (kv_dtype == DType::kFp8E4M3)
+      return f.template operator()<DecodeTraits<kHeadDim, Bf16Tag, KvFp8E4M3>>();
+    if (kv_dtype == DType::kInt8)
+      return f.template operator()<DecodeTraits<kHeadDim, Bf16Tag, KvInt8>>();
+  } else if (q_dtype == DType::kF16) {
+    if (native) return f.template operator()<DecodeTraits<kHeadDim, F16Tag, KvNative>>();
+    if (kv_dtype == DType::kFp8E4M3)
+      return f.template operator()<DecodeTraits<kHeadDim, F16Tag, KvFp8E4M3>>();
+    if (kv_dtype == DType::kInt8)
+      return f.template operator()<DecodeTraits<kHeadDim, F16Tag, KvInt8>>();
+  }
+  detail::fail("decode: no fused kernel for q dtype ", dtype_name(q_dtype), " with a ",
+               dtype_name(kv_dtype), " cache");
+}
+
+}  // namespace decode_detail
+
+namespace decode_detail {
+// Functors for with_traits (C++17: no templated lambdas in this code).
+struct LaunchOp {
+  const DecodeParams& p;
+  bool transformed;
+  cudaStream_t stream;
+  template <typename Traits>
+  void operator()() const {
+    launch_traits<Traits>(p, transformed, stream);
+  }
+};
+struct InfoOp {
+  template <typename Traits>
+  DecodeKernelInfo operator()() const {
+    return info_traits<Traits>();
+  }
+};
+}  // namespace decode_detail
+
+template <int kHeadDim>
+void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
+                   cudaStream_t stream) {
+  decode_detail::with_traits<kHeadDim, void>(
+      q_dtype, kv_dtype, decode_detail::LaunchOp{p, transformed_logits, stream});
+}
+
+template <int kHeadDim>
+DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype) {
+  return decode_detail::with_traits<kHeadDim, DecodeKernelInfo>(q_dtype, kv_dtype,
+                                                                decode_detail::InfoOp{});
+}
+
+#define ATTNKIT_INSTANTIATE_DECODE(kHeadDim)                                                    \
+  template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, cudaStream_t); \
+  template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType);
+
+}  // namespace attnkit::cuda

@@ -1,0 +1,8 @@
+// Fused decode kernels for head_dim 64 (all query / cache types, both logits policies).
+#include "cuda/decode/decode_dispatch.cuh"
+
+namespace attnkit::cuda {
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+ATTNKIT_INSTANTIATE_DECODE(64)
+#endif
+}  // namespace attnkit::cuda

@@ -1,0 +1,293 @@
+// Fused GQA decode: the support query, the split-KV heuristic, the launch and the split combine.
+// fused_decode_unsupported() and fused_decode() use the same head_dim / dtype tables, so what
+// `attnkit info` and backend selection report is what fused_decode() runs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "core/kv_access.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/decode/decode_launch.h"
+
+namespace attnkit::cuda {
+namespace {
+
+// head_dim values with compiled kernels. The CI subset (ATTNKIT_KERNEL_SUBSET) keeps 128 only.
+bool head_dim_compiled(int32_t head_dim) {
+#if defined(ATTNKIT_KERNEL_SUBSET)
+  return head_dim == 128;
+#else
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+#endif
+}
+
+bool head_dim_known(int32_t head_dim) {
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+}
+
+DecodeKernelInfo kernel_info(int32_t head_dim, DType q, DType kv) {
+  switch (head_dim) {
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 64:
+      return decode_kernel_info<64>(q, kv);
+#endif
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 80:
+      return decode_kernel_info<80>(q, kv);
+#endif
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 96:
+      return decode_kernel_info<96>(q, kv);
+#endif
+    case 128:
+      return decode_kernel_info<128>(q, kv);
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 256:
+      return decode_kernel_info<256>(q, kv);
+#endif
+  }
+  detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
+}
+
+void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType kv,
+                   bool transformed, cudaStream_t stream) {
+  switch (head_dim) {
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 64:
+      return launch_decode<64>(params, q, kv, transformed, stream);
+#endif
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 80:
+      return launch_decode<80>(params, q, kv, transformed, stream);
+#endif
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 96:
+      return launch_decode<96>(params, q, kv, transformed, stream);
+#endif
+    case 128:
+      return launch_decode<128>(params, q, kv, transformed, stream);
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+    case 256:
+      return launch_decode<256>(params, q, kv, transformed, stream);
+#endif
+  }
+  detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
+}
+
+// Merges the splits' (normalized output, LSE) pairs of one (row, head) per warp:
+// out = sum_s exp(lse_s - m) out_s / sum_s exp(lse_s - m), lse = m + log(sum_s exp(lse_s - m)).
+template <typename T>
+__global__ void __launch_bounds__(128)
+    decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= static_cast<int64_t>(p.num_rows) * p.num_q_heads) return;
+  const int64_t row = item / p.num_q_heads;
+  const int head = static_cast<int>(item % p.num_q_heads);
+  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
+  const float* lse = p.partial_lse + item;
+  float m = -INFINITY;
+  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, lse[s * split_stride]);
+  for (int offset = 16; offset > 0; offset /= 2)
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  float sum = 0.0f;
+  if (m != -INFINITY) {
+    for (int s = lane; s < p.num_splits; s += 32) sum += expf(lse[s * split_stride] - m);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
+  const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int d = lane; d < p.head_dim; d += 32) {
+    float acc = 0.0f;
+    if (sum > 0.0f) {
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float l = lse[s * split_stride];
+        // Empty splits never wrote their output: skip them instead of scaling garbage by 0.
+        if (l != -INFINITY)
+          acc += expf(l - m) * p.partial_out[(s * split_stride + item) * p.head_dim + d];
+      }
+    }
+    out[d] = T(acc * inv_sum);
+  }
+  if (lane == 0 && p.lse != nullptr) {
+    p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
+        sum > 0.0f ? m + logf(sum) : -INFINITY;
+  }
+}
+
+int device_attribute(cudaDeviceAttr attr, int device) {
+  int value = 0;
+  check_cuda(cudaDeviceGetAttribute(&value, attr, device), "decode: cudaDeviceGetAttribute");
+  return value;
+}
+
+}  // namespace
+
+// Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
+// smallest split count whose waves fill >= 85% of the resident-CTA slots, with at least four
+// tiles of keys per split (the prologue and the combine are not free).
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
+                          int tile_n) {
+  const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
+  const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, 128);
+  int64_t best = 1;
+  double best_fill = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t work = ctas * s;
+    const int64_t waves = (work + slots - 1) / slots;
+    const double fill = static_cast<double>(work) / static_cast<double>(waves * slots);
+    if (fill >= 0.85) return static_cast<int32_t>(s);
+    if (fill > best_fill + 1e-9) best = s, best_fill = fill;
+  }
+  return static_cast<int32_t>(best);
+}
+
+std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
+  if (p.device.is_cuda()) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device.index) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return detail::concat("device ", p.device.str(), " cannot be queried");
+    }
+    if (major < 8) {
+      return detail::concat("the fused decode kernels need compute capability >= 8.0, ",
+                            p.device.str(), " has ", major, ".x");
+    }
+  }
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return detail::concat("q dtype ", dtype_name(p.dtype),
+                          " (the fused decode kernels take bf16 or f16)");
+  }
+  if (p.kv_dtype != p.dtype && p.kv_dtype != DType::kFp8E4M3 && p.kv_dtype != DType::kInt8) {
+    return detail::concat("a ", dtype_name(p.kv_dtype), " cache with ", dtype_name(p.dtype),
+                          " q (accepted caches: the dtype of q, fp8_e4m3 or int8)");
+  }
+  if (!head_dim_known(spec.head_dim)) {
+    return detail::concat("head_dim ", spec.head_dim,
+                          " (the fused decode kernels take 64, 80, 96, 128 or 256)");
+  }
+  if (!head_dim_compiled(spec.head_dim)) {
+    return detail::concat("head_dim ", spec.head_dim,
+                          " is not compiled in this build (ATTNKIT_KERNEL_SUBSET: head_dim 128 "
+                          "only)");
+  }
+  if (p.num_rows > 65535) {
+    return detail::concat("num_rows ", p.num_rows, " (the fused decode kernel takes <= 65535)");
+  }
+  if (spec.num_kv_heads > 65535) {
+    return detail::concat("num_kv_heads ", spec.num_kv_heads, " (at most 65535)");
+  }
+  if (spec.alibi && spec.num_q_heads > kDecodeMaxAlibiHeads) {
+    return detail::concat("ALiBi with ", spec.num_q_heads,
+                          " query heads (the fused decode takes <= ", kDecodeMaxAlibiHeads, ")");
+  }
+  return "";
+}
+
+void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
+                  Stream stream_handle) {
+  const std::string reason = fused_decode_unsupported(spec, p);
+  ATTNKIT_CHECK(reason.empty(), "decode: backend 'fused' cannot serve this call: ", reason);
+  const cudaStream_t stream = as_cuda_stream(stream_handle);
+  const KvCacheView& cache = args.kv_cache;
+
+  DecodeParams params;
+  params.q = args.q.data;
+  params.q_row_stride = args.q.strides[0];
+  params.q_head_stride = args.q.strides[1];
+  params.out = args.out.data;
+  params.out_row_stride = args.out.strides[0];
+  params.out_head_stride = args.out.strides[1];
+  if (args.lse.defined()) {
+    params.lse = static_cast<float*>(args.lse.data);
+    params.lse_row_stride = args.lse.strides[0];
+    params.lse_head_stride = args.lse.strides[1];
+  }
+  params.kv = detail::make_kv_layout(cache);
+  params.seq_lens = static_cast<const int32_t*>(cache.seq_lens.data);
+  params.beam_width = args.beam_width;
+  if (args.cache_indirection.defined()) {
+    params.cache_indirection = static_cast<const int32_t*>(args.cache_indirection.data);
+    params.indirection_seq_stride = args.cache_indirection.strides[0];
+    params.indirection_beam_stride = args.cache_indirection.strides[1];
+    params.indirection_pos_stride = args.cache_indirection.strides[2];
+  }
+  params.k_scale = static_cast<const float*>(cache.k_scale.data);
+  params.v_scale = static_cast<const float*>(cache.v_scale.data);
+  params.k_scale_per_head = cache.k_scale.defined() && cache.k_scale.numel() > 1;
+  params.v_scale_per_head = cache.v_scale.defined() && cache.v_scale.numel() > 1;
+  params.num_rows = static_cast<int32_t>(p.num_rows);
+  params.num_q_heads = spec.num_q_heads;
+  params.num_kv_heads = spec.num_kv_heads;
+  params.group_size = spec.group_size();
+  params.head_blocks = (params.group_size + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
+  params.head_dim = spec.head_dim;
+  params.softmax_scale = static_cast<float>(spec.effective_scale());
+  params.softcap = static_cast<float>(spec.logit_softcap);
+  if (spec.mask.kind == MaskKind::kSlidingWindow) {
+    params.window = spec.mask.window;
+    params.sink_tokens = spec.mask.sink_tokens;
+  }
+  if (spec.alibi) {
+    const std::vector<float> slopes =
+        spec.alibi_slopes.empty() ? default_alibi_slopes(spec.num_q_heads) : spec.alibi_slopes;
+    std::copy(slopes.begin(), slopes.end(), params.alibi_slopes);
+  }
+  const bool transformed = spec.alibi || spec.logit_softcap > 0.0;
+
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  if (args.num_splits > 0) {
+    params.num_splits = args.num_splits;
+  } else {
+    const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype);
+    int64_t max_keys = p.max_seq_len;
+    if (params.window > 0) {
+      max_keys =
+          std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
+    }
+    const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
+    params.num_splits = decode_num_splits(ctas, info.ctas_per_sm,
+                                          device_attribute(cudaDevAttrMultiProcessorCount, device),
+                                          max_keys, info.tile_n);
+  }
+
+  if (params.num_splits == 1) {
+    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, stream);
+    return;
+  }
+  // Stream-ordered workspace: no host synchronization, and capturable in a CUDA graph.
+  const size_t partial_values =
+      static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
+  void* workspace = nullptr;
+  check_cuda(
+      cudaMallocAsync(&workspace, partial_values * (spec.head_dim + 1) * sizeof(float), stream),
+      "decode: cudaMallocAsync(split-KV workspace)");
+  params.partial_out = static_cast<float*>(workspace);
+  params.partial_lse = params.partial_out + partial_values * spec.head_dim;
+  try {
+    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, stream);
+    const int64_t items = p.num_rows * spec.num_q_heads;
+    const dim3 grid(static_cast<unsigned>((items + 3) / 4));
+    if (p.dtype == DType::kBF16) {
+      decode_combine_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(params);
+    } else {
+      decode_combine_kernel<__half><<<grid, 128, 0, stream>>>(params);
+    }
+    check_launch("decode_combine_kernel");
+  } catch (...) {
+    cudaFreeAsync(workspace, stream);
+    throw;
+  }
+  check_cuda(cudaFreeAsync(workspace, stream), "decode: cudaFreeAsync(split-KV workspace)");
+}
+
+}  // namespace attnkit::cuda

@@ -1,0 +1,40 @@
+// The per-head_dim entry points of the fused decode kernels, instantiated in decode_hd<D>.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attnkit/types.h"
+#include "cuda/decode/decode_params.h"
+
+namespace attnkit::cuda {
+
+struct DecodeKernelInfo {
+  int ctas_per_sm = 1;  // resident CTAs per SM (the split heuristic's unit of parallelism)
+  int tile_n = 64;      // keys per pipeline tile (splits are whole tiles)
+};
+
+// Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits
+// policy is kTransformed when soft-cap or ALiBi is on.
+template <int kHeadDim>
+void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
+                   cudaStream_t stream);
+template <int kHeadDim>
+DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype);
+
+// The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
+// CTA count, resident CTAs per SM, the SM count and the longest key range.
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
+                          int tile_n);
+
+#define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
+  extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
+                                               cudaStream_t);                           \
+  extern template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType);
+ATTNKIT_DECLARE_DECODE(64)
+ATTNKIT_DECLARE_DECODE(80)
+ATTNKIT_DECLARE_DECODE(96)
+ATTNKIT_DECLARE_DECODE(128)
+ATTNKIT_DECLARE_DECODE(256)
+#undef ATTNKIT_DECLARE_DECODE
+
+}  // namespace attnkit::cuda

@@ -1,0 +1,62 @@
+// Runtime parameters of the fused GQA decode kernel and its split-KV combine kernel. Host-side
+// plain data (no CUDA types): decode_launch.cu fills it from validated DecodeArgs, the kernels
+// receive it as `const __grid_constant__ DecodeParams`.
+#pragma once
+
+#include <cstdint>
+
+#include "core/kv_access.h"
+
+namespace attnkit::cuda {
+
+// ALiBi slopes travel in the parameter block; more query heads than this with ALiBi is
+// reported unsupported by fused_decode_unsupported().
+constexpr int kDecodeMaxAlibiHeads = 256;
+// Query heads of one KV-head group that one CTA serves: the 16 rows of an m16n8k16 MMA.
+constexpr int kDecodeHeadsPerCta = 16;
+
+struct DecodeParams {
+  const void* q = nullptr;  // [num_rows, Hq, D] bf16/f16
+  int64_t q_row_stride = 0;
+  int64_t q_head_stride = 0;
+  void* out = nullptr;  // [num_rows, Hq, D], dtype of q
+  int64_t out_row_stride = 0;
+  int64_t out_head_stride = 0;
+  float* lse = nullptr;  // [num_rows, Hq] natural log, or nullptr
+  int64_t lse_row_stride = 0;
+  int64_t lse_head_stride = 0;
+
+  // Split-KV workspace (num_splits > 1): each split's normalized output (already multiplied by
+  // the V scale) and its LSE; the combine kernel merges them into out / lse.
+  float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
+  float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
+
+  detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
+  const int32_t* seq_lens = nullptr;           // [num_rows], counts the new token
+  const int32_t* cache_indirection = nullptr;  // [num_rows / beam_width, beam_width, max_seq]
+  int64_t indirection_seq_stride = 0;          // elements
+  int64_t indirection_beam_stride = 0;         // elements
+  int64_t indirection_pos_stride = 1;          // elements
+  int32_t beam_width = 1;
+
+  const float* k_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
+  const float* v_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
+  int32_t k_scale_per_head = 0;
+  int32_t v_scale_per_head = 0;
+
+  int32_t num_rows = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t group_size = 0;   // Hq / Hkv
+  int32_t head_blocks = 1;  // ceil(group_size / kDecodeHeadsPerCta)
+  int32_t num_splits = 1;
+  int32_t head_dim = 0;
+
+  float softmax_scale = 0.0f;
+  float softcap = 0.0f;     // > 0: logit = softcap * tanh(logit / softcap)
+  int32_t window = 0;       // sliding window W (0: every key < seq_len)
+  int32_t sink_tokens = 0;  // with a window: keys j < sink_tokens are attended as well
+  float alibi_slopes[kDecodeMaxAlibiHeads] = {};  // [Hq]; all zero when ALiBi is off
+};
+
+}  // namespace attnkit::cuda

@@ -1,0 +1,31 @@
+// Host entry of the portable prefill kernel family: the support check, the tile heuristic and the
+// runs behind cuda::fused_prefill / cuda::fused_dense. The same function (select_kernel) answers
+// "is this supported" and picks the instantiation, so the two never disagree.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "core/problem.h"
+#include "cuda/prefill/prefill_params.h"
+
+namespace attnkit::cuda::prefill {
+
+// "" when the fused prefill serves the call, else why not.
+std::string prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p);
+std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p);
+
+// Tiles compiled into this build for (head_dim, dtype); empty when none.
+std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype);
+
+// Runs a validated call. `forced_tile` overrides the heuristic (tests force every tile); a tile
+// that is not compiled for the head_dim raises.
+void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
+                 const detail::PrefillProblem& p, void* stream,
+                 std::optional<PrefillTile> forced_tile = std::nullopt);
+void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+               void* stream, std::optional<PrefillTile> forced_tile = std::nullopt);
+
+}  // namespace attnkit::cuda::prefill

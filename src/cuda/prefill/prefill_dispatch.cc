@@ -1,0 +1,385 @@
+// Host dispatch of the prefill kernel family: runtime values -> template arguments in one place
+// (find_launcher), the support check that `backend=fused`, `auto` and `attnkit info` share, the
+// tile heuristic, and the PrefillParams of packed, paged and dense calls.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "core/kv_access.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/prefill/prefill_api.h"
+#include "cuda/prefill/prefill_build_set.h"
+#include "cuda/prefill/prefill_launch.h"
+#include "cuda/prefill/prefill_traits.h"
+
+namespace attnkit::cuda::prefill {
+
+const char* prefill_tile_name(PrefillTile tile) {
+  return tile == PrefillTile::kM128 ? "m128" : "m64";
+}
+
+namespace {
+
+using Launcher = void (*)(const PrefillParams&, cudaStream_t);
+
+constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
+
+template <int D, PrefillTile kTile, DType kDT>
+Launcher launcher_for(bool masked, bool quant_kv) {
+  if constexpr (tile_compiled(D, kTile, kDT)) {
+    if (masked) {
+      return quant_kv ? &launch_prefill<D, kTile, kDT, true, true>
+                      : &launch_prefill<D, kTile, kDT, true, false>;
+    }
+    return quant_kv ? &launch_prefill<D, kTile, kDT, false, true>
+                    : &launch_prefill<D, kTile, kDT, false, false>;
+  } else {
+    return nullptr;
+  }
+}
+
+template <int D, DType kDT>
+Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv) {
+  return tile == PrefillTile::kM128 ? launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv)
+                                    : launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv);
+}
+
+template <DType kDT>
+Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv) {
+  switch (head_dim) {
+    case 64:
+      return launcher_for<64, kDT>(tile, masked, quant_kv);
+    case 80:
+      return launcher_for<80, kDT>(tile, masked, quant_kv);
+    case 96:
+      return launcher_for<96, kDT>(tile, masked, quant_kv);
+    case 128:
+      return launcher_for<128, kDT>(tile, masked, quant_kv);
+    case 256:
+      return launcher_for<256, kDT>(tile, masked, quant_kv);
+    default:
+      return nullptr;
+  }
+}
+
+// The one place where runtime values become template arguments.
+Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv) {
+  if (dtype == DType::kBF16) return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv);
+  if (dtype == DType::kF16) return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv);
+  return nullptr;
+}
+
+template <int D>
+int smem_bytes_for(PrefillTile tile, bool quant_kv) {
+  return tile == PrefillTile::kM128 ? PrefillTraits<D, PrefillTile::kM128>::smem_bytes(quant_kv)
+                                    : PrefillTraits<D, PrefillTile::kM64>::smem_bytes(quant_kv);
+}
+
+struct DeviceLimits {
+  bool ok = false;
+  int cc_major = 0, cc_minor = 0;
+  int smem_optin = 0;
+  int sm_count = 0;
+};
+
+DeviceLimits device_limits(int ordinal) {
+  DeviceLimits d;
+  if (cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, ordinal) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, ordinal) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, ordinal) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return d;
+  }
+  d.ok = true;
+  return d;
+}
+
+bool is_8bit(DType dtype) { return dtype == DType::kFp8E4M3 || dtype == DType::kInt8; }
+
+// What the kernel family needs of a call, shared by prefill() and dense().
+struct CallShape {
+  int device = 0;
+  int head_dim = 0;
+  DType dtype = DType::kBF16;
+  DType kv_dtype = DType::kBF16;
+  bool paged = false;
+};
+
+std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
+  using detail::concat;
+  if (c.dtype != DType::kBF16 && c.dtype != DType::kF16) {
+    return concat("q dtype ", dtype_name(c.dtype), ": the fused prefill takes bf16 or f16");
+  }
+  if (std::find(std::begin(kHeadDims), std::end(kHeadDims), c.head_dim) == std::end(kHeadDims)) {
+    return concat("head_dim ", c.head_dim, ": the fused prefill serves 64, 80, 96, 128 and 256");
+  }
+  const std::vector<PrefillTile> tiles = compiled_tiles(c.head_dim, c.dtype);
+  if (tiles.empty()) {
+    return concat("head_dim ", c.head_dim, " with ", dtype_name(c.dtype),
+                  ": not compiled in this build (ATTNKIT_KERNEL_SUBSET)");
+  }
+  const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
+  if (c.kv_dtype != c.dtype && !quant_kv) {
+    return concat("kv dtype ", dtype_name(c.kv_dtype), " with q dtype ", dtype_name(c.dtype),
+                  ": the fused prefill reads K/V of the q dtype, or a paged fp8_e4m3 / int8 cache");
+  }
+  if (spec.alibi && spec.num_q_heads > kMaxAlibiHeads) {
+    return concat("alibi with ", spec.num_q_heads, " query heads: the fused prefill takes at most ",
+                  kMaxAlibiHeads);
+  }
+  const DeviceLimits dev = device_limits(c.device);
+  if (!dev.ok) return concat("no CUDA device ", c.device, " visible");
+  if (dev.cc_major < 8) {
+    return concat("compute capability ", dev.cc_major, ".", dev.cc_minor,
+                  ": the fused prefill needs sm80 or newer");
+  }
+  for (PrefillTile tile : tiles) {
+    const int need = prefill_smem_bytes(c.head_dim, tile, quant_kv);
+    if (need > dev.smem_optin) {
+      return concat("head_dim ", c.head_dim, " tile ", prefill_tile_name(tile), " needs ", need,
+                    " bytes of shared memory per block; the device allows ", dev.smem_optin);
+    }
+  }
+  return "";
+}
+
+// 128-row tiles read each K/V tile once for twice the rows; they pay off once the grid fills
+// every SM about twice, else the 64-row tile's extra CTAs win.
+PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count) {
+  if (tiles.size() == 1) return tiles[0];
+  return ctas_m128 >= 2 * static_cast<int64_t>(sm_count) ? PrefillTile::kM128 : PrefillTile::kM64;
+}
+
+PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
+                      int32_t max_seqlen_q, int32_t heads) {
+  const std::vector<PrefillTile> tiles = compiled_tiles(c.head_dim, c.dtype);
+  if (forced) {
+    ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(),
+                  "prefill: tile ", prefill_tile_name(*forced), " is not compiled for head_dim ",
+                  c.head_dim, " and ", dtype_name(c.dtype));
+    return *forced;
+  }
+  const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
+  return choose_tile(tiles, ctas, device_limits(c.device).sm_count);
+}
+
+// The kernel moves 16-byte chunks: rows must start 16-byte aligned and the last dim be dense.
+void check_rows_16b(const TensorView& t, const char* name) {
+  ATTNKIT_CHECK(t.strides[t.ndim - 1] == 1, name,
+                ": the fused prefill needs a unit stride in the last dimension, got strides of ",
+                t.shape_str());
+  ATTNKIT_CHECK(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
+                ": the fused prefill needs 16-byte aligned data");
+  for (int d = 0; d < t.ndim - 1; ++d) {
+    ATTNKIT_CHECK(t.strides[d] % 8 == 0, name, ": the fused prefill needs strides that are ",
+                  "multiples of 8 elements (16 bytes), got stride ", t.strides[d], " in dim ", d);
+  }
+}
+
+void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
+  prm.softmax_scale = static_cast<float>(spec.effective_scale());
+  prm.softcap = static_cast<float>(spec.logit_softcap);
+  prm.alibi = spec.alibi;
+  if (spec.alibi) {
+    const std::vector<float> slopes =
+        spec.alibi_slopes.empty() ? default_alibi_slopes(spec.num_q_heads) : spec.alibi_slopes;
+    for (int h = 0; h < spec.num_q_heads; ++h) prm.alibi_slopes[h] = slopes[h];
+  }
+}
+
+}  // namespace
+
+int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM128 ? 128 : 64; }
+int prefill_block_n(int head_dim) { return head_dim >= 256 ? 32 : 64; }
+
+int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
+  switch (head_dim) {
+    case 64:
+      return smem_bytes_for<64>(tile, quant_kv);
+    case 80:
+      return smem_bytes_for<80>(tile, quant_kv);
+    case 96:
+      return smem_bytes_for<96>(tile, quant_kv);
+    case 128:
+      return smem_bytes_for<128>(tile, quant_kv);
+    case 256:
+      return smem_bytes_for<256>(tile, quant_kv);
+    default:
+      return 0;
+  }
+}
+
+std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype) {
+  std::vector<PrefillTile> tiles;
+  for (PrefillTile tile : {PrefillTile::kM128, PrefillTile::kM64}) {
+    if (find_launcher(head_dim, tile, dtype, false, false) != nullptr) tiles.push_back(tile);
+  }
+  return tiles;
+}
+
+std::string prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p) {
+  if (spec.skip_softmax || spec.quant) {
+    return "skip_softmax and quant are dense() options; the fused prefill serves neither";
+  }
+  return unsupported(spec, {p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged});
+}
+
+std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
+  if (spec.skip_softmax) {
+    return "skip_softmax: the plain fused dense kernel (prefill family) does not skip tiles";
+  }
+  if (spec.quant) {
+    return "quant (SAGE): the plain fused dense kernel (prefill family) does not quantize";
+  }
+  if (spec.alibi) return "alibi: the fused dense kernel has no position encoding";
+  return unsupported(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false});
+}
+
+void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
+                 const detail::PrefillProblem& p, void* stream,
+                 std::optional<PrefillTile> forced_tile) {
+  const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
+  const std::string why = unsupported(spec, shape);
+  ATTNKIT_CHECK(why.empty() && !spec.skip_softmax && !spec.quant,
+                "prefill: backend 'fused' cannot serve this call: ", why);
+  if (p.batch == 0 || p.total_q == 0 || p.max_seqlen_q == 0) return;
+  ATTNKIT_CHECK(p.batch <= 65535, "cu_seqlens_q: the fused prefill takes at most 65535 sequences, ",
+                "got ", p.batch);
+
+  PrefillParams prm;
+  check_rows_16b(args.q, "q");
+  check_rows_16b(args.out, "out");
+  prm.q = args.q.data;
+  prm.q_tok_stride = args.q.strides[0];
+  prm.q_head_stride = args.q.strides[1];
+  prm.out = args.out.data;
+  prm.o_tok_stride = args.out.strides[0];
+  prm.o_head_stride = args.out.strides[1];
+  if (args.lse.defined()) {
+    prm.lse = static_cast<float*>(args.lse.data);
+    prm.lse_tok_stride = args.lse.strides[0];
+    prm.lse_head_stride = args.lse.strides[1];
+  }
+  prm.cu_seqlens_q = static_cast<const int32_t*>(args.cu_seqlens_q.data);
+  const bool quant_kv = p.paged && is_8bit(p.kv_dtype);
+  if (p.paged) {
+    const KvCacheView& cache = *args.kv_cache;
+    const int eb = static_cast<int>(dtype_size(cache.dtype));
+    ATTNKIT_CHECK(reinterpret_cast<uintptr_t>(cache.k_base) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(cache.v_base) % 16 == 0 &&
+                      cache.block_stride_bytes % 16 == 0 && (cache.head_dim * eb) % 16 == 0,
+                  "kv_cache: the fused prefill needs 16-byte aligned k_base, v_base, "
+                  "block_stride_bytes and rows (head_dim * element size)");
+    prm.paged = true;
+    prm.kv = detail::make_kv_layout(cache);
+    prm.kv_seq_lens = static_cast<const int32_t*>(cache.seq_lens.data);
+    prm.kv_is_int8 = cache.dtype == DType::kInt8;
+    if (cache.k_scale.defined()) {
+      prm.k_scale = static_cast<const float*>(cache.k_scale.data);
+      prm.k_scale_per_head = cache.k_scale.numel() > 1;
+    }
+    if (cache.v_scale.defined()) {
+      prm.v_scale = static_cast<const float*>(cache.v_scale.data);
+      prm.v_scale_per_head = cache.v_scale.numel() > 1;
+    }
+  } else {
+    check_rows_16b(args.k, "k");
+    check_rows_16b(args.v, "v");
+    prm.k = args.k.data;
+    prm.v = args.v.data;
+    prm.k_tok_stride = args.k.strides[0];
+    prm.k_head_stride = args.k.strides[1];
+    prm.v_tok_stride = args.v.strides[0];
+    prm.v_head_stride = args.v.strides[1];
+    prm.cu_seqlens_kv = static_cast<const int32_t*>(args.cu_seqlens_kv.data);
+  }
+  prm.batch = p.batch;
+  prm.num_q_heads = spec.num_q_heads;
+  prm.num_kv_heads = spec.num_kv_heads;
+  prm.group_size = spec.group_size();
+  fill_mods(spec, prm);
+  const bool masked = spec.mask.kind != MaskKind::kNone;
+  if (spec.mask.kind == MaskKind::kSlidingWindow) {
+    prm.window = spec.mask.window;
+    prm.sink_tokens = spec.mask.sink_tokens;
+  }
+  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads);
+  const int bm = prefill_block_m(tile);
+  prm.num_m_blocks = (p.max_seqlen_q + bm - 1) / bm;
+  ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
+                65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
+  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv);
+  ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
+  launch(prm, as_cuda_stream(stream));
+}
+
+void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+               void* stream, std::optional<PrefillTile> forced_tile) {
+  const std::string why = dense_unsupported(spec, p);
+  ATTNKIT_CHECK(why.empty(), "dense: backend 'fused' cannot serve this call: ", why);
+  const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.dtype, false};
+  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads);
+  const int bm = prefill_block_m(tile);
+  if (args.stats != nullptr) {
+    // No tile is skipped on this path; the count uses the kernel's own tile sizes.
+    const int bn = prefill_block_n(spec.head_dim);
+    args.stats->tiles_total = static_cast<int64_t>(p.batch) * spec.num_q_heads *
+                              ((p.seqlen_q + bm - 1) / bm) * ((p.seqlen_kv + bn - 1) / bn);
+    args.stats->tiles_skipped = 0;
+  }
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  ATTNKIT_CHECK(p.batch <= 65535, "q: the fused dense kernel takes at most 65535 batch entries, ",
+                "got ", p.batch);
+
+  PrefillParams prm;
+  check_rows_16b(args.q, "q");
+  check_rows_16b(args.k, "k");
+  check_rows_16b(args.v, "v");
+  check_rows_16b(args.out, "out");
+  prm.q = args.q.data;
+  prm.q_batch_stride = args.q.strides[0];
+  prm.q_tok_stride = args.q.strides[1];
+  prm.q_head_stride = args.q.strides[2];
+  prm.out = args.out.data;
+  prm.o_batch_stride = args.out.strides[0];
+  prm.o_tok_stride = args.out.strides[1];
+  prm.o_head_stride = args.out.strides[2];
+  if (args.lse.defined()) {
+    prm.lse = static_cast<float*>(args.lse.data);
+    prm.lse_batch_stride = args.lse.strides[0];
+    prm.lse_tok_stride = args.lse.strides[1];
+    prm.lse_head_stride = args.lse.strides[2];
+  }
+  prm.k = args.k.data;
+  prm.v = args.v.data;
+  prm.k_batch_stride = args.k.strides[0];
+  prm.k_tok_stride = args.k.strides[1];
+  prm.k_head_stride = args.k.strides[2];
+  prm.v_batch_stride = args.v.strides[0];
+  prm.v_tok_stride = args.v.strides[1];
+  prm.v_head_stride = args.v.strides[2];
+  prm.seqlen_q = p.seqlen_q;
+  prm.seqlen_kv = p.seqlen_kv;
+  prm.batch = p.batch;
+  prm.num_q_heads = spec.num_q_heads;
+  prm.num_kv_heads = spec.num_kv_heads;
+  prm.group_size = spec.group_size();
+  fill_mods(spec, prm);
+  prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
+  ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
+                " queries per sequence, got ", p.seqlen_q);
+  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, false, false);
+  ATTNKIT_CHECK(launch != nullptr, "dense: no fused kernel for head_dim ", spec.head_dim);
+  launch(prm, as_cuda_stream(stream));
+}
+
+}  // namespace attnkit::cuda::prefill

@@ -1,0 +1,496 @@
+// The portable context FMHA kernel (FlashAttention-2 style, mma.sync m16n8k16, sm80+).
+//
+// One CTA computes kBlockM query rows of one (sequence, query head); every warp owns 16 rows and
+// keeps its S tile, its O accumulator and (D <= 128) its Q fragments in registers. K/V tiles of
+// kBlockN keys stream through a kStages-deep cp.async ring; the online softmax runs in the log2
+// domain. Included only by the prefill_inst_*.cu files, which instantiate launch_prefill.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/numerics.h"
+#include "cuda/common/cp_async_sm80.cuh"
+#include "cuda/common/cuda_status.h"
+#include "cuda/common/ldmatrix_sm80.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/prefill/prefill_launch.h"
+#include "cuda/prefill/prefill_traits.h"
+
+namespace attnkit::cuda::prefill {
+
+template <DType kDType>
+struct TagOf;
+template <>
+struct TagOf<DType::kBF16> {
+  using Type = Bf16Tag;
+};
+template <>
+struct TagOf<DType::kF16> {
+  using Type = F16Tag;
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The work item of one CTA. Longest first: the grid's slowest dimension walks the query blocks
+// from the last (the most keys under a causal mask) to the first, so the heavy tiles start
+// early and the light ones fill the tail. A persistent scheduler would return the same struct.
+struct PrefillWorkTile {
+  int32_t head;
+  int32_t batch;
+  int32_t m_block;
+};
+struct LongestFirstScheduler {
+  __device__ static PrefillWorkTile get(const PrefillParams& p) {
+    return {static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y),
+            p.num_m_blocks - 1 - static_cast<int32_t>(blockIdx.z)};
+  }
+  static dim3 grid(const PrefillParams& p) {
+    return dim3(p.num_q_heads, p.batch, p.num_m_blocks);
+  }
+};
+
+// Per-sequence geometry, resolved once per CTA.
+struct SequenceInfo {
+  int64_t q_offset;    // elements from q to token 0 of this sequence
+  int64_t o_offset;    // elements from out
+  int64_t lse_offset;  // elements from lse
+  int64_t k_offset;    // elements from k (packed / dense)
+  int64_t v_offset;
+  int32_t q_len;
+  int32_t kv_len;
+};
+
+__device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, int b) {
+  SequenceInfo s;
+  if (p.cu_seqlens_q) {
+    const int32_t start = p.cu_seqlens_q[b];
+    s.q_len = p.cu_seqlens_q[b + 1] - start;
+    s.q_offset = start * p.q_tok_stride;
+    s.o_offset = start * p.o_tok_stride;
+    s.lse_offset = start * p.lse_tok_stride;
+  } else {
+    s.q_len = p.seqlen_q;
+    s.q_offset = b * p.q_batch_stride;
+    s.o_offset = b * p.o_batch_stride;
+    s.lse_offset = b * p.lse_batch_stride;
+  }
+  s.k_offset = 0;
+  s.v_offset = 0;
+  if (p.paged) {
+    s.kv_len = p.kv_seq_lens[b];
+  } else if (p.cu_seqlens_kv) {
+    const int32_t start = p.cu_seqlens_kv[b];
+    s.kv_len = p.cu_seqlens_kv[b + 1] - start;
+    s.k_offset = start * p.k_tok_stride;
+    s.v_offset = start * p.v_tok_stride;
+  } else {
+    s.kv_len = p.seqlen_kv;
+    s.k_offset = b * p.k_batch_stride;
+    s.v_offset = b * p.v_batch_stride;
+  }
+  return s;
+}
+
+// The key blocks a query block visits: [n_begin, n_end) walked backwards (the masked diagonal
+// first), then the sink blocks [0, n_sink) that lie before the window.
+struct KeyBlockRange {
+  int32_t n_begin, n_end, n_sink;
+  __device__ int32_t count() const { return (n_end - n_begin) + n_sink; }
+  __device__ int32_t block(int32_t i) const {
+    const int32_t main = n_end - n_begin;
+    return i < main ? n_end - 1 - i : n_sink - 1 - (i - main);
+  }
+};
+
+template <class T, bool kMasked>
+__device__ __forceinline__ KeyBlockRange key_block_range(const PrefillParams& p, int32_t kv_len,
+                                                         int32_t p_lo, int32_t p_hi) {
+  int32_t key_begin = 0, key_end = kv_len, sink_end = 0;
+  if constexpr (kMasked) {
+    key_end = min(kv_len, p_hi + 1);
+    if (p.window > 0) {
+      key_begin = max(0, p_lo - p.window + 1);
+      sink_end = min(p.sink_tokens, key_begin);
+    }
+  }
+  // Sinks lie before key_begin <= p_lo, so they are causal for every row; an empty range (no
+  // key at all: p_hi < 0 or kv_len == 0) has no sinks either.
+  KeyBlockRange r{0, 0, 0};
+  if (key_end > key_begin) {
+    r.n_begin = key_begin / T::kBlockN;
+    r.n_end = (key_end + T::kBlockN - 1) / T::kBlockN;
+    r.n_sink = min((sink_end + T::kBlockN - 1) / T::kBlockN, r.n_begin);
+  }
+  return r;
+}
+
+// Whether query position `pos` attends key `key` (mask of DESIGN.md section 3).
+template <bool kMasked>
+__device__ __forceinline__ bool attends(const PrefillParams& p, int32_t pos, int32_t key,
+                                        int32_t kv_len) {
+  if (key >= kv_len) return false;
+  if constexpr (kMasked) {
+    if (key > pos) return false;
+    if (p.window > 0 && key <= pos - p.window && key >= p.sink_tokens) return false;
+  }
+  return true;
+}
+
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
+__global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
+                                  kTile == PrefillTile::kM64 ? 2 : 1)
+    prefill_kernel(const __grid_constant__ PrefillParams p) {
+  using T = PrefillTraits<kHeadDim, kTile>;
+  using Tag = typename TagOf<kDType>::Type;
+  using Elem = uint16_t;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* s_q = smem;
+  // 16-bit K/V tiles: kStages ring (or the one widened tile of an 8-bit cache).
+  uint8_t* s_k = smem + T::kQBytes;
+  uint8_t* s_v = s_k + (kQuantKv ? 1 : T::kStages) * T::kKvTileBytes;
+  uint8_t* s_raw_k = s_v + (kQuantKv ? 1 : T::kStages) * T::kKvTileBytes;  // 8-bit ring
+  uint8_t* s_raw_v = s_raw_k + T::kStages * T::kRawTileBytes;
+  uint16_t* s_lut = reinterpret_cast<uint16_t*>(s_raw_v + T::kStages * T::kRawTileBytes);
+
+  const PrefillWorkTile work = LongestFirstScheduler::get(p);
+  const SequenceInfo seq = sequence_info(p, work.batch);
+  const int32_t m0 = work.m_block * T::kBlockM;
+  if (m0 >= seq.q_len) return;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t4 = lane % 4;
+  const int32_t head = work.head;
+  const int32_t kv_head = head / p.group_size;
+  const int32_t rows_valid = min(T::kBlockM, seq.q_len - m0);
+  const int32_t q_pos0 = seq.kv_len - seq.q_len;  // position of query 0 (bottom-right aligned)
+  const int32_t p_lo = q_pos0 + m0;
+  const int32_t p_hi = q_pos0 + m0 + rows_valid - 1;
+  const KeyBlockRange range = key_block_range<T, kMasked>(p, seq.kv_len, p_lo, p_hi);
+  const int32_t num_tiles = range.count();
+
+  // ---- Q tile -> smem (rows past the sequence are zero) ----
+  {
+    const Elem* q = static_cast<const Elem*>(p.q) + seq.q_offset + head * p.q_head_stride;
+    for (int c = tid; c < T::kBlockM * T::kChunksPerRow; c += T::kThreads) {
+      const int r = c / T::kChunksPerRow;
+      const int ch = c % T::kChunksPerRow;
+      const bool valid = r < rows_valid;
+      const Elem* src = q + (valid ? (m0 + r) * p.q_tok_stride : 0) + ch * 8;
+      cp_async_16(smem_u32(s_q + r * T::kRowBytes + ch * 16), src, valid);
+    }
+    cp_async_commit();
+  }
+
+  if constexpr (kQuantKv) {
+    for (int v = tid; v < 256; v += T::kThreads) {
+      const float x = p.kv_is_int8 ? static_cast<float>(static_cast<int8_t>(v))
+                                   : numerics::fp8_e4m3_bits_to_float(static_cast<uint8_t>(v));
+      // Exact: every fp8 e4m3 and int8 value is representable in bf16 and f16.
+      s_lut[v] = kDType == DType::kBF16 ? numerics::float_to_bf16_bits(x)
+                                        : numerics::float_to_f16_bits(x);
+    }
+  }
+
+  // Issues the cp.async copies of K and V for key block `n_block` into ring stage `stage`.
+  auto load_kv = [&](int32_t n_block, int stage) {
+    const int32_t key0 = n_block * T::kBlockN;
+    if constexpr (!kQuantKv) {
+      uint8_t* dk = s_k + stage * T::kKvTileBytes;
+      uint8_t* dv = s_v + stage * T::kKvTileBytes;
+      for (int c = tid; c < T::kBlockN * T::kChunksPerRow; c += T::kThreads) {
+        const int r = c / T::kChunksPerRow;
+        const int ch = c % T::kChunksPerRow;
+        const int32_t key = key0 + r;
+        const bool valid = key < seq.kv_len;
+        const uint8_t* src_k;
+        const uint8_t* src_v;
+        if (p.paged) {
+          const int32_t pos = valid ? key : 0;
+          src_k = valid ? p.kv.k_ptr(work.batch, pos, kv_head, ch * 8) : p.kv.k_base;
+          src_v = valid ? p.kv.v_ptr(work.batch, pos, kv_head, ch * 8) : p.kv.v_base;
+        } else {
+          const int64_t tok = valid ? key : 0;
+          src_k = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + seq.k_offset +
+                                                   tok * p.k_tok_stride +
+                                                   kv_head * p.k_head_stride + ch * 8);
+          src_v = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.v) + seq.v_offset +
+                                                   tok * p.v_tok_stride +
+                                                   kv_head * p.v_head_stride + ch * 8);
+        }
+        cp_async_16(smem_u32(dk + r * T::kRowBytes + ch * 16), src_k, valid);
+        cp_async_16(smem_u32(dv + r * T::kRowBytes + ch * 16), src_v, valid);
+      }
+    } else {
+      constexpr int kRawChunks = T::kHeadDim / 16;  // 16 one-byte elements per chunk
+      uint8_t* dk = s_raw_k + stage * T::kRawTileBytes;
+      uint8_t* dv = s_raw_v + stage * T::kRawTileBytes;
+      for (int c = tid; c < T::kBlockN * kRawChunks; c += T::kThreads) {
+        const int r = c / kRawChunks;
+        const int ch = c % kRawChunks;
+        const int32_t key = key0 + r;
+        const bool valid = key < seq.kv_len;
+        const uint8_t* src_k = valid ? p.kv.k_ptr(work.batch, key, kv_head, ch * 16) : p.kv.k_base;
+        const uint8_t* src_v = valid ? p.kv.v_ptr(work.batch, key, kv_head, ch * 16) : p.kv.v_base;
+        cp_async_16(smem_u32(dk + r * T::kHeadDim + ch * 16), src_k, valid);
+        cp_async_16(smem_u32(dv + r * T::kHeadDim + ch * 16), src_v, valid);
+      }
+    }
+  };
+
+  // Widens the raw 8-bit K/V of `stage` into the 16-bit tiles through the LUT (exact).
+  auto widen_kv = [&](int stage) {
+    constexpr int kUnits = T::kBlockN * T::kHeadDim / 8;  // 8 elements each
+    for (int u = tid; u < 2 * kUnits; u += T::kThreads) {
+      const bool is_v = u >= kUnits;
+      const int rem = is_v ? u - kUnits : u;
+      const int r = rem / (T::kHeadDim / 8);
+      const int c8 = rem % (T::kHeadDim / 8);
+      const uint8_t* raw = (is_v ? s_raw_v : s_raw_k) + stage * T::kRawTileBytes;
+      const uint2 bytes = *reinterpret_cast<const uint2*>(raw + r * T::kHeadDim + c8 * 8);
+      uint4 out;
+      out.x = s_lut[bytes.x & 0xff] | (uint32_t(s_lut[(bytes.x >> 8) & 0xff]) << 16);
+      out.y = s_lut[(bytes.x >> 16) & 0xff] | (uint32_t(s_lut[bytes.x >> 24]) << 16);
+      out.z = s_lut[bytes.y & 0xff] | (uint32_t(s_lut[(bytes.y >> 8) & 0xff]) << 16);
+      out.w = s_lut[(bytes.y >> 16) & 0xff] | (uint32_t(s_lut[bytes.y >> 24]) << 16);
+      *reinterpret_cast<uint4*>((is_v ? s_v : s_k) + r * T::kRowBytes + c8 * 16) = out;
+    }
+  };
+
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < num_tiles) load_kv(range.block(s), s);
+    cp_async_commit();
+  }
+
+  // Scales: the cache's K scale folds into the logit scale, its V scale into the epilogue.
+  const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.f;
+  const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.f;
+  const float logit_scale = p.softmax_scale * k_scale;
+  const float scale_log2 = logit_scale * kLog2e;
+  const bool has_mods = p.softcap > 0.f || p.alibi;
+  const float alibi_slope = p.alibi ? p.alibi_slopes[head] : 0.f;
+
+  uint32_t q_frag[T::kQInRegs ? T::kKSteps : 1][4];
+  float o_acc[T::kDTiles][4];
+#pragma unroll
+  for (int i = 0; i < T::kDTiles; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
+  float row_sum[2] = {0.f, 0.f};              // this thread's partial sums
+  const int warp_row = warp * 16;
+  // Query positions of this thread's two rows (g and g + 8 of the warp's block).
+  const int32_t pos_row[2] = {p_lo + warp_row + g, p_lo + warp_row + g + 8};
+
+  const uint32_t q_lane_addr =
+      smem_u32(s_q + (warp_row + (lane % 16)) * T::kRowBytes + (lane / 16) * 16);
+
+  for (int32_t it = 0; it < num_tiles; ++it) {
+    {
+      const int32_t ahead = it + T::kStages - 1;
+      if (ahead < num_tiles) load_kv(range.block(ahead), ahead % T::kStages);
+      cp_async_commit();
+    }
+    cp_async_wait<T::kStages - 1>();
+    __syncthreads();
+    if constexpr (T::kQInRegs) {
+      if (it == 0) {
+#pragma unroll
+        for (int ks = 0; ks < T::kKSteps; ++ks) ldmatrix_x4(q_frag[ks], q_lane_addr + ks * 32);
+      }
+    }
+    const int stage = kQuantKv ? 0 : it % T::kStages;
+    if constexpr (kQuantKv) {
+      widen_kv(it % T::kStages);
+      __syncthreads();
+    }
+    const uint8_t* tile_k = s_k + stage * T::kKvTileBytes;
+    const uint8_t* tile_v = s_v + stage * T::kKvTileBytes;
+    const int32_t n_block = range.block(it);
+    const int32_t key0 = n_block * T::kBlockN;
+
+    // ---- S = Q K^T (16 x kBlockN per warp) ----
+    float s_acc[T::kNTiles][4];
+#pragma unroll
+    for (int i = 0; i < T::kNTiles; ++i) s_acc[i][0] = s_acc[i][1] = s_acc[i][2] = s_acc[i][3] = 0.f;
+    const uint32_t k_lane_addr = smem_u32(tile_k + ((lane % 8) + (lane / 16) * 8) * T::kRowBytes +
+                                          ((lane / 8) % 2) * 16);
+#pragma unroll
+    for (int ks = 0; ks < T::kKSteps; ++ks) {
+      uint32_t a[4];
+      if constexpr (T::kQInRegs) {
+        a[0] = q_frag[ks][0];
+        a[1] = q_frag[ks][1];
+        a[2] = q_frag[ks][2];
+        a[3] = q_frag[ks][3];
+      } else {
+        ldmatrix_x4(a, q_lane_addr + ks * 32);
+      }
+#pragma unroll
+      for (int np = 0; np < T::kNTiles / 2; ++np) {
+        uint32_t kf[4];
+        ldmatrix_x4(kf, k_lane_addr + np * 16 * T::kRowBytes + ks * 32);
+        const uint32_t b0[2] = {kf[0], kf[1]};
+        const uint32_t b1[2] = {kf[2], kf[3]};
+        mma_m16n8k16<Tag>(s_acc[2 * np], a, b0);
+        mma_m16n8k16<Tag>(s_acc[2 * np + 1], a, b1);
+      }
+    }
+
+    // ---- logits in log2 units: scale, soft-cap, ALiBi, mask ----
+    if (has_mods) {
+#pragma unroll
+      for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s_acc[nt][e] * logit_scale;
+          if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+          const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+          x += alibi_slope * static_cast<float>(key - pos_row[e / 2]);
+          s_acc[nt][e] = x * kLog2e;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[nt][e] *= scale_log2;
+    }
+    bool needs_mask = key0 + T::kBlockN > seq.kv_len;
+    if constexpr (kMasked) {
+      needs_mask = needs_mask || key0 + T::kBlockN - 1 > p_lo ||
+                   (p.window > 0 && key0 <= p_hi - p.window);
+    }
+    if (needs_mask) {
+#pragma unroll
+      for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+          if (!attends<kMasked>(p, pos_row[e / 2], key, seq.kv_len)) s_acc[nt][e] = -INFINITY;
+        }
+    }
+
+    // ---- online softmax ----
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = row_max[i];
+#pragma unroll
+      for (int nt = 0; nt < T::kNTiles; ++nt)
+        mx = fmaxf(mx, fmaxf(s_acc[nt][2 * i], s_acc[nt][2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row with no key so far keeps max -inf; 0 stands in so that exp2 gives 0, not NaN.
+      const float m_use = mx == -INFINITY ? 0.f : mx;
+      const float correction = fast_exp2(row_max[i] - m_use);
+      row_max[i] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < T::kNTiles; ++nt) {
+        s_acc[nt][2 * i] = fast_exp2(s_acc[nt][2 * i] - m_use);
+        s_acc[nt][2 * i + 1] = fast_exp2(s_acc[nt][2 * i + 1] - m_use);
+        sum += s_acc[nt][2 * i] + s_acc[nt][2 * i + 1];
+      }
+      row_sum[i] = row_sum[i] * correction + sum;
+#pragma unroll
+      for (int dt = 0; dt < T::kDTiles; ++dt) {
+        o_acc[dt][2 * i] *= correction;
+        o_acc[dt][2 * i + 1] *= correction;
+      }
+    }
+
+    // ---- O += P V ----
+    const uint32_t v_lane_addr =
+        smem_u32(tile_v + ((lane % 8) + ((lane / 8) % 2) * 8) * T::kRowBytes + (lane / 16) * 16);
+#pragma unroll
+    for (int kp = 0; kp < T::kBlockN / 16; ++kp) {
+      const uint32_t a[4] = {pack_pair<Tag>(s_acc[2 * kp][0], s_acc[2 * kp][1]),
+                             pack_pair<Tag>(s_acc[2 * kp][2], s_acc[2 * kp][3]),
+                             pack_pair<Tag>(s_acc[2 * kp + 1][0], s_acc[2 * kp + 1][1]),
+                             pack_pair<Tag>(s_acc[2 * kp + 1][2], s_acc[2 * kp + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < T::kHeadDim / 16; ++dp) {
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, v_lane_addr + kp * 16 * T::kRowBytes + dp * 32);
+        const uint32_t b0[2] = {vf[0], vf[1]};
+        const uint32_t b1[2] = {vf[2], vf[3]};
+        mma_m16n8k16<Tag>(o_acc[2 * dp], a, b0);
+        mma_m16n8k16<Tag>(o_acc[2 * dp + 1], a, b1);
+      }
+    }
+    __syncthreads();  // the stage read here is refilled by the next iteration's load
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- epilogue: normalize, stage the warp's rows in its own Q rows, 16-byte stores ----
+  float inv_sum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = row_sum[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    row_sum[i] = sum;
+    // A fully masked row (no attended key) outputs zeros.
+    inv_sum[i] = sum > 0.f ? v_scale / sum : 0.f;
+  }
+  uint8_t* stage_rows = s_q + warp_row * T::kRowBytes;
+#pragma unroll
+  for (int dt = 0; dt < T::kDTiles; ++dt) {
+    *reinterpret_cast<uint32_t*>(stage_rows + g * T::kRowBytes + dt * 16 + t4 * 4) =
+        pack_pair<Tag>(o_acc[dt][0] * inv_sum[0], o_acc[dt][1] * inv_sum[0]);
+    *reinterpret_cast<uint32_t*>(stage_rows + (g + 8) * T::kRowBytes + dt * 16 + t4 * 4) =
+        pack_pair<Tag>(o_acc[dt][2] * inv_sum[1], o_acc[dt][3] * inv_sum[1]);
+  }
+  __syncwarp();
+  Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + head * p.o_head_stride;
+  for (int c = lane; c < 16 * T::kChunksPerRow; c += 32) {
+    const int r = c / T::kChunksPerRow;
+    const int ch = c % T::kChunksPerRow;
+    const int32_t row = m0 + warp_row + r;
+    if (row < seq.q_len) {
+      *reinterpret_cast<uint4*>(out + row * p.o_tok_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage_rows + r * T::kRowBytes + ch * 16);
+    }
+  }
+  if (p.lse != nullptr && t4 == 0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int32_t row = m0 + warp_row + g + 8 * i;
+      if (row < seq.q_len) {
+        p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
+            row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * kLn2 : -INFINITY;
+      }
+    }
+  }
+}
+
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
+void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
+  using T = PrefillTraits<kHeadDim, kTile>;
+  static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
+  constexpr int kSmem = T::smem_bytes(kQuantKv);
+  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+             "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
+  kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
+  check_launch("prefill: kernel launch");
+}
+
+}  // namespace attnkit::cuda::prefill
+
+// One instantiation of every (tile, kMasked, kQuantKv) for a head_dim and dtype.
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                         \
+  template void launch_prefill<D, TILE, DT, false, false>(const PrefillParams&, cudaStream_t); \
+  template void launch_prefill<D, TILE, DT, true, false>(const PrefillParams&, cudaStream_t);  \
+  template void launch_prefill<D, TILE, DT, false, true>(const PrefillParams&, cudaStream_t);  \
+  template void launch_prefill<D, TILE, DT, true, true>(const PrefillParams&, cudaStream_t);

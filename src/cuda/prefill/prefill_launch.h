@@ -1,0 +1,24 @@
+// Declarations of the explicitly instantiated prefill launchers (host-includable). One
+// instantiation per (head_dim, tile, dtype, kMasked, kQuantKv); the list is in
+// prefill_instantiate.h and the .cu files prefill_inst_d*.cu compile it per head_dim and dtype.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attnkit/types.h"
+#include "cuda/prefill/prefill_params.h"
+
+namespace attnkit::cuda::prefill {
+
+// kMasked: causal (bottom-right) with optional sliding window and sinks; else no mask.
+// kQuantKv: paged cache of fp8_e4m3 / int8, widened on load; else 16-bit K/V of the q dtype.
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
+void launch_prefill(const PrefillParams& params, cudaStream_t stream);
+
+// Dynamic shared memory of one CTA, for the support check against the device limit.
+int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv);
+// Query rows per CTA.
+int prefill_block_m(PrefillTile tile);
+int prefill_block_n(int head_dim);
+
+}  // namespace attnkit::cuda::prefill

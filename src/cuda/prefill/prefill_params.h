@@ -1,0 +1,72 @@
+// Runtime parameters and tile configurations of the context FMHA (prefill) kernel family.
+// Host-only header (no CUDA types): the host dispatch fills PrefillParams, the kernels receive it
+// as `const __grid_constant__`. An sm90 wgmma mainloop takes the same Params and the same tile
+// scheduler; only the Traits and the mainloop differ.
+#pragma once
+
+#include <cstdint>
+
+#include "core/kv_access.h"
+
+namespace attnkit::cuda::prefill {
+
+// Largest head count for which ALiBi slopes travel in the Params (1 KB).
+constexpr int kMaxAlibiHeads = 256;
+
+// Tile configurations. Each head_dim compiles the ones listed by tiles_for_head_dim().
+enum class PrefillTile : int32_t {
+  kM128 = 0,  // 128 query rows, 8 warps: the most reuse of each K/V tile (long sequences)
+  kM64 = 1,   // 64 query rows, 4 warps: twice the CTAs (short sequences, head_dim 256)
+};
+constexpr int kNumPrefillTiles = 2;
+const char* prefill_tile_name(PrefillTile tile);  // "m128", "m64"
+
+// One packed-varlen, paged or dense ([B, S, H, D]) attention launch. Element strides; "tok" is
+// the token dimension. Sequence b's queries start at cu_seqlens_q[b] tokens (or b * q_batch_stride
+// elements when cu_seqlens_q is null: dense mode with seqlen_q queries per sequence).
+struct PrefillParams {
+  const void* q = nullptr;  // [total_q, Hq, D] or [B, Sq, Hq, D]
+  void* out = nullptr;      // like q
+  float* lse = nullptr;     // optional [total_q, Hq] or [B, Sq, Hq]; natural log
+  int64_t q_tok_stride = 0, q_head_stride = 0, q_batch_stride = 0;
+  int64_t o_tok_stride = 0, o_head_stride = 0, o_batch_stride = 0;
+  int64_t lse_tok_stride = 0, lse_head_stride = 0, lse_batch_stride = 0;
+
+  const int32_t* cu_seqlens_q = nullptr;   // [B + 1] or null (dense: seqlen_q each)
+  const int32_t* cu_seqlens_kv = nullptr;  // [B + 1] packed mode, or null
+  int32_t seqlen_q = 0;                    // dense mode only
+  int32_t seqlen_kv = 0;                   // dense mode only
+
+  // Packed / dense K and V (paged == false).
+  const void* k = nullptr;  // [total_kv, Hkv, D] or [B, Skv, Hkv, D]
+  const void* v = nullptr;
+  int64_t k_tok_stride = 0, k_head_stride = 0, k_batch_stride = 0;
+  int64_t v_tok_stride = 0, v_head_stride = 0, v_batch_stride = 0;
+
+  // Paged cache (paged == true): K/V of sequence b from block-table row b, kv_len = seq_lens[b].
+  bool paged = false;
+  detail::KvLayout kv;
+  const int32_t* kv_seq_lens = nullptr;  // [B]
+  bool kv_is_int8 = false;               // quantized cache: int8 (else fp8 e4m3)
+  const float* k_scale = nullptr;        // [1] or [Hkv]; null = 1
+  const float* v_scale = nullptr;
+  bool k_scale_per_head = false;
+  bool v_scale_per_head = false;
+
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t group_size = 1;    // num_q_heads / num_kv_heads
+  int32_t num_m_blocks = 0;  // ceil(max_seqlen_q / kBlockM)
+
+  float softmax_scale = 0.f;
+  // Mask (kMasked kernels): causal bottom-right; window > 0 adds p - window < j, sinks j < sink.
+  int32_t window = 0;
+  int32_t sink_tokens = 0;
+  // Logit modifiers, applied in this order after the scale: soft-cap, then ALiBi.
+  float softcap = 0.f;  // 0: off
+  bool alibi = false;
+  float alibi_slopes[kMaxAlibiHeads] = {};
+};
+
+}  // namespace attnkit::cuda::prefill

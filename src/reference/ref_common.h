@@ -1,0 +1,162 @@
+// Internal helpers of the reference backend: strided index reads, KV-cache reads through the one
+// shared accessor (KvLayout), and the fp64 attention of one query row (DESIGN.md section 3).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "core/element.h"
+#include "core/kv_access.h"
+
+namespace attnkit::reference::internal {
+
+// Element i of a 1-D int32 tensor (host memory; any stride).
+inline int64_t index_at(const TensorView& t, int64_t i) {
+  return static_cast<const int32_t*>(t.data)[i * t.strides[0]];
+}
+
+// Sub-view of rows [begin, begin + count) along dim 0.
+inline TensorView slice_rows(const TensorView& t, int64_t begin, int64_t count) {
+  TensorView s = t;
+  if (!t.defined()) return s;
+  s.data = static_cast<uint8_t*>(t.data) +
+           begin * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
+  s.shape[0] = count;
+  return s;
+}
+
+// Cache scale of KV head `head`: 1 when not given, [1] per tensor, [Hkv] per head.
+inline float kv_scale(const TensorView& scale, int32_t head) {
+  if (!scale.defined()) return 1.0f;
+  const int64_t i = scale.numel() == 1 ? 0 : head;
+  return static_cast<const float*>(scale.data)[i * scale.strides[0]];
+}
+
+// Reads K and V of the cache: x = float(stored) * scale in float32, exactly as the kernels do.
+class CacheReader {
+ public:
+  explicit CacheReader(const KvCacheView& view)
+      : layout_(detail::make_kv_layout(view)), view_(view) {}
+
+  void load_k(int64_t row, int64_t position, int32_t head, double* out) const {
+    load(layout_.k_ptr(row, position, head), kv_scale(view_.k_scale, head), out);
+  }
+  void load_v(int64_t row, int64_t position, int32_t head, double* out) const {
+    load(layout_.v_ptr(row, position, head), kv_scale(view_.v_scale, head), out);
+  }
+  const detail::KvLayout& layout() const { return layout_; }
+
+ private:
+  void load(const uint8_t* ptr, float scale, double* out) const {
+    for (int32_t d = 0; d < layout_.head_dim; ++d) {
+      out[d] = detail::load_as_float(ptr, view_.dtype, d) * scale;
+    }
+  }
+  detail::KvLayout layout_;
+  KvCacheView view_;
+};
+
+// Everything that turns q.k into a masked logit, per query head.
+struct LogitRule {
+  double scale = 1.0;
+  double softcap = 0.0;  // 0: off
+  std::vector<double> alibi_slopes;  // empty: no ALiBi
+  MaskSpec mask{};
+
+  explicit LogitRule(const AttentionSpec& spec) : scale(spec.effective_scale()) {
+    softcap = spec.logit_softcap;
+    mask = spec.mask;
+    if (spec.alibi) {
+      const std::vector<float> slopes =
+          spec.alibi_slopes.empty() ? default_alibi_slopes(spec.num_q_heads) : spec.alibi_slopes;
+      alibi_slopes.assign(slopes.begin(), slopes.end());
+    }
+  }
+
+  bool attends(int64_t p, int64_t j) const {
+    switch (mask.kind) {
+      case MaskKind::kNone:
+        return true;
+      case MaskKind::kCausal:
+        return j <= p;
+      case MaskKind::kSlidingWindow:
+        return j <= p && (j > p - mask.window || j < mask.sink_tokens);
+    }
+    return false;
+  }
+
+  // Order: q.k * scale, soft-cap, + ALiBi bias; the mask is applied by the caller.
+  double logit(double dot, int32_t head, int64_t p, int64_t j) const {
+    double x = dot * scale;
+    if (softcap > 0.0) x = softcap * std::tanh(x / softcap);
+    if (!alibi_slopes.empty()) x += alibi_slopes[head] * static_cast<double>(j - p);
+    return x;
+  }
+};
+
+// Attention of query vector q (head `head`, position p) over keys 0 .. kv_len-1 in fp64.
+// load_k(j, double*) / load_v(j, double*) fill head_dim values of key/value j; only attended
+// keys are loaded. A row with no attended key gives zeros and lse = -inf.
+template <typename LoadK, typename LoadV>
+void attend_row(const LogitRule& rule, const double* q, int32_t head_dim, int32_t head, int64_t p,
+                int64_t kv_len, LoadK&& load_k, LoadV&& load_v, double* out, double* lse) {
+  std::vector<int64_t> keys;
+  std::vector<double> logits;
+  std::vector<double> kv(static_cast<size_t>(head_dim));
+  for (int64_t j = 0; j < kv_len; ++j) {
+    if (!rule.attends(p, j)) continue;
+    load_k(j, kv.data());
+    double dot = 0.0;
+    for (int32_t d = 0; d < head_dim; ++d) dot += q[d] * kv[d];
+    keys.push_back(j);
+    logits.push_back(rule.logit(dot, head, p, j));
+  }
+  for (int32_t d = 0; d < head_dim; ++d) out[d] = 0.0;
+  if (keys.empty()) {
+    *lse = -std::numeric_limits<double>::infinity();
+    return;
+  }
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (double x : logits) max_logit = std::max(max_logit, x);
+  double sum = 0.0;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const double w = std::exp(logits[k] - max_logit);
+    sum += w;
+    load_v(keys[k], kv.data());
+    for (int32_t d = 0; d < head_dim; ++d) out[d] += w * kv[d];
+  }
+  for (int32_t d = 0; d < head_dim; ++d) out[d] /= sum;
+  *lse = max_logit + std::log(sum);
+}
+
+// Stores one row result: out[token, head, :] rounded to its dtype and lse[token, head] (float).
+inline void store_row(const TensorView& out, const TensorView& lse, int64_t token, int32_t head,
+                      const double* values, double row_lse) {
+  const int64_t base = detail::offset_of(out, {token, head, 0});
+  for (int64_t d = 0; d < out.shape[2]; ++d) {
+    detail::store_from_float(out.data, out.dtype, base + d * out.strides[2],
+                             static_cast<float>(values[d]));
+  }
+  if (lse.defined()) {
+    static_cast<float*>(lse.data)[detail::offset_of(lse, {token, head})] =
+        static_cast<float>(row_lse);
+  }
+}
+
+// Loads q[token, head, :] as doubles.
+inline void load_head(const TensorView& t, int64_t token, int32_t head, double* out) {
+  const int64_t base = detail::offset_of(t, {token, head, 0});
+  for (int64_t d = 0; d < t.shape[2]; ++d) {
+    out[d] = detail::load_as_float(t.data, t.dtype, base + d * t.strides[2]);
+  }
+}
+
+// Implementations without the Problem (forward() composes them on sub-views).
+void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args);
+void decode_impl(const AttentionSpec& spec, const DecodeArgs& args);
+void append_kv_impl(const AttentionSpec& spec, const AppendKvArgs& args);
+
+}  // namespace attnkit::reference::internal

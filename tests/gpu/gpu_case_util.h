@@ -1,0 +1,157 @@
+// Shared pieces of the CUDA backend tests (append_kv, vanilla, forward, merge_states): a device
+// mirror of the oracle's KV cache, random cache contents per dtype, and the DESIGN.md 6 tolerance
+// check against an fp64 oracle and the CPU reference.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/reference_oracle.h"
+#include "common/test_util.h"
+#include "gpu/gpu_util.h"
+
+namespace attnkit::test {
+
+// The same cache on the device: pool, block table, seq_lens and scales copied; KvCacheView with
+// device pointers.
+class DeviceKvCache {
+ public:
+  explicit DeviceKvCache(const OracleKvCache& host) : view_(host.view()) {
+    const KvCacheView h = host.view();
+    pool_ = DeviceTensor(host.pool());
+    const int64_t v_offset = static_cast<uint8_t*>(h.v_base) - static_cast<uint8_t*>(h.k_base);
+    view_.k_base = pool_.data();
+    view_.v_base = static_cast<uint8_t*>(pool_.data()) + v_offset;
+    view_.device = Device::cuda(0);
+    view_.block_table = mirror(h.block_table, block_table_);
+    view_.seq_lens = mirror(h.seq_lens, seq_lens_);
+    view_.k_scale = mirror(h.k_scale, k_scale_);
+    view_.v_scale = mirror(h.v_scale, v_scale_);
+  }
+  const KvCacheView& view() const { return view_; }
+  void download_pool(OracleKvCache& host) const { pool_.download(host.pool()); }
+
+ private:
+  static TensorView mirror(const TensorView& t, DeviceTensor& storage) {
+    if (!t.defined()) return TensorView();
+    HostTensor copy(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim));
+    std::memcpy(copy.view().data, t.data, copy.numel() * dtype_size(t.dtype));
+    storage = DeviceTensor(copy);
+    return storage.view();
+  }
+  KvCacheView view_;
+  DeviceTensor pool_, block_table_, seq_lens_, k_scale_, v_scale_;
+};
+
+// Random stored values for a cache of `dtype` (finite everywhere, so masked keys are harmless to
+// the fp64 oracle) and matching scales: fp8 / int8 use real scales, bf16 / f16 none.
+inline void fill_cache_random(OracleKvCache& cache, DType dtype, int32_t num_kv_heads,
+                              bool per_head_scales, std::mt19937_64& rng) {
+  switch (dtype) {
+    case DType::kFp8E4M3: {
+      cache.pool().fill_uniform(rng, -6.0f, 6.0f);
+      std::uniform_real_distribution<float> s(0.1f, 0.3f);
+      std::vector<float> k(per_head_scales ? num_kv_heads : 1), v(k.size());
+      for (auto& x : k) x = s(rng);
+      for (auto& x : v) x = s(rng);
+      cache.set_scales(k, v);
+      break;
+    }
+    case DType::kInt8: {
+      cache.pool().fill_uniform(rng, -120.0f, 120.0f);
+      std::uniform_real_distribution<float> s(0.005f, 0.02f);
+      std::vector<float> k(per_head_scales ? num_kv_heads : 1), v(k.size());
+      for (auto& x : k) x = s(rng);
+      for (auto& x : v) x = s(rng);
+      cache.set_scales(k, v);
+      break;
+    }
+    default:
+      cache.pool().fill_uniform(rng, -1.0f, 1.0f);
+      break;
+  }
+}
+
+inline std::vector<double> head_values(const HostTensor& t, int64_t first, int64_t count) {
+  std::vector<double> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) out[i] = t.get(first + i);
+  return out;
+}
+
+inline OracleProblem oracle_problem_of(const AttentionSpec& spec) {
+  OracleProblem pr;
+  pr.num_q_heads = spec.num_q_heads;
+  pr.num_kv_heads = spec.num_kv_heads;
+  pr.head_dim = spec.head_dim;
+  pr.mask = spec.mask;
+  pr.scale = spec.effective_scale();
+  pr.softcap = spec.logit_softcap;
+  if (spec.alibi) {
+    const std::vector<float> s =
+        spec.alibi_slopes.empty() ? default_alibi_slopes(spec.num_q_heads) : spec.alibi_slopes;
+    pr.alibi_slopes.assign(s.begin(), s.end());
+  }
+  return pr;
+}
+
+// Accumulates oracle results of several pieces (sequences, rows) into packed vectors.
+struct OracleAccumulator {
+  std::vector<double> ref64_out, ref64_lse, naive_out;
+  void add(const OracleProblem& pr, DType dtype) {
+    const OracleResult r = brute_force_attention(pr);
+    const std::vector<double> naive = naive_same_precision(pr, dtype);
+    ref64_out.insert(ref64_out.end(), r.out.begin(), r.out.end());
+    ref64_lse.insert(ref64_lse.end(), r.lse.begin(), r.lse.end());
+    naive_out.insert(naive_out.end(), naive.begin(), naive.end());
+  }
+};
+
+// DESIGN.md 6: max |out - ref64| <= 2 * max |naive_same_precision - ref64| + 1e-3, for the GPU
+// output and (as a cross-check of the oracle wiring) the CPU reference output; the LSE within
+// 1e-3 and with the same -inf pattern.
+inline void expect_attention_matches(const std::string& what, const OracleAccumulator& oracle,
+                                     const HostTensor& gpu_out, const HostTensor* gpu_lse,
+                                     const HostTensor& cpu_out, const HostTensor* cpu_lse) {
+  const std::vector<double> gpu = gpu_out.to_double();
+  const std::vector<double> cpu = cpu_out.to_double();
+  ASSERT_FALSE(any_nan(gpu)) << what << ": the GPU output has NaN (unwritten elements?)";
+  const double yardstick = max_abs_diff(oracle.naive_out, oracle.ref64_out);
+  const double tolerance = 2.0 * yardstick + 1e-3;
+  const double gpu_error = max_abs_diff(gpu, oracle.ref64_out);
+  const double cpu_error = max_abs_diff(cpu, oracle.ref64_out);
+  EXPECT_LE(gpu_error, tolerance) << what << ": GPU vs fp64 oracle (naive yardstick " << yardstick
+                                  << ")";
+  EXPECT_LE(cpu_error, tolerance) << what << ": CPU reference vs fp64 oracle";
+  EXPECT_LE(max_abs_diff(gpu, cpu), 2.0 * tolerance) << what << ": GPU vs CPU reference";
+  if (gpu_lse != nullptr) {
+    bool pattern = false;
+    const double lse_error = max_abs_diff_lse(gpu_lse->to_double(), oracle.ref64_lse, &pattern);
+    EXPECT_TRUE(pattern) << what << ": LSE -inf pattern (or NaN) differs from the oracle";
+    EXPECT_LE(lse_error, 1e-3) << what << ": LSE vs fp64 oracle";
+    if (cpu_lse != nullptr) {
+      const double cpu_lse_error = max_abs_diff_lse(gpu_lse->to_double(), cpu_lse->to_double(), &pattern);
+      EXPECT_TRUE(pattern) << what << ": LSE -inf pattern differs from the CPU reference";
+      EXPECT_LE(cpu_lse_error, 1e-3) << what << ": LSE vs CPU reference";
+    }
+  }
+}
+
+inline HostTensor poisoned(DType dtype, std::initializer_list<int64_t> shape) {
+  HostTensor t(dtype, shape);
+  t.fill(NAN);
+  return t;
+}
+
+inline HostTensor downloaded(const DeviceTensor& device, const HostTensor& like) {
+  HostTensor host = like;
+  device.download(host);
+  return host;
+}
+
+}  // namespace attnkit::test

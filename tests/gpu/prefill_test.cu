@@ -1,0 +1,738 @@
+// The fused prefill (context FMHA) kernels against an independent fp64 loop on the host (small and
+// medium cases) and against a plain fp32 GPU kernel of this file (batches up to 8k tokens).
+// Tolerance (DESIGN.md 6): max|out - ref64| <= 2 * max|naive - ref64| + 1e-3, where the naive
+// same-precision result is taken as ref64 rounded to the output dtype: the smallest error any
+// same-precision kernel can have, so the bound is at least as strict as the rule.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "common/test_util.h"
+#include "core/kv_access.h"
+#include "core/numerics.h"
+#include "core/problem.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/prefill/prefill_api.h"
+#include "gpu/gpu_util.h"
+
+namespace attnkit::test {
+namespace {
+
+using cuda::prefill::PrefillTile;
+
+enum class KvSource { kPacked, kPaged };
+
+struct Case {
+  DType dtype = DType::kBF16;
+  int head_dim = 128;
+  int hq = 4;
+  int hkv = 4;
+  MaskSpec mask{};
+  bool alibi = false;
+  double softcap = 0.0;
+  std::vector<int> q_lens;
+  std::vector<int> kv_lens;  // empty: equal to q_lens
+  KvSource source = KvSource::kPacked;
+  int page = 16;
+  DType kv_dtype = DType::kBF16;  // paged only: q dtype, fp8_e4m3 or int8
+  bool per_head_scales = false;
+  std::optional<PrefillTile> tile;
+  bool with_lse = true;
+
+  std::string str() const {
+    std::ostringstream s;
+    s << dtype_name(dtype) << " D=" << head_dim << " Hq=" << hq << " Hkv=" << hkv
+      << " mask=" << mask_name(mask.kind) << " W=" << mask.window << " sinks=" << mask.sink_tokens
+      << " alibi=" << alibi << " softcap=" << softcap
+      << (source == KvSource::kPaged ? " paged page=" : " packed") << (source == KvSource::kPaged
+                                                                          ? std::to_string(page)
+                                                                          : std::string())
+      << " kv=" << dtype_name(kv_dtype) << " tile="
+      << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto") << " q_lens=";
+    for (int n : q_lens) s << n << ",";
+    s << " kv_lens=";
+    for (int n : kv_lens) s << n << ",";
+    return s.str();
+  }
+};
+
+double round_to(DType dtype, double x) {
+  const float f = static_cast<float>(x);
+  return dtype == DType::kBF16 ? numerics::bf16_bits_to_float(numerics::float_to_bf16_bits(f))
+                               : numerics::f16_bits_to_float(numerics::float_to_f16_bits(f));
+}
+
+// Host data of one case: Q, and K/V either packed or in a paged pool, with accessors that return
+// the exact values the kernel must use (dequantized with the cache scales).
+struct Problem {
+  Case c;
+  int batch = 0;
+  std::vector<int> cu_q, cu_kv;
+  HostTensor q, k, v;  // packed
+  HostTensor pool;     // paged: [num_blocks, 2, Hkv, T, D]
+  HostTensor block_table, seq_lens, k_scale, v_scale;
+  detail::KvLayout host_layout;
+  int num_blocks = 0, max_blocks = 0;
+
+  double q_at(int b, int t, int h, int d) const {
+    return q.get((static_cast<int64_t>(cu_q[b] + t) * c.hq + h) * c.head_dim + d);
+  }
+  double kv_at(bool is_v, int b, int j, int hk, int d) const {
+    if (c.source == KvSource::kPacked) {
+      const HostTensor& t = is_v ? v : k;
+      return t.get((static_cast<int64_t>(cu_kv[b] + j) * c.hkv + hk) * c.head_dim + d);
+    }
+    const uint8_t* base = static_cast<uint8_t*>(pool.view().data);
+    const uint8_t* ptr = is_v ? host_layout.v_ptr(b, j, hk, d) : host_layout.k_ptr(b, j, hk, d);
+    const int64_t index = (ptr - base) / static_cast<int64_t>(dtype_size(c.kv_dtype));
+    const HostTensor& scale = is_v ? v_scale : k_scale;
+    const double s = scale.numel() > 1 ? scale.get(hk) : scale.get(0);
+    return pool.get(index) * s;
+  }
+};
+
+Problem make_problem(const Case& c, std::mt19937_64& rng) {
+  Problem p;
+  p.c = c;
+  if (p.c.kv_lens.empty()) p.c.kv_lens = c.q_lens;
+  p.batch = static_cast<int>(c.q_lens.size());
+  p.cu_q.assign(1, 0);
+  p.cu_kv.assign(1, 0);
+  for (int b = 0; b < p.batch; ++b) {
+    p.cu_q.push_back(p.cu_q.back() + c.q_lens[b]);
+    p.cu_kv.push_back(p.cu_kv.back() + p.c.kv_lens[b]);
+  }
+  const int d = c.head_dim;
+  p.q = HostTensor(c.dtype, {p.cu_q.back(), c.hq, d});
+  p.q.fill_uniform(rng, -1.f, 1.f);
+  if (c.source == KvSource::kPacked) {
+    p.k = HostTensor(c.dtype, {p.cu_kv.back(), c.hkv, d});
+    p.v = HostTensor(c.dtype, {p.cu_kv.back(), c.hkv, d});
+    p.k.fill_uniform(rng, -1.f, 1.f);
+    p.v.fill_uniform(rng, -1.f, 1.f);
+    return p;
+  }
+  // Paged: blocks handed out in a random order, two spare blocks, poison everywhere unwritten.
+  const int t = c.page;
+  for (int b = 0; b < p.batch; ++b) {
+    const int blocks = (p.c.kv_lens[b] + t - 1) / t;
+    p.max_blocks = std::max(p.max_blocks, blocks);
+    p.num_blocks += blocks;
+  }
+  p.max_blocks = std::max(p.max_blocks, 1) + 1;
+  p.num_blocks += 2;
+  std::vector<int> ids(p.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  p.block_table = HostTensor(DType::kInt32, {p.batch, p.max_blocks});
+  p.seq_lens = HostTensor(DType::kInt32, {p.batch});
+  int next = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const int blocks = (p.c.kv_lens[b] + t - 1) / t;
+    for (int i = 0; i < p.max_blocks; ++i) {
+      p.block_table.data<int32_t>()[b * p.max_blocks + i] = i < blocks ? ids[next++] : -1;
+    }
+    p.seq_lens.data<int32_t>()[b] = p.c.kv_lens[b];
+  }
+  p.pool = HostTensor(c.kv_dtype, {p.num_blocks, 2, c.hkv, t, d});
+  // NaN for 16-bit and fp8 caches; int8 has none, so the largest value stands in.
+  p.pool.fill(c.kv_dtype == DType::kInt8 ? 127.f : NAN);
+  const bool quant = c.kv_dtype == DType::kFp8E4M3 || c.kv_dtype == DType::kInt8;
+  const int scales = c.per_head_scales ? c.hkv : 1;
+  p.k_scale = HostTensor(DType::kF32, {scales});
+  p.v_scale = HostTensor(DType::kF32, {scales});
+  p.k_scale.fill_uniform(rng, quant ? 0.004f : 0.5f, quant ? 0.02f : 1.5f);
+  p.v_scale.fill_uniform(rng, quant ? 0.004f : 0.5f, quant ? 0.02f : 1.5f);
+  if (c.kv_dtype == DType::kFp8E4M3) {
+    // Scales that make stored values span the e4m3 range.
+    for (int i = 0; i < scales; ++i) {
+      p.k_scale.set(i, p.k_scale.get(i) * 4.f);
+      p.v_scale.set(i, p.v_scale.get(i) * 4.f);
+    }
+  }
+  KvCacheView view;
+  view.k_base = p.pool.view().data;
+  view.v_base = static_cast<uint8_t*>(p.pool.view().data) +
+                static_cast<int64_t>(c.hkv) * t * d * dtype_size(c.kv_dtype);
+  view.block_stride_bytes = 2LL * c.hkv * t * d * dtype_size(c.kv_dtype);
+  view.num_blocks = p.num_blocks;
+  view.dtype = c.kv_dtype;
+  view.num_kv_heads = c.hkv;
+  view.tokens_per_block = t;
+  view.head_dim = d;
+  view.block_table = p.block_table.view();
+  view.seq_lens = p.seq_lens.view();
+  p.host_layout = detail::make_kv_layout(view);
+  std::uniform_real_distribution<float> unit(-1.f, 1.f);
+  std::uniform_int_distribution<int> i8(-127, 127);
+  const uint8_t* base = static_cast<uint8_t*>(p.pool.view().data);
+  for (int b = 0; b < p.batch; ++b) {
+    for (int j = 0; j < p.c.kv_lens[b]; ++j) {
+      for (int hk = 0; hk < c.hkv; ++hk) {
+        for (int e = 0; e < d; ++e) {
+          for (int is_v = 0; is_v < 2; ++is_v) {
+            const uint8_t* ptr =
+                is_v ? p.host_layout.v_ptr(b, j, hk, e) : p.host_layout.k_ptr(b, j, hk, e);
+            const int64_t index = (ptr - base) / static_cast<int64_t>(dtype_size(c.kv_dtype));
+            float value = unit(rng);
+            if (c.kv_dtype == DType::kInt8) value = static_cast<float>(i8(rng));
+            if (c.kv_dtype == DType::kFp8E4M3) value *= 200.f;
+            p.pool.set(index, value);
+          }
+        }
+      }
+    }
+  }
+  return p;
+}
+
+// fp64 attention of DESIGN.md section 3 over the exact input values.
+void reference(const Problem& p, std::vector<double>& out, std::vector<double>& lse) {
+  const Case& c = p.c;
+  const int d = c.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const std::vector<float> slopes = c.alibi ? default_alibi_slopes(c.hq) : std::vector<float>();
+  out.assign(static_cast<size_t>(p.cu_q.back()) * c.hq * d, 0.0);
+  lse.assign(static_cast<size_t>(p.cu_q.back()) * c.hq, -INFINITY);
+  std::vector<double> logits, kbuf, vbuf;
+  for (int b = 0; b < p.batch; ++b) {
+    const int nq = c.q_lens[b], nkv = p.c.kv_lens[b];
+    for (int hk = 0; hk < c.hkv; ++hk) {
+      kbuf.assign(static_cast<size_t>(nkv) * d, 0.0);
+      vbuf.assign(static_cast<size_t>(nkv) * d, 0.0);
+      for (int j = 0; j < nkv; ++j)
+        for (int e = 0; e < d; ++e) {
+          kbuf[j * d + e] = p.kv_at(false, b, j, hk, e);
+          vbuf[j * d + e] = p.kv_at(true, b, j, hk, e);
+        }
+      for (int h = hk * (c.hq / c.hkv); h < (hk + 1) * (c.hq / c.hkv); ++h) {
+        for (int t = 0; t < nq; ++t) {
+          const int pos = nkv - nq + t;
+          logits.assign(nkv, -INFINITY);
+          double mx = -INFINITY;
+          for (int j = 0; j < nkv; ++j) {
+            bool attend = true;
+            if (c.mask.kind != MaskKind::kNone) attend = j <= pos;
+            if (c.mask.kind == MaskKind::kSlidingWindow) {
+              attend = attend && (j > pos - c.mask.window || j < c.mask.sink_tokens);
+            }
+            if (!attend) continue;
+            double s = 0;
+            for (int e = 0; e < d; ++e) s += p.q_at(b, t, h, e) * kbuf[j * d + e];
+            s *= scale;
+            if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
+            if (c.alibi) s += slopes[h] * static_cast<double>(j - pos);
+            logits[j] = s;
+            mx = std::max(mx, s);
+          }
+          const size_t row = static_cast<size_t>(p.cu_q[b] + t) * c.hq + h;
+          if (mx == -INFINITY) continue;
+          double sum = 0;
+          for (int j = 0; j < nkv; ++j) {
+            if (logits[j] == -INFINITY) continue;
+            const double w = std::exp(logits[j] - mx);
+            sum += w;
+            for (int e = 0; e < d; ++e) out[row * d + e] += w * vbuf[j * d + e];
+          }
+          for (int e = 0; e < d; ++e) out[row * d + e] /= sum;
+          lse[row] = mx + std::log(sum);
+        }
+      }
+    }
+  }
+}
+
+AttentionSpec spec_of(const Case& c) {
+  AttentionSpec spec;
+  spec.num_q_heads = c.hq;
+  spec.num_kv_heads = c.hkv;
+  spec.head_dim = c.head_dim;
+  spec.mask = c.mask;
+  spec.alibi = c.alibi;
+  spec.logit_softcap = c.softcap;
+  spec.backend = Backend::kFused;
+  return spec;
+}
+
+void expect_close(const std::vector<double>& out, const std::vector<double>& ref, DType dtype,
+                  const std::string& what) {
+  ASSERT_EQ(out.size(), ref.size());
+  ASSERT_FALSE(any_nan(out)) << what << ": NaN in the output (unwritten or poisoned element)";
+  double naive = 0.0;
+  for (double r : ref) naive = std::max(naive, std::fabs(round_to(dtype, r) - r));
+  const double err = max_abs_diff(out, ref);
+  EXPECT_LE(err, 2 * naive + 1e-3) << what << " (naive same-precision error " << naive << ")";
+}
+
+// Runs the fused prefill on the device copy of `p` and checks out and LSE.
+void run_and_check(const Case& c) {
+  SCOPED_TRACE(c.str());
+  std::mt19937_64 rng(test_seed() ^ std::hash<std::string>()(c.str()));
+  Problem p = make_problem(c, rng);
+  const int64_t total_q = p.cu_q.back();
+  HostTensor cu_q(DType::kInt32, {p.batch + 1}), cu_kv(DType::kInt32, {p.batch + 1});
+  for (int b = 0; b <= p.batch; ++b) {
+    cu_q.data<int32_t>()[b] = p.cu_q[b];
+    cu_kv.data<int32_t>()[b] = p.cu_kv[b];
+  }
+  HostTensor out(c.dtype, {total_q, c.hq, c.head_dim});
+  HostTensor lse(DType::kF32, {total_q, c.hq});
+  out.fill(NAN);
+  lse.fill(NAN);
+
+  DeviceTensor d_q(p.q), d_out(out), d_lse(lse), d_cu_q(cu_q), d_cu_kv(cu_kv);
+  DeviceTensor d_k, d_v, d_pool, d_table, d_lens, d_ks, d_vs;
+  KvCacheView view;
+  const AttentionSpec spec = spec_of(c);
+  PrefillArgs args;
+  args.q = d_q;
+  args.cu_seqlens_q = d_cu_q;
+  args.out = d_out;
+  if (c.with_lse) args.lse = d_lse;
+  args.max_seqlen_q = *std::max_element(c.q_lens.begin(), c.q_lens.end());
+  args.max_seqlen_kv = *std::max_element(p.c.kv_lens.begin(), p.c.kv_lens.end());
+  if (c.source == KvSource::kPacked) {
+    d_k = DeviceTensor(p.k);
+    d_v = DeviceTensor(p.v);
+    args.k = d_k;
+    args.v = d_v;
+    args.cu_seqlens_kv = d_cu_kv;
+  } else {
+    d_pool = DeviceTensor(p.pool);
+    d_table = DeviceTensor(p.block_table);
+    d_lens = DeviceTensor(p.seq_lens);
+    d_ks = DeviceTensor(p.k_scale);
+    d_vs = DeviceTensor(p.v_scale);
+    const int64_t elt = static_cast<int64_t>(dtype_size(c.kv_dtype));
+    view.k_base = d_pool.data();
+    view.v_base = static_cast<uint8_t*>(d_pool.data()) +
+                  static_cast<int64_t>(c.hkv) * c.page * c.head_dim * elt;
+    view.block_stride_bytes = 2LL * c.hkv * c.page * c.head_dim * elt;
+    view.num_blocks = p.num_blocks;
+    view.dtype = c.kv_dtype;
+    view.device = Device::cuda(0);
+    view.num_kv_heads = c.hkv;
+    view.tokens_per_block = c.page;
+    view.head_dim = c.head_dim;
+    view.block_table = d_table;
+    view.seq_lens = d_lens;
+    view.k_scale = d_ks;
+    view.v_scale = d_vs;
+    args.kv_cache = &view;
+  }
+  if (c.tile) {
+    const detail::PrefillProblem problem = detail::validate_prefill(spec, args);
+    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile);
+  } else {
+    prefill(spec, args);
+  }
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  d_out.download(out);
+  d_lse.download(lse);
+
+  std::vector<double> ref_out, ref_lse;
+  reference(p, ref_out, ref_lse);
+  expect_close(out.to_double(), ref_out, c.dtype, "out");
+  if (c.with_lse) {
+    const std::vector<double> got = lse.to_double();
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (std::isinf(ref_lse[i])) {
+        ASSERT_TRUE(std::isinf(got[i]) && got[i] < 0) << "lse[" << i << "] = " << got[i];
+      } else {
+        ASSERT_NEAR(got[i], ref_lse[i], 2e-3 * std::max(1.0, std::fabs(ref_lse[i])))
+            << "lse[" << i << "]";
+      }
+    }
+  }
+}
+
+std::vector<PrefillTile> tiles_for(int head_dim, DType dtype) {
+  return cuda::prefill::compiled_tiles(head_dim, dtype);
+}
+
+bool compiled(int head_dim, DType dtype) { return !tiles_for(head_dim, dtype).empty(); }
+
+MaskSpec mask_of(MaskKind kind, int window = 0, int sinks = 0) {
+  MaskSpec m;
+  m.kind = kind;
+  m.window = window;
+  m.sink_tokens = sinks;
+  return m;
+}
+
+// ---- lengths around the tile sizes, every mask kind, every tile forced ----------------------
+TEST(PrefillLengths, TileBoundariesEveryTile) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64}) {
+    for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
+      for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
+        for (int n : {1, 2, 63, 64, 65, 127, 128, 129, 37, 191}) {
+          Case c;
+          c.head_dim = d;
+          c.hq = 2;
+          c.hkv = 2;
+          c.mask = mask_of(mask);
+          c.q_lens = {n};
+          c.tile = tile;
+          run_and_check(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(PrefillLengths, VarlenBatchWithPrefix) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  // Mixed lengths in one launch; kv_len > q_len puts the queries at the end (chunk after cache).
+  for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
+    Case c;
+    c.hq = 4;
+    c.hkv = 2;
+    c.mask = mask_of(mask);
+    c.q_lens = {1, 65, 300, 7, 128};
+    c.kv_lens = {1, 200, 300, 77, 129};
+    run_and_check(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// ---- every head_dim and dtype, GQA and MQA ----------------------------------------------------
+TEST(PrefillHeadDims, AllHeadDimsBothDtypesGqa) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int d : {64, 80, 96, 128, 256}) {
+      if (!compiled(d, dtype)) {
+        std::printf("[ SKIPPED  ] head_dim %d %s not compiled in this build\n", d,
+                    dtype_name(dtype));
+        continue;
+      }
+      for (PrefillTile tile : tiles_for(d, dtype)) {
+        for (int hkv : {1, 2}) {
+          Case c;
+          c.dtype = dtype;
+          c.head_dim = d;
+          c.hq = 4;
+          c.hkv = hkv;
+          c.mask = mask_of(MaskKind::kCausal);
+          c.q_lens = {33, 129};
+          c.kv_lens = {40, 129};
+          c.tile = tile;
+          run_and_check(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// ---- paged cache: every page size, chunked context / prefix reuse -----------------------------
+TEST(PrefillPaged, EveryPageSizeChunkedContext) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int page : {8, 16, 32, 64, 128}) {
+    Case c;
+    c.source = KvSource::kPaged;
+    c.page = page;
+    c.hq = 4;
+    c.hkv = 2;
+    c.mask = mask_of(MaskKind::kCausal);
+    // Chunks after page-aligned and unaligned cached prefixes, a whole prompt, a 1-token chunk.
+    c.q_lens = {64, 50, 129, 1};
+    c.kv_lens = {64 + 2 * page, 50 + 3 * page + 5, 129, 300};
+    run_and_check(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(PrefillPaged, ChunkedEqualsWhole) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  // The last chunk of a prompt over the cache equals those rows of the whole-prompt result: both
+  // are checked against the same fp64 semantics, per chunk boundary.
+  for (int chunk_start : {0, 32, 64, 96, 160}) {
+    Case c;
+    c.source = KvSource::kPaged;
+    c.page = 32;
+    c.mask = mask_of(MaskKind::kCausal);
+    c.q_lens = {200 - chunk_start};
+    c.kv_lens = {200};
+    run_and_check(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// ---- masks and position encodings -------------------------------------------------------------
+TEST(PrefillMasks, SlidingWindowSinksAlibiSoftcap) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  struct Variant {
+    MaskSpec mask;
+    bool alibi;
+    double softcap;
+  };
+  const Variant variants[] = {
+      {mask_of(MaskKind::kSlidingWindow, 1, 0), false, 0.0},
+      {mask_of(MaskKind::kSlidingWindow, 17, 0), false, 0.0},
+      {mask_of(MaskKind::kSlidingWindow, 100, 4), false, 0.0},
+      {mask_of(MaskKind::kSlidingWindow, 64, 70), false, 0.0},
+      {mask_of(MaskKind::kCausal), true, 0.0},
+      {mask_of(MaskKind::kCausal), false, 5.0},
+      {mask_of(MaskKind::kNone), true, 3.0},
+      {mask_of(MaskKind::kSlidingWindow, 33, 2), true, 10.0},
+  };
+  for (const Variant& var : variants) {
+    for (KvSource source : {KvSource::kPacked, KvSource::kPaged}) {
+      Case c;
+      c.hq = 6;
+      c.hkv = 3;
+      c.mask = var.mask;
+      c.alibi = var.alibi;
+      c.softcap = var.softcap;
+      c.source = source;
+      c.q_lens = {250, 3, 129};
+      c.kv_lens = {250, 90, 300};
+      run_and_check(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// ---- 8-bit caches: dequantized on load, scales always honoured ---------------------------------
+TEST(PrefillQuantKv, Fp8AndInt8PerTensorAndPerHead) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+    for (bool per_head : {false, true}) {
+      for (int d : {128, 64}) {
+        if (!compiled(d, DType::kBF16)) continue;
+        Case c;
+        c.head_dim = d;
+        c.source = KvSource::kPaged;
+        c.kv_dtype = kv;
+        c.per_head_scales = per_head;
+        c.page = 16;
+        c.hq = 4;
+        c.hkv = 2;
+        c.mask = mask_of(MaskKind::kCausal);
+        c.q_lens = {100, 1, 64};
+        c.kv_lens = {164, 33, 64};  // prefix reuse: queries after cached tokens
+        run_and_check(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+  // f16 queries over an fp8 cache, and a sliding window over int8.
+  Case c;
+  c.dtype = DType::kF16;
+  c.source = KvSource::kPaged;
+  c.kv_dtype = DType::kFp8E4M3;
+  c.q_lens = {70};
+  c.kv_lens = {150};
+  if (compiled(128, DType::kF16)) run_and_check(c);
+  c.dtype = DType::kBF16;
+  c.kv_dtype = DType::kInt8;
+  c.mask = mask_of(MaskKind::kSlidingWindow, 40, 3);
+  run_and_check(c);
+}
+
+// ---- large batches: a plain fp32 GPU kernel is the reference ------------------------------------
+template <bool kBf16>
+__device__ float to_float(uint16_t bits) {
+  return kBf16 ? numerics::bf16_bits_to_float(bits) : numerics::f16_bits_to_float(bits);
+}
+
+// One thread per (query token, head): two passes over the keys in fp32.
+template <bool kBf16>
+__global__ void naive_prefill_f32(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                  const int* cu_q, const int* cu_kv, int batch, int hq, int hkv,
+                                  int d, float scale, bool causal, float* out, float* lse) {
+  const int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int total_q = cu_q[batch];
+  if (index >= static_cast<int64_t>(total_q) * hq) return;
+  const int token = static_cast<int>(index / hq), h = static_cast<int>(index % hq);
+  int b = 0;
+  while (cu_q[b + 1] <= token) ++b;
+  const int nq = cu_q[b + 1] - cu_q[b], nkv = cu_kv[b + 1] - cu_kv[b];
+  const int pos = nkv - nq + (token - cu_q[b]);
+  const int hk = h / (hq / hkv);
+  const int end = causal ? min(nkv, pos + 1) : nkv;
+  const uint16_t* qrow = q + (static_cast<int64_t>(token) * hq + h) * d;
+  float mx = -INFINITY;
+  for (int j = 0; j < end; ++j) {
+    const uint16_t* krow = k + (static_cast<int64_t>(cu_kv[b] + j) * hkv + hk) * d;
+    float s = 0.f;
+    for (int e = 0; e < d; ++e) s += to_float<kBf16>(qrow[e]) * to_float<kBf16>(krow[e]);
+    mx = fmaxf(mx, s * scale);
+  }
+  float acc[256];
+  for (int e = 0; e < d; ++e) acc[e] = 0.f;
+  float sum = 0.f;
+  for (int j = 0; j < end; ++j) {
+    const uint16_t* krow = k + (static_cast<int64_t>(cu_kv[b] + j) * hkv + hk) * d;
+    const uint16_t* vrow = v + (static_cast<int64_t>(cu_kv[b] + j) * hkv + hk) * d;
+    float s = 0.f;
+    for (int e = 0; e < d; ++e) s += to_float<kBf16>(qrow[e]) * to_float<kBf16>(krow[e]);
+    const float w = expf(s * scale - mx);
+    sum += w;
+    for (int e = 0; e < d; ++e) acc[e] += w * to_float<kBf16>(vrow[e]);
+  }
+  for (int e = 0; e < d; ++e) out[index * d + e] = sum > 0.f ? acc[e] / sum : 0.f;
+  lse[index] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+}
+
+TEST(PrefillLarge, MixedBatchUpTo8kAgainstGpuFp32) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  const std::vector<int> lens = {1, 8192, 7, 4097, 128, 1000, 2, 2049};
+  for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
+    for (int d : {128, 64}) {
+      if (!compiled(d, DType::kBF16)) continue;
+      for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
+        Case c;
+        c.head_dim = d;
+        c.hq = 4;
+        c.hkv = 2;
+        c.mask = mask_of(mask);
+        c.q_lens = lens;
+        c.tile = tile;
+        SCOPED_TRACE(c.str());
+        std::mt19937_64 rng(test_seed() + d + static_cast<int>(mask));
+        Problem p = make_problem(c, rng);
+        const int64_t total = p.cu_q.back();
+        HostTensor cu(DType::kInt32, {p.batch + 1});
+        for (int b = 0; b <= p.batch; ++b) cu.data<int32_t>()[b] = p.cu_q[b];
+        HostTensor out(DType::kBF16, {total, c.hq, d}), lse(DType::kF32, {total, c.hq});
+        out.fill(NAN);
+        lse.fill(NAN);
+        HostTensor ref_out(DType::kF32, {total, c.hq, d}), ref_lse(DType::kF32, {total, c.hq});
+        DeviceTensor d_q(p.q), d_k(p.k), d_v(p.v), d_cu(cu), d_out(out), d_lse(lse);
+        DeviceTensor d_ref(ref_out), d_ref_lse(ref_lse);
+        AttentionSpec spec = spec_of(c);
+        PrefillArgs args;
+        args.q = d_q;
+        args.k = d_k;
+        args.v = d_v;
+        args.cu_seqlens_q = d_cu;
+        args.cu_seqlens_kv = d_cu;
+        args.out = d_out;
+        args.lse = d_lse;
+        args.max_seqlen_q = args.max_seqlen_kv = 8192;
+        const detail::PrefillProblem problem = detail::validate_prefill(spec, args);
+        cuda::prefill::run_prefill(spec, args, problem, nullptr, tile);
+        const int64_t threads = total * c.hq;
+        naive_prefill_f32<true><<<static_cast<unsigned>((threads + 127) / 128), 128>>>(
+            static_cast<const uint16_t*>(d_q.data()), static_cast<const uint16_t*>(d_k.data()),
+            static_cast<const uint16_t*>(d_v.data()), static_cast<const int*>(d_cu.data()),
+            static_cast<const int*>(d_cu.data()), p.batch, c.hq, c.hkv, d,
+            static_cast<float>(1.0 / std::sqrt(d)), mask == MaskKind::kCausal,
+            static_cast<float*>(d_ref.data()), static_cast<float*>(d_ref_lse.data()));
+        ATTNKIT_CUDA_OK(cudaGetLastError());
+        ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+        d_out.download(out);
+        d_lse.download(lse);
+        d_ref.download(ref_out);
+        d_ref_lse.download(ref_lse);
+        expect_close(out.to_double(), ref_out.to_double(), DType::kBF16, "out (8k batch)");
+        const std::vector<double> got = lse.to_double(), want = ref_lse.to_double();
+        double lse_err = 0;
+        for (size_t i = 0; i < got.size(); ++i) lse_err = std::max(lse_err, std::fabs(got[i] - want[i]));
+        EXPECT_LE(lse_err, 2e-3 * 10) << "lse";
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+// ---- dense(): the plain fused path of the same kernel (mask none, fixed lengths) ---------------
+TEST(PrefillDense, DenseMatchesFp64) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64}) {
+    if (!compiled(d, DType::kBF16)) continue;
+    const int batch = 2, sq = 150, skv = 97, hq = 4, hkv = 2;
+    std::mt19937_64 rng(test_seed() + 77 + d);
+    HostTensor q(DType::kBF16, {batch, sq, hq, d}), k(DType::kBF16, {batch, skv, hkv, d}),
+        v(DType::kBF16, {batch, skv, hkv, d}), out(DType::kBF16, {batch, sq, hq, d}),
+        lse(DType::kF32, {batch, sq, hq});
+    q.fill_uniform(rng, -1.f, 1.f);
+    k.fill_uniform(rng, -1.f, 1.f);
+    v.fill_uniform(rng, -1.f, 1.f);
+    out.fill(NAN);
+    lse.fill(NAN);
+    DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse);
+    AttentionSpec spec;
+    spec.num_q_heads = hq;
+    spec.num_kv_heads = hkv;
+    spec.head_dim = d;
+    spec.mask.kind = MaskKind::kNone;
+    spec.backend = Backend::kFused;
+    DenseArgs args;
+    args.q = d_q;
+    args.k = d_k;
+    args.v = d_v;
+    args.out = d_out;
+    args.lse = d_lse;
+    dense(spec, args);
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    d_out.download(out);
+    d_lse.download(lse);
+    // The same data as a packed problem for the fp64 loop.
+    Problem p;
+    p.c.head_dim = d;
+    p.c.hq = hq;
+    p.c.hkv = hkv;
+    p.c.mask = mask_of(MaskKind::kNone);
+    p.c.q_lens = {sq, sq};
+    p.c.kv_lens = {skv, skv};
+    p.batch = batch;
+    p.cu_q = {0, sq, 2 * sq};
+    p.cu_kv = {0, skv, 2 * skv};
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    std::vector<double> ref, ref_lse;
+    reference(p, ref, ref_lse);
+    expect_close(out.to_double(), ref, DType::kBF16, "dense out");
+    const std::vector<double> got = lse.to_double();
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], ref_lse[i], 2e-3) << i;
+  }
+}
+
+// ---- what the fused path refuses, and says so ---------------------------------------------------
+TEST(PrefillSupport, UnsupportedReasons) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  AttentionSpec spec;
+  spec.num_q_heads = 4;
+  spec.num_kv_heads = 4;
+  spec.head_dim = 128;
+  detail::PrefillProblem p;
+  p.device = Device::cuda(0);
+  p.dtype = DType::kBF16;
+  p.kv_dtype = DType::kBF16;
+  if (compiled(128, DType::kBF16)) EXPECT_EQ(cuda::fused_prefill_unsupported(spec, p), "");
+  p.dtype = DType::kF32;
+  EXPECT_NE(cuda::fused_prefill_unsupported(spec, p).find("bf16 or f16"), std::string::npos);
+  p.dtype = DType::kBF16;
+  spec.head_dim = 72;
+  EXPECT_NE(cuda::fused_prefill_unsupported(spec, p).find("head_dim 72"), std::string::npos);
+  spec.head_dim = 128;
+  p.kv_dtype = DType::kFp8E4M3;  // packed fp8 K/V: only the paged cache may be 8-bit
+  EXPECT_NE(cuda::fused_prefill_unsupported(spec, p), "");
+  detail::DenseProblem dp;
+  dp.device = Device::cuda(0);
+  dp.dtype = DType::kBF16;
+  spec.skip_softmax = SkipSoftmaxSpec{};
+  spec.skip_softmax->threshold = 0.1;
+  EXPECT_NE(cuda::fused_dense_unsupported(spec, dp).find("skip_softmax"), std::string::npos);
+  spec.skip_softmax.reset();
+  spec.quant = SageQuantSpec{};
+  EXPECT_NE(cuda::fused_dense_unsupported(spec, dp).find("quant"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace attnkit::test
