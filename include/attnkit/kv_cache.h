@@ -47,7 +47,11 @@ struct KvCacheView {
   int32_t sink_tokens = 0;  // S: positions < S keep slots 0 .. S-1 (cyclic cache only)
 
   int64_t num_rows() const { return seq_lens.defined() ? seq_lens.shape[0] : 0; }
-  int64_t max_blocks_per_row() const { return block_table.defined() ? block_table.shape[1] : 1; }
+  // A contiguous cache has one block (of tokens_per_block slots) per row; its block_table is
+  // never read, even when given.
+  int64_t max_blocks_per_row() const {
+    return paged && block_table.defined() ? block_table.shape[1] : 1;
+  }
   // Logical slot of absolute position p (see above).
   int64_t slot_of(int64_t position) const {
     if (window_slots == 0 || position < sink_tokens) return position;

@@ -70,7 +70,8 @@ MergeStatesProblem validate_merge_states(const MergeStatesArgs& args) {
   v.expect_given(args.out_a, "out_a");
   p.device = args.out_a.device;
   p.dtype = args.out_a.dtype;
-  v.expect_float_dtype(args.out_a, "out_a");
+  // Partial results are often kept in f32 (split-KV, context parallelism): f32 on every device.
+  v.expect_dtype(args.out_a, "out_a", {DType::kF32, DType::kF16, DType::kBF16});
   v.expect_shape(args.out_a, "out_a", {Dim("N"), Dim("H"), Dim("D")});
   v.expect_layout(args.out_a, "out_a", Access::kInput);
   p.num_tokens = args.out_a.shape[0];

@@ -34,7 +34,8 @@ bool is_pow2_page(int32_t tokens) {
 
 void Validator::expect_given(const TensorView& t, const std::string& name) const {
   check(t.defined(), name, "required, not given");
-  check(t.data != nullptr || t.numel() == 0, name, "data is null (shape ", t.shape_str(), ")");
+  check(t.data != nullptr || t.numel() == 0, name,
+        "data is null; a tensor with elements needs a data pointer (shape ", t.shape_str(), ")");
 }
 
 void Validator::expect_dtype(const TensorView& t, const std::string& name,
@@ -90,15 +91,18 @@ void Validator::expect_layout(const TensorView& t, const std::string& name, Acce
         " for shape ", t.shape_str());
   for (int d = 0; d < t.ndim; ++d) {
     check(t.strides[d] >= 0, name, "strides must be >= 0, got strides ", strides_str(t));
-    if (false && output && t.shape[d] > 1) {
+    if (output && t.shape[d] > 1) {
       check(t.strides[d] > 0, name,
             "an output may not broadcast (stride 0 over an extent > 1), got strides ",
             strides_str(t), " for shape ", t.shape_str());
     }
   }
-  if (!t.device.is_cuda() || t.data == nullptr) return;
+  if (t.data == nullptr) return;
   const int64_t elt = static_cast<int64_t>(dtype_size(t.dtype));
   const auto address = reinterpret_cast<uintptr_t>(t.data);
+  check(address % elt == 0, name, "data must be aligned to its ", elt,
+        "-byte elements, got address 0x", std::hex, address);
+  if (!t.device.is_cuda()) return;
   if (vector) {
     check(
         address % 16 == 0, name,
@@ -110,9 +114,6 @@ void Validator::expect_layout(const TensorView& t, const std::string& name, Acce
             "loads), got strides ",
             strides_str(t), " of ", elt, "-byte elements");
     }
-  } else {
-    check(address % elt == 0, name, "CUDA data must be aligned to its ", elt,
-          "-byte elements, got address 0x", std::hex, address);
   }
 }
 
@@ -163,7 +164,9 @@ KvCacheFacts check_kv_cache(const Validator& v, const KvCacheView& cache, const 
               cache.dtype == DType::kFp8E4M3 || cache.dtype == DType::kInt8,
           n + "dtype", "expected bf16, f16, fp8_e4m3 or int8, got ", dtype_name(cache.dtype));
   const bool quantized = cache.dtype == DType::kFp8E4M3 || cache.dtype == DType::kInt8;
-  v.check(quantized || cache.dtype == q_dtype, n + "dtype",
+  // f32 queries (cpu only) are the reference's high-precision mode: no cache dtype is f32, so
+  // they read any cache dtype.
+  v.check(quantized || cache.dtype == q_dtype || q_dtype == DType::kF32, n + "dtype",
           "an unquantized cache must have the dtype of the queries (", dtype_name(q_dtype),
           "), got ", dtype_name(cache.dtype));
   v.check(cache.num_kv_heads == spec.num_kv_heads, n + "num_kv_heads",
@@ -178,14 +181,21 @@ KvCacheFacts check_kv_cache(const Validator& v, const KvCacheView& cache, const 
             "must be >= 1 (the row capacity of a contiguous cache), got ", cache.tokens_per_block);
   }
   v.check(cache.num_blocks >= 1, n + "num_blocks", "must be >= 1, got ", cache.num_blocks);
-  v.check(cache.k_base != nullptr, n + "k_base", "is null");
-  v.check(cache.v_base != nullptr, n + "v_base", "is null");
+  v.check(cache.k_base != nullptr, n + "k_base", "required (K of block 0), got null");
+  v.check(cache.v_base != nullptr, n + "v_base", "required (V of block 0), got null");
   const int64_t elt = static_cast<int64_t>(dtype_size(cache.dtype));
   const int64_t block_bytes =
       int64_t{cache.num_kv_heads} * cache.tokens_per_block * cache.head_dim * elt;
   v.check(cache.block_stride_bytes >= block_bytes, n + "block_stride_bytes",
           "must be >= num_kv_heads * tokens_per_block * head_dim * element size = ", block_bytes,
           ", got ", cache.block_stride_bytes);
+  for (const auto& [base, what] : {std::pair{cache.k_base, "k_base"}, {cache.v_base, "v_base"}}) {
+    const auto address = reinterpret_cast<uintptr_t>(base);
+    v.check(address % elt == 0, n + what, "must be aligned to the ", elt,
+            "-byte elements of the cache, got address 0x", std::hex, address);
+  }
+  v.check(cache.block_stride_bytes % elt == 0, n + "block_stride_bytes",
+          "must be a multiple of the element size (", elt, "), got ", cache.block_stride_bytes);
   if (cache.device.is_cuda()) {
     for (const auto& [base, what] : {std::pair{cache.k_base, "k_base"}, {cache.v_base, "v_base"}}) {
       const auto address = reinterpret_cast<uintptr_t>(base);

@@ -215,5 +215,23 @@ TEST(ValidateAppendKv, RejectsCudaLayout) {
   EXPECT_NO_THROW(detail::validate_append_kv(call.spec, call.args));
 }
 
+TEST(ValidateAppendKv, RejectsNullDataAndStrides) {
+  {
+    AppendCall call;
+    call.args.positions.data = nullptr;
+    call.expect_rejected("positions");
+  }
+  {
+    AppendCall call;
+    call.args.qkv = with_stride(call.args.qkv, 1, 2);
+    call.expect_rejected("qkv");
+  }
+  {
+    AppendCall call;
+    call.args.q_out = with_stride(call.args.q_out, 0, 0);
+    call.expect_rejected("q_out");
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::test

@@ -67,6 +67,14 @@ TEST(ValidateDecode, ValidBaselines) {
   DecodeCall fp8({5, 17, 30}, DType::kFp8E4M3);
   EXPECT_EQ(detail::validate_decode(fp8.spec, fp8.args).kv_dtype, DType::kFp8E4M3);
 
+  // f32 queries (cpu) read a bf16 cache: no cache dtype is f32.
+  DecodeCall f32_q;
+  const auto q32 = make_input(DType::kF32, {3, 4, 16});
+  const auto out32 = make_output(DType::kF32, {3, 4, 16});
+  f32_q.args.q = *q32;
+  f32_q.args.out = *out32;
+  EXPECT_EQ(detail::validate_decode(f32_q.spec, f32_q.args).dtype, DType::kF32);
+
   DecodeCall contiguous;
   contiguous.args.kv_cache.paged = false;
   contiguous.args.kv_cache.tokens_per_block = 32;

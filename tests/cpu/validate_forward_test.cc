@@ -221,5 +221,23 @@ TEST(ValidateForward, RejectsDenseOnlySpecOptions) {
   call.expect_rejected("spec.skip_softmax");
 }
 
+TEST(ValidateForward, RejectsNullDataAndStrides) {
+  {
+    ForwardCall call;
+    call.args.qkv.data = nullptr;
+    call.expect_rejected("qkv");
+  }
+  {
+    ForwardCall call;
+    call.args.lse = with_stride(call.args.lse, 1, 3);
+    call.expect_rejected("lse");
+  }
+  {
+    ForwardCall call;
+    call.args.out = with_stride(call.args.out, 0, -64);
+    call.expect_rejected("out");
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::test

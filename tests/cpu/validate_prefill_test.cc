@@ -253,6 +253,11 @@ TEST(ValidatePrefill, RejectsCudaLayout) {
     call.args.cu_seqlens_q.data = static_cast<char*>(call.args.cu_seqlens_q.data) + 2;
     call.expect_rejected("cu_seqlens_q");
   }
+  {
+    PackedCall call;  // misaligned even on cpu
+    call.args.out.data = static_cast<char*>(call.args.out.data) + 1;
+    call.expect_rejected("out");
+  }
 }
 
 TEST(ValidatePrefill, RejectsPagedRowCount) {
@@ -302,6 +307,24 @@ TEST(ValidatePrefill, RejectsDenseOnlySpecOptions) {
   PackedCall call;
   call.spec.quant = SageQuantSpec{};
   call.expect_rejected("spec.quant");
+}
+
+TEST(ValidatePrefill, RejectsNullDataAndStrides) {
+  {
+    PackedCall call;
+    call.args.q.data = nullptr;
+    call.expect_rejected("q");
+  }
+  {
+    PackedCall call;
+    call.args.k = with_stride(call.args.k, 2, 2);
+    call.expect_rejected("k");
+  }
+  {
+    PackedCall call;  // two heads writing one place
+    call.args.out = with_stride(call.args.out, 1, 0);
+    call.expect_rejected("out");
+  }
 }
 
 }  // namespace

@@ -55,6 +55,15 @@ TEST(ValidateMergeStates, AcceptsStridedInputs) {
   EXPECT_NO_THROW(detail::validate_merge_states(call.args));
 }
 
+TEST(ValidateMergeStates, AcceptsF32OnCuda) {
+  MergeCall call;
+  for (TensorView* t : {&call.args.out_a, &call.args.out_b, &call.args.out}) {
+    *t = fake_cuda(with_dtype(*t, DType::kF32));
+  }
+  for (TensorView* t : {&call.args.lse_a, &call.args.lse_b, &call.args.lse}) *t = fake_cuda(*t);
+  EXPECT_EQ(detail::validate_merge_states(call.args).dtype, DType::kF32);
+}
+
 TEST(ValidateMergeStates, RejectsMissingInput) {
   MergeCall call;
   call.args.out_b = {};
@@ -280,6 +289,19 @@ TEST(ValidateDense, RejectsCudaStrideNotMultipleOf16Bytes) {
   // A q sliced with a row stride of 68 elements (136 bytes).
   call.args.q = with_stride(call.args.q, 2, 68);
   call.expect_rejected("q");
+}
+
+TEST(ValidateDense, RejectsNullDataAndStrides) {
+  {
+    DenseCall call;
+    call.args.k.data = nullptr;
+    call.expect_rejected("k");
+  }
+  {
+    DenseCall call;
+    call.args.v = with_stride(call.args.v, 3, 4);
+    call.expect_rejected("v");
+  }
 }
 
 }  // namespace
