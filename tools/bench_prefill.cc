@@ -34,7 +34,7 @@ struct PrefillBenchConfig {
   int kv_heads = 16;
   int head_dim = 128;
   bool causal = false;
-  int page = 0;                  // 0: packed K/V; else a paged cache with this page size
+  int page = 0;                   // 0: packed K/V; else a paged cache with this page size
   std::string kv_dtype = "bf16";  // paged only: bf16, fp8_e4m3, int8
 };
 
@@ -54,6 +54,7 @@ struct PrefillBenchOptions {
 constexpr int kTokens = 16384;  // batch x S of the grid
 constexpr int kHidden = 2048;   // heads x D
 
+#if defined(ATTNKIT_WITH_CUDA)
 // The grid: D in {64, 128, 256}, S in {512 .. 16k}, causal and not, batch x S = 16k
 // tokens, heads = 2048 / D; then paged rows at equal FLOPs for the >= 90% of dense check.
 std::vector<PrefillBenchConfig> default_grid() {
@@ -90,7 +91,6 @@ double flops_of(const PrefillBenchConfig& c) {
   return c.causal ? f / 2 : f;
 }
 
-#if defined(ATTNKIT_WITH_CUDA)
 void cuda_ok(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     throw Error(std::string("bench prefill: ") + what + ": " + cudaGetErrorString(status));

@@ -38,6 +38,18 @@ struct KvLayout {
     return block * block_stride_bytes +
            ((static_cast<int64_t>(head) * tokens_per_block + token) * head_dim + d) * element_bytes;
   }
+  // byte_offset without 64-bit division, for kernels that address many rows per tile: a paged
+  // cache's tokens_per_block is 1 << page_shift; a contiguous row holds slot < tokens_per_block.
+  ATTNKIT_HD int64_t byte_offset_shift(int64_t row, int64_t slot, int32_t head, int32_t d,
+                                       int32_t page_shift) const {
+    int64_t block = row, token = slot;
+    if (block_table) {
+      block = block_table[row * block_table_row_stride + (slot >> page_shift)];
+      token = slot & ((int64_t{1} << page_shift) - 1);
+    }
+    return block * block_stride_bytes +
+           ((static_cast<int64_t>(head) * tokens_per_block + token) * head_dim + d) * element_bytes;
+  }
   ATTNKIT_HD uint8_t* k_ptr(int64_t row, int64_t position, int32_t head, int32_t d = 0) const {
     return k_base + byte_offset(row, slot_of(position), head, d);
   }

@@ -52,8 +52,8 @@ ATTNKIT_HD double rope_sin(double x) { return sin(x); }
 // device, double in the reference).
 template <typename Real>
 ATTNKIT_HD Real rope_inv_freq(const RopeParams& r, int32_t i) {
-  Real inv_freq =
-      rope_pow(static_cast<Real>(r.base), -static_cast<Real>(2 * i) / static_cast<Real>(r.rotary_dim));
+  Real inv_freq = rope_pow(static_cast<Real>(r.base),
+                           -static_cast<Real>(2 * i) / static_cast<Real>(r.rotary_dim));
   const Real factor = static_cast<Real>(r.factor);
   if (r.scaling == RopeScaling::kLinear) return inv_freq / factor;
   if (r.scaling == RopeScaling::kLlama3) {

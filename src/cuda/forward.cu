@@ -14,7 +14,9 @@ namespace {
 
 constexpr int64_t kWorkspaceAlign = 256;
 
-int64_t align_up(int64_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+int64_t align_up(int64_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
 
 struct TokenMetaParams {
   const int32_t* cu_seqlens_q;  // int32 [num_requests + 1]
@@ -36,7 +38,10 @@ __global__ void forward_token_meta_kernel(const __grid_constant__ TokenMetaParam
   int lo = 0, hi = params.num_requests;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (params.cu_seqlens_q[mid] <= t) lo = mid; else hi = mid;
+    if (params.cu_seqlens_q[mid] <= t)
+      lo = mid;
+    else
+      hi = mid;
   }
   const int32_t offset = static_cast<int32_t>(t - params.cu_seqlens_q[lo]);
   if (lo < params.num_context) {
@@ -44,7 +49,8 @@ __global__ void forward_token_meta_kernel(const __grid_constant__ TokenMetaParam
     params.row_of_token[t] = lo;
   } else {
     params.positions[t] = params.past_lens[lo];
-    params.row_of_token[t] = params.num_context + (lo - params.num_context) * params.beam_width + offset;
+    params.row_of_token[t] =
+        params.num_context + (lo - params.num_context) * params.beam_width + offset;
   }
 }
 
@@ -68,7 +74,8 @@ KvCacheView cache_rows(const KvCacheView& cache, int64_t first, int64_t count) {
     view.k_base = static_cast<uint8_t*>(cache.k_base) + first * cache.block_stride_bytes;
     view.v_base = static_cast<uint8_t*>(cache.v_base) + first * cache.block_stride_bytes;
   }
-  view.seq_lens.data = static_cast<int32_t*>(cache.seq_lens.data) + first * cache.seq_lens.strides[0];
+  view.seq_lens.data =
+      static_cast<int32_t*>(cache.seq_lens.data) + first * cache.seq_lens.strides[0];
   view.seq_lens.shape[0] = count;
   return view;
 }
@@ -77,7 +84,8 @@ KvCacheView cache_rows(const KvCacheView& cache, int64_t first, int64_t count) {
 TensorView token_rows(const TensorView& t, int64_t first, int64_t count) {
   if (!t.defined()) return t;
   TensorView view = t;
-  view.data = static_cast<uint8_t*>(t.data) + first * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
+  view.data = static_cast<uint8_t*>(t.data) +
+              first * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
   view.shape[0] = count;
   return view;
 }
@@ -110,7 +118,8 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   const int64_t hq = spec.num_q_heads, dim = spec.head_dim;
 
   // Workspace: rotated Q, then the metadata arrays.
-  const int64_t q_bytes = align_up(num_tokens * hq * dim * static_cast<int64_t>(dtype_size(p.dtype)));
+  const int64_t q_bytes =
+      align_up(num_tokens * hq * dim * static_cast<int64_t>(dtype_size(p.dtype)));
   const int64_t cu_bytes = align_up((num_requests + 1) * 4);
   const int64_t past_bytes = align_up(num_requests * 4);
   const int64_t token_bytes = align_up(num_tokens * 4);
@@ -119,13 +128,15 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   AsyncBuffer owned;
   uint8_t* workspace = nullptr;
   if (args.workspace.defined()) {
-    const int64_t given = args.workspace.numel() * static_cast<int64_t>(dtype_size(args.workspace.dtype));
+    const int64_t given =
+        args.workspace.numel() * static_cast<int64_t>(dtype_size(args.workspace.dtype));
     ATTNKIT_CHECK(args.workspace.device.is_cuda() && args.workspace.is_contiguous(),
                   "forward: workspace must be a contiguous CUDA tensor, got one on ",
                   args.workspace.device.str());
-    ATTNKIT_CHECK(given >= needed, "forward: workspace needs at least ", needed,
-                  " bytes (rotated Q num_tokens*Hq*D*elt plus int32 metadata, each part aligned to ",
-                  kWorkspaceAlign, " bytes), got ", given);
+    ATTNKIT_CHECK(
+        given >= needed, "forward: workspace needs at least ", needed,
+        " bytes (rotated Q num_tokens*Hq*D*elt plus int32 metadata, each part aligned to ",
+        kWorkspaceAlign, " bytes), got ", given);
     ATTNKIT_CHECK(reinterpret_cast<uintptr_t>(args.workspace.data) % kWorkspaceAlign == 0,
                   "forward: workspace must be ", kWorkspaceAlign, "-byte aligned");
     workspace = static_cast<uint8_t*>(args.workspace.data);
@@ -139,7 +150,8 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   auto* cu_dev = reinterpret_cast<int32_t*>(workspace + q_bytes);
   auto* past_dev = reinterpret_cast<int32_t*>(workspace + q_bytes + cu_bytes);
   auto* positions = reinterpret_cast<int32_t*>(workspace + q_bytes + cu_bytes + past_bytes);
-  auto* rows = reinterpret_cast<int32_t*>(workspace + q_bytes + cu_bytes + past_bytes + token_bytes);
+  auto* rows =
+      reinterpret_cast<int32_t*>(workspace + q_bytes + cu_bytes + past_bytes + token_bytes);
 
   // ---- metadata: per-request arrays up, per-token positions and rows on the device.
   upload_int32_async(static_cast<const int32_t*>(args.cu_seqlens_q.data), num_requests + 1, cu_dev,
@@ -147,10 +159,10 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   upload_int32_async(static_cast<const int32_t*>(args.past_lens.data), num_requests, past_dev,
                      cuda_stream);
   if (num_tokens > 0) {
-    TokenMetaParams meta{cu_dev, past_dev, positions, rows, num_tokens, num_requests, p.num_context,
-                         args.beam_width};
-    forward_token_meta_kernel<<<static_cast<unsigned>((num_tokens + 255) / 256), 256, 0, cuda_stream>>>(
-        meta);
+    TokenMetaParams meta{cu_dev,     past_dev,     positions,     rows,
+                         num_tokens, num_requests, p.num_context, args.beam_width};
+    forward_token_meta_kernel<<<static_cast<unsigned>((num_tokens + 255) / 256), 256, 0,
+                                cuda_stream>>>(meta);
     check_launch("forward_token_meta_kernel");
   }
 

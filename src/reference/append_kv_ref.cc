@@ -25,8 +25,7 @@ class QkvInput {
     if (args_.qkv.defined()) {
       const TensorView& t = args_.qkv;
       for (int32_t d = 0; d < d_; ++d) {
-        out[d] = detail::load_as_float(t.data, t.dtype,
-                                       detail::offset_of(t, {token, column0 + d}));
+        out[d] = detail::load_as_float(t.data, t.dtype, detail::offset_of(t, {token, column0 + d}));
       }
     } else {
       load_head(section == kQ ? args_.q : section == kK ? args_.k : args_.v, token, head, out);

@@ -10,13 +10,13 @@ namespace internal {
 
 void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
   const LogitRule rule(spec);
-  const int32_t num_q_heads = spec.num_q_heads;
   const int32_t group = spec.group_size();
   const int32_t head_dim = spec.head_dim;
   const int64_t batch = args.cu_seqlens_q.shape[0] - 1;
   const bool paged = args.kv_cache != nullptr;
   const CacheReader cache(paged ? *args.kv_cache : KvCacheView{});
   std::vector<double> q(static_cast<size_t>(head_dim)), out(static_cast<size_t>(head_dim));
+  std::vector<double> k, v;
 
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t q_begin = index_at(args.cu_seqlens_q, i);
@@ -29,28 +29,31 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
       kv_begin = index_at(args.cu_seqlens_kv, i);
       kv_len = index_at(args.cu_seqlens_kv, i + 1) - kv_begin;
     }
-    for (int32_t h = 0; h < num_q_heads; ++h) {
-      const int32_t kv_head = h / group;
-      auto packed_loader = [&](const TensorView& t) {
-        return [&t, kv_begin, kv_head](int64_t j, double* x) {
-          load_head(t, kv_begin + j, kv_head, x);
-        };
-      };
-      for (int64_t t = 0; t < num_q; ++t) {
-        // Bottom-right aligned: the queries are the last num_q of the kv_len positions.
-        const int64_t position = kv_len - num_q + t;
-        load_head(args.q, q_begin + t, h, q.data());
-        double lse = 0.0;
+    if (num_q == 0) continue;
+    // Bottom-right aligned: the queries are the last num_q of the kv_len positions.
+    const int64_t first_position = kv_len - num_q;
+    k.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
+    v.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
+    for (int32_t kv_head = 0; kv_head < spec.num_kv_heads; ++kv_head) {
+      // Load the keys some query attends once (never the others: their blocks may be gone).
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (!rule.attended_by_any(first_position, kv_len - 1, j)) continue;
         if (paged) {
-          attend_row(
-              rule, q.data(), head_dim, h, position, kv_len,
-              [&](int64_t j, double* x) { cache.load_k(i, j, kv_head, x); },
-              [&](int64_t j, double* x) { cache.load_v(i, j, kv_head, x); }, out.data(), &lse);
+          cache.load_k(i, j, kv_head, &k[j * head_dim]);
+          cache.load_v(i, j, kv_head, &v[j * head_dim]);
         } else {
-          attend_row(rule, q.data(), head_dim, h, position, kv_len, packed_loader(args.k),
-                     packed_loader(args.v), out.data(), &lse);
+          load_head(args.k, kv_begin + j, kv_head, &k[j * head_dim]);
+          load_head(args.v, kv_begin + j, kv_head, &v[j * head_dim]);
         }
-        store_row(args.out, args.lse, q_begin + t, h, out.data(), lse);
+      }
+      for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+        for (int64_t t = 0; t < num_q; ++t) {
+          load_head(args.q, q_begin + t, h, q.data());
+          double lse = 0.0;
+          attend_row(rule, q.data(), head_dim, h, first_position + t, kv_len, k.data(), v.data(),
+                     out.data(), &lse);
+          store_row(args.out, args.lse, q_begin + t, h, out.data(), lse);
+        }
       }
     }
   }
@@ -58,7 +61,6 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
 
 void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
   const LogitRule rule(spec);
-  const int32_t num_q_heads = spec.num_q_heads;
   const int32_t group = spec.group_size();
   const int32_t head_dim = spec.head_dim;
   const int64_t num_rows = args.kv_cache.num_rows();
@@ -66,6 +68,7 @@ void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
   const TensorView& ind = args.cache_indirection;
   const CacheReader cache(args.kv_cache);
   std::vector<double> q(static_cast<size_t>(head_dim)), out(static_cast<size_t>(head_dim));
+  std::vector<double> k, v;
 
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t kv_len = index_at(args.kv_cache.seq_lens, r);
@@ -79,16 +82,21 @@ void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
           static_cast<const int32_t*>(ind.data)[detail::offset_of(ind, {seq, beam, j})];
       return seq * beam_width + src_beam;
     };
-    for (int32_t h = 0; h < num_q_heads; ++h) {
-      const int32_t kv_head = h / group;
-      load_head(args.q, r, h, q.data());
-      double lse = 0.0;
-      attend_row(
-          rule, q.data(), head_dim, h, position, kv_len,
-          [&](int64_t j, double* x) { cache.load_k(source_row(j), j, kv_head, x); },
-          [&](int64_t j, double* x) { cache.load_v(source_row(j), j, kv_head, x); }, out.data(),
-          &lse);
-      store_row(args.out, args.lse, r, h, out.data(), lse);
+    k.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
+    v.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
+    for (int32_t kv_head = 0; kv_head < spec.num_kv_heads; ++kv_head) {
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (!rule.attends(position, j)) continue;
+        cache.load_k(source_row(j), j, kv_head, &k[j * head_dim]);
+        cache.load_v(source_row(j), j, kv_head, &v[j * head_dim]);
+      }
+      for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+        load_head(args.q, r, h, q.data());
+        double lse = 0.0;
+        attend_row(rule, q.data(), head_dim, h, position, kv_len, k.data(), v.data(), out.data(),
+                   &lse);
+        store_row(args.out, args.lse, r, h, out.data(), lse);
+      }
     }
   }
 }

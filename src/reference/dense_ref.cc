@@ -153,12 +153,8 @@ std::vector<float> load_head(const TensorView& t, int64_t batch, int64_t seqlen,
   return rows;
 }
 
-// One head's operands in fp64 with the scales the scores and the output are multiplied by.
-struct HeadRows {
-  std::vector<double> values;
-  std::vector<float> row_scale;
-};
-HeadRows unquantized(const std::vector<float>& x, int64_t rows) {
+// Rows without quantization: the values themselves, every scale 1.
+SageRows unquantized(const std::vector<float>& x, int64_t rows) {
   return {std::vector<double>(x.begin(), x.end()), std::vector<float>(rows, 1.0f)};
 }
 
@@ -188,43 +184,37 @@ void dense(const AttentionSpec& spec, const DenseArgs& args, const detail::Dense
   DenseTileCounts counts;
   std::vector<double> out_head(static_cast<size_t>(sq * dim));
   std::vector<double> lse_head(static_cast<size_t>(sq));
-  const std::vector<float> unit_channel_scale(static_cast<size_t>(dim), 1.0f);
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int32_t hk = 0; hk < spec.num_kv_heads; ++hk) {
       std::vector<float> k_rows = load_head(args.k, b, skv, hk, dim);
       const std::vector<float> v_rows = load_head(args.v, b, skv, hk, dim);
-      HeadRows k_head, v_head;
-      std::vector<float> v_scale = unit_channel_scale;
+      SageRows k_head;
+      std::vector<double> v_values;
+      std::vector<float> v_scale(static_cast<size_t>(dim), 1.0f);
       if (sage) {
         // Smoothing shifts every score of a row by the same q . mean: the softmax is unchanged,
         // while the quantized range of K shrinks to its spread around the mean.
         const std::vector<float> mean = sage_channel_mean(k_rows, skv, dim);
-        (void)mean;
-        SageRows kq =
+        for (int64_t i = 0; i < skv * dim; ++i) k_rows[i] -= mean[i % dim];
+        k_head =
             sage_quantize_rows(k_rows, skv, dim, spec.quant->k_block_size, spec.quant->dtype_qk);
-        k_head = {std::move(kq.values), std::move(kq.row_scale)};
         SageColumns vq = sage_quantize_v(v_rows, skv, dim);
-        v_head = {std::move(vq.values), std::vector<float>(skv, 1.0f)};
+        v_values = std::move(vq.values);
         v_scale = std::move(vq.channel_scale);
       } else {
         k_head = unquantized(k_rows, skv);
-        v_head = unquantized(v_rows, skv);
+        v_values.assign(v_rows.begin(), v_rows.end());
       }
       for (int32_t g = 0; g < spec.group_size(); ++g) {
         const int32_t hq = hk * spec.group_size() + g;
         const std::vector<float> q_rows = load_head(args.q, b, sq, hq, dim);
-        HeadRows q_head;
-        if (sage) {
-          SageRows qq =
-              sage_quantize_rows(q_rows, sq, dim, spec.quant->q_block_size, spec.quant->dtype_qk);
-          q_head = {std::move(qq.values), std::move(qq.row_scale)};
-        } else {
-          q_head = unquantized(q_rows, sq);
-        }
+        const SageRows q_head = sage ? sage_quantize_rows(q_rows, sq, dim, spec.quant->q_block_size,
+                                                          spec.quant->dtype_qk)
+                                     : unquantized(q_rows, sq);
         const DenseTileCounts head_counts =
             dense_attend_head(q_head.values.data(), q_head.row_scale.data(), k_head.values.data(),
-                              k_head.row_scale.data(), v_head.values.data(), v_scale.data(), sq,
-                              skv, dim, rule, out_head.data(), lse_head.data());
+                              k_head.row_scale.data(), v_values.data(), v_scale.data(), sq, skv,
+                              dim, rule, out_head.data(), lse_head.data());
         counts.total += head_counts.total;
         counts.skipped += head_counts.skipped;
         for (int64_t s = 0; s < sq; ++s) {

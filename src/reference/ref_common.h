@@ -62,7 +62,7 @@ class CacheReader {
 // Everything that turns q.k into a masked logit, per query head.
 struct LogitRule {
   double scale = 1.0;
-  double softcap = 0.0;  // 0: off
+  double softcap = 0.0;              // 0: off
   std::vector<double> alibi_slopes;  // empty: no ALiBi
   MaskSpec mask{};
 
@@ -95,22 +95,34 @@ struct LogitRule {
     if (!alibi_slopes.empty()) x += alibi_slopes[head] * static_cast<double>(j - p);
     return x;
   }
+
+  // Whether any query at a position in [first, last] attends key j (which keys to load).
+  bool attended_by_any(int64_t first, int64_t last, int64_t j) const {
+    switch (mask.kind) {
+      case MaskKind::kNone:
+        return true;
+      case MaskKind::kCausal:
+        return j <= last;
+      case MaskKind::kSlidingWindow:
+        return j <= last && (j > first - mask.window || j < mask.sink_tokens);
+    }
+    return false;
+  }
 };
 
 // Attention of query vector q (head `head`, position p) over keys 0 .. kv_len-1 in fp64.
-// load_k(j, double*) / load_v(j, double*) fill head_dim values of key/value j; only attended
-// keys are loaded. A row with no attended key gives zeros and lse = -inf.
-template <typename LoadK, typename LoadV>
-void attend_row(const LogitRule& rule, const double* q, int32_t head_dim, int32_t head, int64_t p,
-                int64_t kv_len, LoadK&& load_k, LoadV&& load_v, double* out, double* lse) {
+// k / v hold key/value j at [j * head_dim, (j + 1) * head_dim); only attended keys are read.
+// A row with no attended key gives zeros and lse = -inf.
+inline void attend_row(const LogitRule& rule, const double* q, int32_t head_dim, int32_t head,
+                       int64_t p, int64_t kv_len, const double* k, const double* v, double* out,
+                       double* lse) {
   std::vector<int64_t> keys;
   std::vector<double> logits;
-  std::vector<double> kv(static_cast<size_t>(head_dim));
   for (int64_t j = 0; j < kv_len; ++j) {
     if (!rule.attends(p, j)) continue;
-    load_k(j, kv.data());
+    const double* kj = k + j * head_dim;
     double dot = 0.0;
-    for (int32_t d = 0; d < head_dim; ++d) dot += q[d] * kv[d];
+    for (int32_t d = 0; d < head_dim; ++d) dot += q[d] * kj[d];
     keys.push_back(j);
     logits.push_back(rule.logit(dot, head, p, j));
   }
@@ -122,11 +134,11 @@ void attend_row(const LogitRule& rule, const double* q, int32_t head_dim, int32_
   double max_logit = -std::numeric_limits<double>::infinity();
   for (double x : logits) max_logit = std::max(max_logit, x);
   double sum = 0.0;
-  for (size_t k = 0; k < keys.size(); ++k) {
-    const double w = std::exp(logits[k] - max_logit);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const double w = std::exp(logits[i] - max_logit);
     sum += w;
-    load_v(keys[k], kv.data());
-    for (int32_t d = 0; d < head_dim; ++d) out[d] += w * kv[d];
+    const double* vj = v + keys[i] * head_dim;
+    for (int32_t d = 0; d < head_dim; ++d) out[d] += w * vj[d];
   }
   for (int32_t d = 0; d < head_dim; ++d) out[d] /= sum;
   *lse = max_logit + std::log(sum);

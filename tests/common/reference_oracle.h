@@ -35,14 +35,14 @@ struct OracleProblem {
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  std::vector<double> q;              // [num_q, Hq, D]
-  std::vector<double> k, v;           // [num_k, Hkv, D]; key j sits at position j
-  std::vector<int64_t> q_positions;   // [num_q]
+  std::vector<double> q;             // [num_q, Hq, D]
+  std::vector<double> k, v;          // [num_k, Hkv, D]; key j sits at position j
+  std::vector<int64_t> q_positions;  // [num_q]
   MaskSpec mask{};
-  double scale = 0.0;                 // 0: 1/sqrt(D)
+  double scale = 0.0;  // 0: 1/sqrt(D)
   double softcap = 0.0;
-  std::vector<double> alibi_slopes;   // [Hq] or empty
-  std::vector<int32_t> kv_head_of;    // optional [Hq]: KV head of each q head (default h/group)
+  std::vector<double> alibi_slopes;  // [Hq] or empty
+  std::vector<int32_t> kv_head_of;   // optional [Hq]: KV head of each q head (default h/group)
 };
 
 struct OracleResult {
@@ -146,6 +146,15 @@ inline std::vector<double> naive_same_precision(const OracleProblem& pr, DType d
   return out;
 }
 
+// Error bound of the reference against the fp64 oracle: the result is rounded once to its dtype
+// (plus float32 noise).
+inline double rounding_bound(DType dtype, double ref) {
+  const double rel = dtype == DType::kBF16  ? std::ldexp(1.0, -8)
+                     : dtype == DType::kF16 ? std::ldexp(1.0, -11)
+                                            : 1e-6;
+  return std::fabs(ref) * rel + 1e-6;
+}
+
 // max |a - b| over entries where both are finite, and whether the -inf pattern matches.
 inline double max_abs_diff_lse(const std::vector<double>& a, const std::vector<double>& b,
                                bool* inf_pattern_matches) {
@@ -211,8 +220,8 @@ class OracleKvCache {
     return c;
   }
   // Contiguous: one block of `capacity` tokens per row (row r uses block r).
-  static OracleKvCache contiguous(DType dtype, int32_t num_kv_heads, int32_t head_dim,
-                                  int32_t rows, int32_t capacity) {
+  static OracleKvCache contiguous(DType dtype, int32_t num_kv_heads, int32_t head_dim, int32_t rows,
+                                  int32_t capacity) {
     OracleKvCache c(dtype, num_kv_heads, head_dim, capacity, rows);
     c.paged_ = false;
     c.seq_lens_ = HostTensor(DType::kInt32, {rows});
@@ -300,7 +309,11 @@ class OracleKvCache {
 
  private:
   OracleKvCache(DType dtype, int32_t hkv, int32_t d, int32_t tpb, int32_t num_blocks)
-      : dtype_(dtype), hkv_(hkv), d_(d), tpb_(tpb), num_blocks_(num_blocks),
+      : dtype_(dtype),
+        hkv_(hkv),
+        d_(d),
+        tpb_(tpb),
+        num_blocks_(num_blocks),
         pool_(dtype, {num_blocks, 2, hkv, tpb, d}) {
     // NaN poison for float caches; int8 has no NaN, so an extreme value instead.
     pool_.fill(dtype == DType::kInt8 ? 127.0f : NAN);

@@ -572,6 +572,36 @@ TEST(DenseSkip, TileSizesChangeDecisions) {
   }
 }
 
+// lambda = 1e300 skips every tile it may: all but the first key tile of each row tile, which is
+// never skipped (running max -inf). The result is attention over the first block_n keys.
+TEST(DenseSkip, HugeThresholdKeepsOnlyTheFirstTile) {
+  std::mt19937_64 rng(test::test_seed() + 15);
+  const Shape shape{2, 40, 100, 4, 2, 64};
+  const Inputs in = make_inputs(shape, DType::kF32, rng);
+  const int32_t bm = 16, bn = 32;
+  const Outputs o = run_dense(with_threshold(make_spec(shape), 1e300), in, bm, bn);
+  const int64_t row_tiles = int64_t{shape.batch} * shape.hq * 3;  // ceil(40 / 16) per head
+  EXPECT_EQ(o.stats.tiles_total, row_tiles * 4);                  // ceil(100 / 32)
+  EXPECT_EQ(o.stats.tiles_skipped, row_tiles * 3);
+  Shape first_shape = shape;
+  first_shape.skv = bn;
+  Inputs first = make_inputs(first_shape, DType::kF32, rng);
+  first.q = in.q;
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    for (int64_t j = 0; j < bn; ++j) {
+      for (int64_t i = 0; i < shape.hkv * shape.dim; ++i) {
+        const int64_t from = (b * shape.skv + j) * shape.hkv * shape.dim + i;
+        const int64_t to = (b * bn + j) * shape.hkv * shape.dim + i;
+        first.k.set(to, in.k.get(from));
+        first.v.set(to, in.v.get(from));
+      }
+    }
+  }
+  const Expected e = exact_attention(first);
+  expect_close(o.out, e.out, 1e-6, 1e-6, "out vs attention over the first tile");
+  expect_close(o.lse, e.lse, 1e-6, 1e-6, "lse vs attention over the first tile");
+}
+
 TEST(DenseSkip, TargetSparsityEqualsThreshold) {
   std::mt19937_64 rng(test::test_seed() + 7);
   const Shape shape{1, 40, 400, 2, 2, 64};
@@ -601,7 +631,9 @@ TEST(DenseSkip, TargetSparsityEqualsThreshold) {
     model.skip = true;
     model.log_lambda = std::log(lambda);
     EXPECT_EQ(x.stats.tiles_skipped, expected_dense(in, model).skipped);
-    if (sparsity == 1.0) EXPECT_GT(x.stats.tiles_skipped, 0);
+    if (sparsity == 1.0) {
+      EXPECT_GT(x.stats.tiles_skipped, 0);
+    }
   }
 }
 
@@ -748,7 +780,9 @@ TEST(DenseSage, MatchesIndependentPipeline) {
         const Expected e = expected_dense(in, model);
         EXPECT_EQ(o.stats.tiles_total, e.total);
         EXPECT_EQ(o.stats.tiles_skipped, e.skipped);
-        if (skip) EXPECT_GT(e.skipped, 0);
+        if (skip) {
+          EXPECT_GT(e.skipped, 0);
+        }
         // bf16 output: one rounding of the result (2^-8 relative) on top of fp64 noise.
         expect_close(o.out, e.out, 1e-9, std::ldexp(1.0, -8), "out");
         expect_close(o.lse, e.lse, 1e-6, 1e-6, "lse");
@@ -824,6 +858,92 @@ TEST(DenseSage, AccuracyAgainstExact) {
               << "D=" << dim << " " << dtype_name(qk) << " blocks " << q_block << "/" << k_block;
         }
       }
+    }
+  }
+}
+
+// No keys: every row is fully masked, so zeros and lse = -inf (never NaN), and no tiles. No
+// queries: nothing to do.
+TEST(DenseRef, EmptySequences) {
+  std::mt19937_64 rng(test::test_seed() + 14);
+  const Shape no_keys{2, 5, 0, 2, 1, 64};
+  for (bool sage : {false, true}) {
+    SCOPED_TRACE(sage ? "sage + skip" : "plain");
+    AttentionSpec spec = with_threshold(make_spec(no_keys), 1.0);
+    if (sage) spec = with_sage(spec, DType::kInt8, 4, 16);
+    const Outputs o = run_dense(spec, make_inputs(no_keys, DType::kBF16, rng), 16, 16);
+    for (int64_t i = 0; i < o.out.numel(); ++i) ASSERT_EQ(o.out.get(i), 0.0f) << i;
+    for (int64_t i = 0; i < o.lse.numel(); ++i) ASSERT_EQ(o.lse.get(i), -INFINITY) << i;
+    EXPECT_EQ(o.stats.tiles_total, 0);
+    EXPECT_EQ(o.stats.tiles_skipped, 0);
+  }
+  const Shape no_queries{1, 0, 7, 2, 2, 64};
+  const Outputs e = run_dense(make_spec(no_queries), make_inputs(no_queries, DType::kF32, rng));
+  EXPECT_EQ(e.stats.tiles_total, 0);
+}
+
+// q, k, v as views into one fused [B, S, Hq + 2 Hkv, D] buffer, out and lse with padded rows: the
+// same values as contiguous tensors, and the padding is never written.
+TEST(DenseRef, StridedViewsEqualContiguous) {
+  std::mt19937_64 rng(test::test_seed() + 16);
+  const Shape shape{2, 40, 40, 4, 2, 64};
+  const int64_t heads = shape.hq + 2 * shape.hkv, pad = 8, row = shape.dim + pad;
+  HostTensor fused(DType::kBF16, {shape.batch, shape.sq, heads, shape.dim});
+  fill_normal(fused, rng);
+  const size_t elt = dtype_size(DType::kBF16);
+  auto part = [&](int64_t first_head, int64_t num_heads) {
+    return TensorView(static_cast<char*>(fused.view().data) + first_head * shape.dim * elt,
+                      DType::kBF16, {shape.batch, shape.sq, num_heads, shape.dim},
+                      {shape.sq * heads * shape.dim, heads * shape.dim, shape.dim, 1});
+  };
+  Inputs in = make_inputs(shape, DType::kBF16, rng);
+  const struct {
+    HostTensor* dst;
+    int64_t first, count;
+  } parts[] = {
+      {&in.q, 0, shape.hq}, {&in.k, shape.hq, shape.hkv}, {&in.v, shape.hq + shape.hkv, shape.hkv}};
+  for (const auto& pt : parts) {
+    for (int64_t i = 0; i < pt.dst->numel(); ++i) {
+      const int64_t d = i % shape.dim, h = i / shape.dim % pt.count, t = i / shape.dim / pt.count;
+      pt.dst->set(i, fused.get((t * heads + pt.first + h) * shape.dim + d));
+    }
+  }
+  AttentionSpec spec = with_sage(with_threshold(make_spec(shape), 1.0), DType::kInt8, 4, 16);
+  const Outputs want = run_dense(spec, in, 16, 16);
+
+  HostTensor out_buf(DType::kBF16, {shape.batch, shape.sq, shape.hq, row});
+  const int64_t lse_row = shape.hq + 3;
+  HostTensor lse_buf(DType::kF32, {shape.batch, shape.sq, lse_row});
+  out_buf.fill(7.0f);
+  lse_buf.fill(7.0f);
+  DenseStats stats;
+  DenseArgs args;
+  args.q = part(0, shape.hq);
+  args.k = part(shape.hq, shape.hkv);
+  args.v = part(shape.hq + shape.hkv, shape.hkv);
+  args.out =
+      TensorView(out_buf.view().data, DType::kBF16, {shape.batch, shape.sq, shape.hq, shape.dim},
+                 {shape.sq * shape.hq * row, shape.hq * row, row, 1});
+  args.lse = TensorView(lse_buf.view().data, DType::kF32, {shape.batch, shape.sq, shape.hq},
+                        {shape.sq * lse_row, lse_row, 1});
+  args.block_m = args.block_n = 16;
+  args.stats = &stats;
+  dense(spec, args);
+  EXPECT_EQ(stats.tiles_total, want.stats.tiles_total);
+  EXPECT_EQ(stats.tiles_skipped, want.stats.tiles_skipped);
+  for (int64_t i = 0; i < out_buf.numel(); ++i) {
+    const int64_t d = i % row, h = i / row % shape.hq, t = i / row / shape.hq;
+    if (d >= shape.dim) {
+      ASSERT_EQ(out_buf.get(i), 7.0f) << "padding element " << i << " was written";
+    } else {
+      ASSERT_EQ(out_buf.get(i), want.out.get((t * shape.hq + h) * shape.dim + d)) << i;
+    }
+  }
+  for (int64_t i = 0; i < lse_buf.numel(); ++i) {
+    if (i % lse_row >= shape.hq) {
+      ASSERT_EQ(lse_buf.get(i), 7.0f) << "padding element " << i << " was written";
+    } else {
+      ASSERT_EQ(lse_buf.get(i), want.lse.get(i / lse_row * shape.hq + i % lse_row)) << i;
     }
   }
 }

@@ -16,6 +16,7 @@ namespace {
 
 constexpr int32_t kHq = 4, kHkv = 2, kD = 32, kT = 16;
 
+// Queries, cache and outputs are bf16 (an unquantized cache has the dtype of the queries).
 // The "model": the fused QKV row of a token is a fixed function of (token id, position), so
 // equal prefixes give equal KV, as in a real model.
 struct TokenModel {
@@ -51,13 +52,19 @@ AttentionSpec causal_spec() {
   return spec;
 }
 
+std::vector<float> as_floats(const HostTensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) v[i] = t.get(i);
+  return v;
+}
+
 // Writes the KV of `tokens` at `positions` (block-table row rows[i]) and returns the rotated Q.
 HostTensor write_kv(const AttentionSpec& spec, const TokenModel& model, const KvCacheView& view,
                     const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                     const std::vector<int32_t>& rows) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t width = (kHq + 2 * kHkv) * kD;
-  HostTensor qkv(DType::kF32, {n, width});
+  HostTensor qkv(DType::kBF16, {n, width});
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < width; ++i)
       qkv.set(t * width + i, model.value(tokens[t], positions[t], i));
@@ -65,7 +72,7 @@ HostTensor write_kv(const AttentionSpec& spec, const TokenModel& model, const Kv
   HostTensor pos(DType::kInt32, {n}), row(DType::kInt32, {n});
   std::memcpy(pos.data<int32_t>(), positions.data(), n * 4);
   std::memcpy(row.data<int32_t>(), rows.data(), n * 4);
-  HostTensor q_out(DType::kF32, {n, kHq, kD});
+  HostTensor q_out(DType::kBF16, {n, kHq, kD});
   q_out.fill(NAN);
   AppendKvArgs a;
   a.qkv = qkv;
@@ -90,7 +97,7 @@ std::vector<float> prefill_seq(const AttentionSpec& spec, const TokenModel& mode
   HostTensor cu(DType::kInt32, {2});
   cu.data<int32_t>()[0] = 0;
   cu.data<int32_t>()[1] = n;
-  HostTensor out(DType::kF32, {n, kHq, kD});
+  HostTensor out(DType::kBF16, {n, kHq, kD});
   out.fill(NAN);
   PrefillArgs p;
   p.q = q;
@@ -98,8 +105,7 @@ std::vector<float> prefill_seq(const AttentionSpec& spec, const TokenModel& mode
   p.kv_cache = &view;
   p.out = out;
   prefill(spec, p);
-  const float* o = out.data<float>();
-  return std::vector<float>(o, o + out.numel());
+  return as_floats(out);
 }
 
 // Appends one token to every row and runs decode over the rows; returns [rows, Hq, D].
@@ -115,15 +121,14 @@ std::vector<float> decode_step(const AttentionSpec& spec, const TokenModel& mode
   const KvBlockTables t = m.block_tables(seqs);
   const KvCacheView view = m.layer_view(0, t.table_view(), t.seq_lens_view());
   HostTensor q = write_kv(spec, model, view, next, positions, rows);
-  HostTensor out(DType::kF32, {static_cast<int64_t>(seqs.size()), kHq, kD});
+  HostTensor out(DType::kBF16, {static_cast<int64_t>(seqs.size()), kHq, kD});
   out.fill(NAN);
   DecodeArgs d;
   d.q = q;
   d.kv_cache = view;
   d.out = out;
   decode(spec, d);
-  const float* o = out.data<float>();
-  return std::vector<float>(o, o + out.numel());
+  return as_floats(out);
 }
 
 bool bit_identical(const std::vector<float>& a, const std::vector<float>& b) {
@@ -180,7 +185,9 @@ TEST(KvCacheEndToEndFork, CopyOnWriteGivesTheSameDecodeAsSeparateSequences) {
   const TokenModel model{rng()};
   const AttentionSpec spec = causal_spec();
   KvCacheManager shared(e2e_config(32));
-  KvCacheManager separate(e2e_config(32));
+  KvCacheManagerConfig separate_config = e2e_config(32);
+  separate_config.enable_prefix_reuse = false;  // nothing shared: the yardstick
+  KvCacheManager separate(separate_config);
   const auto prompt = random_tokens(rng, 21);
   shared.add(1, prompt);
   prefill_seq(spec, model, shared, 1, prompt, 0);

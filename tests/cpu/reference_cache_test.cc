@@ -51,13 +51,14 @@ std::vector<int32_t> iota_positions(int32_t begin, int32_t count) {
 
 HostTensor append(const AttentionSpec& spec, const HostTensor& qkv,
                   const std::vector<int32_t>& positions, const std::vector<int32_t>& rows,
-                  const KvCacheView& cache) {
+                  const KvCacheView& cache, const HostTensor* bias = nullptr) {
   const int64_t n = static_cast<int64_t>(positions.size());
   HostTensor q_out(qkv.dtype(), {n, spec.num_q_heads, spec.head_dim});
   q_out.fill(NAN);
   HostTensor pos = int32_tensor(positions), row = int32_tensor(rows);
   AppendKvArgs args;
   args.qkv = qkv;
+  if (bias) args.qkv_bias = *bias;
   args.positions = pos;
   args.row_of_token = row;
   args.kv_cache = cache;
@@ -162,17 +163,27 @@ TEST(ReferenceChunkedContext, ChunksEqualTheWholePromptAndTheOracle) {
 // dense masked-window attention over every token (kept in a linear cache).
 TEST(ReferenceCyclicCache, MatchesDenseMaskedWindow) {
   std::mt19937_64 rng(test_seed());
-  const int32_t hq = 2, hkv = 1, d = 16, tpb = 4, len = 40, width = (hq + 2 * hkv) * d;
-  for (int32_t sinks : {0, 2}) {
-    SCOPED_TRACE(::testing::Message() << "sinks " << sinks);
+  const int32_t hq = 2, hkv = 1, d = 16, tpb = 8, len = 50, width = (hq + 2 * hkv) * d;
+  struct Case {
+    int32_t sinks;
+    DType input, cache;
+  };
+  for (const Case& c : {Case{0, DType::kBF16, DType::kBF16}, Case{2, DType::kBF16, DType::kBF16},
+                        Case{2, DType::kF32, DType::kFp8E4M3}}) {
+    const int32_t sinks = c.sinks;
+    SCOPED_TRACE(::testing::Message() << "sinks " << sinks << " cache " << dtype_name(c.cache));
     const AttentionSpec spec = make_spec(hq, hkv, d, {MaskKind::kSlidingWindow, 6, sinks});
     const int32_t slots = cyclic_window_slots(6, tpb);
-    ASSERT_EQ(slots, 12);
+    ASSERT_EQ(slots, 16);
     const int32_t blocks = (sinks + slots + tpb - 1) / tpb;
-    OracleKvCache cyclic = OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 1, blocks, rng);
+    OracleKvCache cyclic = OracleKvCache::paged(c.cache, hkv, d, tpb, 1, blocks, rng);
     cyclic.make_cyclic(slots, sinks);
-    OracleKvCache linear = OracleKvCache::contiguous(DType::kBF16, hkv, d, 1, len);
-    HostTensor qkv(DType::kF32, {len, width});
+    OracleKvCache linear = OracleKvCache::contiguous(c.cache, hkv, d, 1, len);
+    if (c.cache == DType::kFp8E4M3) {
+      cyclic.set_scales({0.004f}, {0.003f});
+      linear.set_scales({0.004f}, {0.003f});
+    }
+    HostTensor qkv(c.input, {len, width});
     qkv.fill_uniform(rng, -1, 1);
 
     auto check = [&](const HostTensor& out, const HostTensor& q, int32_t first, int32_t n) {
@@ -186,15 +197,19 @@ TEST(ReferenceCyclicCache, MatchesDenseMaskedWindow) {
       for (int32_t t = 0; t < n; ++t) pr.q_positions.push_back(first + t);
       pr.mask = spec.mask;
       const OracleResult ref = brute_force_attention(pr);
-      EXPECT_LE(max_abs_diff(out.to_double(), ref.out), 1e-5) << "tokens " << first << "+" << n;
+      const std::vector<double> got = out.to_double();
+      for (size_t e = 0; e < got.size(); ++e) {
+        ASSERT_LE(std::fabs(got[e] - ref.out[e]), rounding_bound(c.input, ref.out[e]))
+            << "tokens " << first << "+" << n << " element " << e;
+      }
     };
     int32_t p = 0;
     while (p < len) {
-      // Chunks of 4 tokens at 0 and 20 (prefill over the cyclic cache), otherwise decode.
-      const int32_t n = (p == 0 || p == 20) ? 4 : 1;
+      // Chunks of 8 tokens at 0 and 24 (prefill over the cyclic cache), otherwise decode.
+      const int32_t n = (p == 0 || p == 24) ? 8 : 1;
       const HostTensor chunk = copy_rows(qkv, p, n);
-      const HostTensor q = append(spec, chunk, iota_positions(p, n), std::vector<int32_t>(n, 0),
-                                  cyclic.view());
+      const HostTensor q =
+          append(spec, chunk, iota_positions(p, n), std::vector<int32_t>(n, 0), cyclic.view());
       append(spec, chunk, iota_positions(p, n), std::vector<int32_t>(n, 0), linear.view());
       cyclic.set_seq_len(0, p + n);
       const Result r = n > 1 ? prefill_over_cache(spec, q, {0, n}, cyclic.view())
@@ -232,8 +247,9 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   const std::vector<int32_t> cu = {0, 5, 14, 16, 18}, past = {8, 0, 11, 6};
   const std::vector<int32_t> after = {13, 9, 12, 12, 7, 7};
   for (int32_t r = 0; r < 6; ++r) cache.set_seq_len(r, after[r]);
-  HostTensor qkv(DType::kBF16, {18, width});
+  HostTensor qkv(DType::kBF16, {18, width}), bias(DType::kBF16, {width});
   qkv.fill_uniform(rng, -1, 1);
+  bias.fill_uniform(rng, -0.5, 0.5);
   HostTensor ind(DType::kInt32, {2, beams, max_seq});
   std::uniform_int_distribution<int32_t> pick(0, beams - 1);
   for (int32_t g = 0; g < 2; ++g) {
@@ -252,6 +268,7 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   HostTensor cu_t = int32_tensor(cu), past_t = int32_tensor(past);
   ForwardArgs args;
   args.qkv = qkv;
+  args.qkv_bias = bias;
   args.num_context = 2;
   args.beam_width = beams;
   args.cu_seqlens_q = cu_t;
@@ -268,7 +285,7 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   for (int32_t t = 0; t < 9; ++t) positions.push_back(t), rows.push_back(1);
   for (int32_t r = 2; r < 6; ++r) positions.push_back(past_rows[r]), rows.push_back(r);
   const KvCacheView all = separate.view();
-  const HostTensor q = append(spec, qkv, positions, rows, all);
+  const HostTensor q = append(spec, qkv, positions, rows, all, &bias);
   KvCacheView context = all;
   context.seq_lens = view_rows(all.seq_lens, 0, 2);
   context.block_table = view_rows(all.block_table, 0, 2);

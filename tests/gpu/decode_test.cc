@@ -17,6 +17,7 @@
 
 #include "attnkit/attention.h"
 #include "common/test_util.h"
+#include "core/check.h"
 #include "core/numerics.h"
 #include "cuda/decode/decode_launch.h"
 #include "gpu/gpu_util.h"

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
@@ -36,6 +37,11 @@ class DeviceKvCache {
   }
   const KvCacheView& view() const { return view_; }
   void download_pool(OracleKvCache& host) const { pool_.download(host.pool()); }
+  // After the host's seq_lens changed (a new step).
+  void upload_seq_lens(const OracleKvCache& host) {
+    const TensorView h = host.view().seq_lens;
+    cudaMemcpy(seq_lens_.data(), h.data, h.numel() * sizeof(int32_t), cudaMemcpyHostToDevice);
+  }
 
  private:
   static TensorView mirror(const TensorView& t, DeviceTensor& storage) {
@@ -135,7 +141,8 @@ inline void expect_attention_matches(const std::string& what, const OracleAccumu
     EXPECT_TRUE(pattern) << what << ": LSE -inf pattern (or NaN) differs from the oracle";
     EXPECT_LE(lse_error, 1e-3) << what << ": LSE vs fp64 oracle";
     if (cpu_lse != nullptr) {
-      const double cpu_lse_error = max_abs_diff_lse(gpu_lse->to_double(), cpu_lse->to_double(), &pattern);
+      const double cpu_lse_error =
+          max_abs_diff_lse(gpu_lse->to_double(), cpu_lse->to_double(), &pattern);
       EXPECT_TRUE(pattern) << what << ": LSE -inf pattern differs from the CPU reference";
       EXPECT_LE(cpu_lse_error, 1e-3) << what << ": LSE vs CPU reference";
     }

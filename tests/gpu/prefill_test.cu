@@ -54,11 +54,10 @@ struct Case {
     s << dtype_name(dtype) << " D=" << head_dim << " Hq=" << hq << " Hkv=" << hkv
       << " mask=" << mask_name(mask.kind) << " W=" << mask.window << " sinks=" << mask.sink_tokens
       << " alibi=" << alibi << " softcap=" << softcap
-      << (source == KvSource::kPaged ? " paged page=" : " packed") << (source == KvSource::kPaged
-                                                                          ? std::to_string(page)
-                                                                          : std::string())
-      << " kv=" << dtype_name(kv_dtype) << " tile="
-      << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto") << " q_lens=";
+      << (source == KvSource::kPaged ? " paged page=" : " packed")
+      << (source == KvSource::kPaged ? std::to_string(page) : std::string())
+      << " kv=" << dtype_name(kv_dtype)
+      << " tile=" << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto") << " q_lens=";
     for (int n : q_lens) s << n << ",";
     s << " kv_lens=";
     for (int n : kv_lens) s << n << ",";
@@ -205,6 +204,7 @@ void reference(const Problem& p, std::vector<double>& out, std::vector<double>& 
   out.assign(static_cast<size_t>(p.cu_q.back()) * c.hq * d, 0.0);
   lse.assign(static_cast<size_t>(p.cu_q.back()) * c.hq, -INFINITY);
   std::vector<double> logits, kbuf, vbuf;
+  const std::vector<double> qd = p.q.to_double();
   for (int b = 0; b < p.batch; ++b) {
     const int nq = c.q_lens[b], nkv = p.c.kv_lens[b];
     for (int hk = 0; hk < c.hkv; ++hk) {
@@ -228,7 +228,8 @@ void reference(const Problem& p, std::vector<double>& out, std::vector<double>& 
             }
             if (!attend) continue;
             double s = 0;
-            for (int e = 0; e < d; ++e) s += p.q_at(b, t, h, e) * kbuf[j * d + e];
+            const double* qrow = &qd[(static_cast<size_t>(p.cu_q[b] + t) * c.hq + h) * d];
+            for (int e = 0; e < d; ++e) s += qrow[e] * kbuf[j * d + e];
             s *= scale;
             if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
             if (c.alibi) s += slopes[h] * static_cast<double>(j - pos);
@@ -641,7 +642,8 @@ TEST(PrefillLarge, MixedBatchUpTo8kAgainstGpuFp32) {
         expect_close(out.to_double(), ref_out.to_double(), DType::kBF16, "out (8k batch)");
         const std::vector<double> got = lse.to_double(), want = ref_lse.to_double();
         double lse_err = 0;
-        for (size_t i = 0; i < got.size(); ++i) lse_err = std::max(lse_err, std::fabs(got[i] - want[i]));
+        for (size_t i = 0; i < got.size(); ++i)
+          lse_err = std::max(lse_err, std::fabs(got[i] - want[i]));
         EXPECT_LE(lse_err, 2e-3 * 10) << "lse";
         if (HasFailure()) return;
       }

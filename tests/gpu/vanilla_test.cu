@@ -64,9 +64,9 @@ void run_decode_case(const DecodeCase& c, const Features& f, std::mt19937_64& rn
   const int32_t rows = seqs * c.beam;
   const int32_t blocks_per_row = 6;
   const int32_t capacity = blocks_per_row * c.tpb;
-  OracleKvCache cache = c.paged ? OracleKvCache::paged(c.kv_dtype, c.hkv, c.d, c.tpb, rows,
-                                                       blocks_per_row, rng)
-                                : OracleKvCache::contiguous(c.kv_dtype, c.hkv, c.d, rows, capacity);
+  OracleKvCache cache =
+      c.paged ? OracleKvCache::paged(c.kv_dtype, c.hkv, c.d, c.tpb, rows, blocks_per_row, rng)
+              : OracleKvCache::contiguous(c.kv_dtype, c.hkv, c.d, rows, capacity);
   fill_cache_random(cache, c.kv_dtype, c.hkv, c.per_head_scales, rng);
   // Lengths: 1, a block boundary, and a non-multiple (longer than the window when cyclic).
   std::vector<int32_t> seq_len = {1, c.tpb, capacity - 5};
@@ -275,8 +275,8 @@ TEST(VanillaPrefill, PackedMatchesReference) {
       args.lse = cpu_lse;
       prefill(spec, args);
 
-      DeviceTensor dq(q), dk(k), dv(v), dcq(hcu_q), dckv(hcu_kv), dout(poisoned(dtype, {tq, hq, d})),
-          dlse(poisoned(DType::kF32, {tq, hq}));
+      DeviceTensor dq(q), dk(k), dv(v), dcq(hcu_q), dckv(hcu_kv),
+          dout(poisoned(dtype, {tq, hq, d})), dlse(poisoned(DType::kF32, {tq, hq}));
       PrefillArgs gargs;
       gargs.q = dq;
       gargs.k = dk;

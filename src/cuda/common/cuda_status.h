@@ -11,8 +11,8 @@ namespace attnkit::cuda {
 inline void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
-    detail::fail(what, ": CUDA error ", cudaGetErrorName(status), " (",
-                 cudaGetErrorString(status), ")");
+    detail::fail(what, ": CUDA error ", cudaGetErrorName(status), " (", cudaGetErrorString(status),
+                 ")");
   }
 }
 

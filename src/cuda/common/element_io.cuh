@@ -28,8 +28,7 @@ __device__ __forceinline__ float load_element(const void* data, DType dtype, int
 }
 
 // Rounds to nearest even (f16, bf16) or saturates (fp8 e4m3, int8) like numerics.h.
-__device__ __forceinline__ void store_element(void* data, DType dtype, int64_t index,
-                                              float value) {
+__device__ __forceinline__ void store_element(void* data, DType dtype, int64_t index, float value) {
   switch (dtype) {
     case DType::kF32:
       static_cast<float*>(data)[index] = value;

@@ -24,7 +24,8 @@ void upload_int32_async(const int32_t* host, int64_t count, int32_t* device_dst,
   for (int64_t begin = 0; begin < count; begin += kUploadChunk) {
     UploadParams params;
     params.dst = device_dst + begin;
-    params.count = static_cast<int32_t>(count - begin < kUploadChunk ? count - begin : kUploadChunk);
+    params.count =
+        static_cast<int32_t>(count - begin < kUploadChunk ? count - begin : kUploadChunk);
     for (int i = 0; i < params.count; ++i) params.values[i] = host[begin + i];
     upload_int32_kernel<<<1, 256, 0, stream>>>(params);
     check_launch("upload_int32_kernel");

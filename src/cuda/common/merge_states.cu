@@ -50,8 +50,12 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int d = threadIdx.x % 32; d < params.head_dim; d += 32) {
     float value = 0.0f;
     // A side with weight 0 is not read: its output may be anything (even NaN) for an empty set.
-    if (wa > 0.0f) value += wa * load_element(params.out_a.data, params.out_a.dtype, out_offset(params.out_a, n, h, d));
-    if (wb > 0.0f) value += wb * load_element(params.out_b.data, params.out_b.dtype, out_offset(params.out_b, n, h, d));
+    if (wa > 0.0f)
+      value += wa * load_element(params.out_a.data, params.out_a.dtype,
+                                 out_offset(params.out_a, n, h, d));
+    if (wb > 0.0f)
+      value += wb * load_element(params.out_b.data, params.out_b.dtype,
+                                 out_offset(params.out_b, n, h, d));
     store_element(params.out.data, params.out.dtype, out_offset(params.out, n, h, d), value * inv);
   }
   if (params.lse.data != nullptr && threadIdx.x % 32 == 0) {

@@ -50,6 +50,9 @@ struct KvInt8 {
   }
 };
 
+// 8-bit caches: MMA operands straight from the stored bytes (true) or a widening pass (false).
+constexpr bool kDecodeDirect8Bit = true;
+
 template <int kHeadDim_, typename QTag_, typename Kv_>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -59,7 +62,14 @@ struct DecodeTraits {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeysPerWarp = 16;
   static constexpr int kTileN = kWarps * kKeysPerWarp;
-  static constexpr bool kWiden = Kv::kBytes == 1;
+  static constexpr bool k8Bit = Kv::kBytes == 1;
+  // 8-bit caches: kDirect feeds the MMAs from the stored bytes (ldmatrix on byte rows, widened in
+  // registers); otherwise (kWiden) a pass widens each stage into 16-bit rows first.
+  static constexpr bool kDirect = k8Bit && kDecodeDirect8Bit;
+  static constexpr bool kWiden = k8Bit && !kDirect;
+  // Byte rows of an 8-bit stage: padded so that their pitch is an odd number of 16-byte units.
+  static constexpr int kRawRowBytes =
+      kDirect ? kHeadDim + ((kHeadDim / 16) % 2 == 0 ? 16 : 32) : kHeadDim;
   // Rows of 16-bit elements padded by 16 bytes: ldmatrix's 8 row addresses then fall into
   // distinct bank groups (the row pitch is an odd number of 16-byte units).
   static constexpr int kRowStride = kHeadDim + 8;
@@ -68,7 +78,7 @@ struct DecodeTraits {
   static constexpr int kQBytes = kDecodeHeadsPerCta * kRowBytes;
   // One pipeline stage: K and V of kTileN keys, stored (8-bit: unpadded) or ready for ldmatrix.
   static constexpr int kStageHalfBytes =
-      kWiden ? kTileN * kHeadDim : kTileN * kRowBytes;  // K (or V) of one stage
+      k8Bit ? kTileN * kRawRowBytes : kTileN * kRowBytes;  // K (or V) of one stage
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
   static constexpr int kWidenedBytes = kWiden ? 2 * kTileN * kRowBytes : 0;
   // ~104 KB per CTA leaves room for two CTAs per SM on sm_90 (228 KB).
@@ -166,38 +176,42 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const QT* q = static_cast<const QT*>(p.q) + row * p.q_row_stride;
     for (int i = threadIdx.x; i < kM * kD; i += Traits::kThreads) {
       const int r = i / kD, d = i % kD;
+      int src = d;
+      if constexpr (Traits::kDirect) {
+        // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
+        // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
+        const int x = d % 16;
+        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
+      }
       q_smem[r * kRowStride + d] =
-          r < heads_here ? q[(first_head + r) * p.q_head_stride + d] : QT(0.0f);
+          r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
     }
   }
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;
-  // Stage loader: warp w copies keys [16w, 16w + 16) of the tile. Lane t < 16 computes the byte
-  // offset of key 16w + t once (block table, cyclic slot, beam indirection: all in KvLayout);
-  // the copy lanes fetch it by shuffle so that consecutive lanes copy consecutive 16 bytes.
-  auto load_tile = [&](int tile, int stage) {
-    const int32_t tile_begin = key_begin + tile * kTileN;
-    int64_t my_offset = 0;
-    bool my_valid = false;
-    if (lane < Traits::kKeysPerWarp) {
-      const int32_t key = tile_begin + warp * Traits::kKeysPerWarp + lane;
-      if (key < key_end) {
-        const int32_t pos = keys.position(key);
-        int64_t src_row = row;
-        if (p.cache_indirection != nullptr) {
-          const int32_t src_beam = p.cache_indirection[beam_seq * p.indirection_seq_stride +
-                                                       beam * p.indirection_beam_stride +
-                                                       pos * p.indirection_pos_stride];
-          src_row = static_cast<int64_t>(beam_seq) * p.beam_width + src_beam;
-        }
-        my_offset = p.kv.byte_offset(src_row, p.kv.slot_of(pos), kv_head, 0);
-        my_valid = true;
-      }
+  // Stage loader, in two steps. key_offset(): lane t < 16 of warp w computes the byte offset of
+  // key 16w + t of a tile (block table, cyclic slot, beam indirection: all through KvLayout), or
+  // -1 past the split. copy_tile(): the copy lanes fetch the offsets by shuffle so that
+  // consecutive lanes copy consecutive 16 bytes. The main loop computes the next tile's offsets
+  // at the end of an iteration, where the block-table latency overlaps the wait for data.
+  auto key_offset = [&](int tile) -> int64_t {
+    const int32_t key = key_begin + tile * kTileN + warp * Traits::kKeysPerWarp + lane;
+    if (lane >= Traits::kKeysPerWarp || key >= key_end) return -1;
+    const int32_t pos = keys.position(key);
+    int64_t src_row = row;
+    if (p.cache_indirection != nullptr) {
+      const int32_t src_beam =
+          p.cache_indirection[beam_seq * p.indirection_seq_stride +
+                              beam * p.indirection_beam_stride + pos * p.indirection_pos_stride];
+      src_row = static_cast<int64_t>(beam_seq) * p.beam_width + src_beam;
     }
+    return p.kv.byte_offset_shift(src_row, p.kv.slot_of(pos), kv_head, 0, p.page_shift);
+  };
+  auto copy_tile = [&](int64_t my_offset, int stage) {
     uint8_t* k_dst = pipe_smem + stage * Traits::kStageBytes;
     uint8_t* v_dst = k_dst + Traits::kStageHalfBytes;
-    constexpr int kDstRowBytes = Traits::kWiden ? kD : Traits::kRowBytes;
+    constexpr int kDstRowBytes = Traits::k8Bit ? Traits::kRawRowBytes : Traits::kRowBytes;
     constexpr int kChunks = Traits::kKeysPerWarp * Traits::kChunksPerToken;
     // Every lane runs every iteration: the shuffles need the whole warp.
 #pragma unroll
@@ -205,8 +219,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int c = base + lane;
       const int token = min(c / Traits::kChunksPerToken, Traits::kKeysPerWarp - 1);
       const int part = c % Traits::kChunksPerToken;
-      const int64_t offset = __shfl_sync(0xffffffffu, my_offset, token) + part * 16;
-      const bool valid = __shfl_sync(0xffffffffu, static_cast<int>(my_valid), token) != 0;
+      const int64_t key_offset = __shfl_sync(0xffffffffu, my_offset, token);
+      const bool valid = key_offset >= 0;
+      const int64_t offset = key_offset + part * 16;
       if (c < kChunks) {
         const int dst = (warp * Traits::kKeysPerWarp + token) * kDstRowBytes + part * 16;
         cp_async_16(smem_u32(k_dst + dst), valid ? p.kv.k_base + offset : p.kv.k_base, valid);
@@ -234,16 +249,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int num_tiles = (key_end - key_begin + kTileN - 1) / kTileN;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
+    if (s < num_tiles) copy_tile(key_offset(s), s);
     cp_async_commit();
   }
+  int64_t next_offset = kStages - 1 < num_tiles ? key_offset(kStages - 1) : -1;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
     {
       const int next = tile + kStages - 1;
-      if (next < num_tiles) load_tile(next, next % kStages);
+      if (next < num_tiles) copy_tile(next_offset, next % kStages);
       cp_async_commit();
     }
     const int stage = tile % kStages;
@@ -259,7 +275,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int token = within / Traits::kChunksPerToken;
         const int part = within % Traits::kChunksPerToken;
         const uint4 bytes = *reinterpret_cast<const uint4*>(raw + half * Traits::kStageHalfBytes +
-                                                            token * kD + part * 16);
+                                                            token * Traits::kRawRowBytes +
+                                                            part * 16);
         const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
         uint32_t wide[8];
 #pragma unroll
@@ -282,16 +299,44 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
     // S = Q K^T for this warp's 16 keys: two n8 tiles.
     float s[2][4] = {};
-    const QT* k_rows = k_tile + warp * Traits::kKeysPerWarp * kRowStride;
+    if constexpr (Traits::kDirect) {
+      const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
+                              warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4], b[4];
-      ldmatrix_x4(a, smem_u32(q_smem + (lane % 16) * kRowStride + kk * 16 + (lane / 16) * 8));
-      ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kRowStride + kk * 16 +
-                              ((lane / 8) % 2) * 8));
-      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      mma_m16n8k16<QTag>(s[0], a, b0);
-      mma_m16n8k16<QTag>(s[1], a, b1);
+      for (int kk = 0; kk < kD / 16; kk += 2) {
+        // Matrices: keys 0-7 / 8-15 of steps kk and kk + 1 (for D = 80 the last step's second
+        // half reads row padding and is not used).
+        uint32_t b[4];
+        ldmatrix_x4(b, smem_u32(k_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                                (kk + lane / 16) * 16));
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          if (kk + step < kD / 16) {
+            uint32_t a[4];
+            ldmatrix_x4(a, smem_u32(q_smem + (lane % 16) * kRowStride + (kk + step) * 16 +
+                                    (lane / 16) * 8));
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+              const uint32_t word = b[2 * step + n];
+              const uint32_t bn[2] = {Kv::template widen_pair<QTag>(word & 0xffff),
+                                      Kv::template widen_pair<QTag>(word >> 16)};
+              mma_m16n8k16<QTag>(s[n], a, bn);
+            }
+          }
+        }
+      }
+    } else {
+      const QT* k_rows = k_tile + warp * Traits::kKeysPerWarp * kRowStride;
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[4], b[4];
+        ldmatrix_x4(a, smem_u32(q_smem + (lane % 16) * kRowStride + kk * 16 + (lane / 16) * 8));
+        ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kRowStride + kk * 16 +
+                                ((lane / 8) % 2) * 8));
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_m16n8k16<QTag>(s[0], a, b0);
+        mma_m16n8k16<QTag>(s[1], a, b1);
+      }
     }
 
     const int32_t warp_key0 = key_begin + tile * kTileN + warp * Traits::kKeysPerWarp;
@@ -341,16 +386,47 @@ __global__ void __launch_bounds__(Traits::kThreads)
       o[n][3] *= alpha[1];
     }
     // O += P V: V rows are k-major, so the B fragments come from ldmatrix.trans.
-    const QT* v_rows = v_tile + warp * Traits::kKeysPerWarp * kRowStride;
+    if constexpr (Traits::kDirect) {
+      // On byte rows, .trans gives lane (g, t) the stored bytes V[2t][2g], V[2t][2g+1],
+      // V[2t+1][2g], V[2t+1][2g+1] of a 16-d chunk: bytes 0,2 feed the n8 tile of the even d's,
+      // bytes 1,3 the tile of the odd d's (the epilogue undoes this column order).
+      const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes +
+                              Traits::kStageHalfBytes +
+                              warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
 #pragma unroll
-    for (int dd = 0; dd < kD / 16; ++dd) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kRowStride +
-                                    dd * 16 + (lane / 16) * 8));
-      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      mma_m16n8k16<QTag>(o[2 * dd], pa, b0);
-      mma_m16n8k16<QTag>(o[2 * dd + 1], pa, b1);
+      for (int cc = 0; cc < kD / 16; cc += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, smem_u32(v_rows +
+                                      (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                                      (cc + lane / 16) * 16));
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          if (cc + step < kD / 16) {
+            const uint32_t lo = b[2 * step], hi = b[2 * step + 1];  // keys 0-7, keys 8-15
+            const uint32_t even[2] = {
+                Kv::template widen_pair<QTag>(__byte_perm(lo, 0, 0x0020) & 0xffff),
+                Kv::template widen_pair<QTag>(__byte_perm(hi, 0, 0x0020) & 0xffff)};
+            const uint32_t odd[2] = {
+                Kv::template widen_pair<QTag>(__byte_perm(lo, 0, 0x0031) & 0xffff),
+                Kv::template widen_pair<QTag>(__byte_perm(hi, 0, 0x0031) & 0xffff)};
+            mma_m16n8k16<QTag>(o[2 * (cc + step)], pa, even);
+            mma_m16n8k16<QTag>(o[2 * (cc + step) + 1], pa, odd);
+          }
+        }
+      }
+    } else {
+      const QT* v_rows = v_tile + warp * Traits::kKeysPerWarp * kRowStride;
+#pragma unroll
+      for (int dd = 0; dd < kD / 16; ++dd) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kRowStride +
+                                      dd * 16 + (lane / 16) * 8));
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_m16n8k16<QTag>(o[2 * dd], pa, b0);
+        mma_m16n8k16<QTag>(o[2 * dd + 1], pa, b1);
+      }
     }
+    if (tile + kStages < num_tiles) next_offset = key_offset(tile + kStages);
   }
 
   // Merge the four warps' states through shared memory (the pipeline is drained first).
@@ -371,7 +447,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   for (int n = 0; n < kD / 8; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      merge_o[(warp * kM + g + 8 * (e / 2)) * kD + n * 8 + 2 * t + (e & 1)] = o[n][e];
+      const int col = 2 * t + (e & 1);
+      // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
+      const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
+      merge_o[(warp * kM + g + 8 * (e / 2)) * kD + d] = o[n][e];
     }
   }
   __syncthreads();

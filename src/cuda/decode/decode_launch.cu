@@ -81,44 +81,56 @@ void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType 
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
 }
 
-// Merges the splits' (normalized output, LSE) pairs of one (row, head) per warp:
+// Merges the splits' (normalized output, LSE) pairs of one (row, head) per CTA:
 // out = sum_s exp(lse_s - m) out_s / sum_s exp(lse_s - m), lse = m + log(sum_s exp(lse_s - m)).
+// The weights go through shared memory; each thread then sums one output element over the splits
+// with independent (unrolled) loads.
 template <typename T>
 __global__ void __launch_bounds__(128)
     decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (item >= static_cast<int64_t>(p.num_rows) * p.num_q_heads) return;
+  __shared__ float weight[kDecodeMaxSplits];
+  __shared__ float total;
+  const int64_t item = blockIdx.x;  // row * Hq + head
   const int64_t row = item / p.num_q_heads;
   const int head = static_cast<int>(item % p.num_q_heads);
   const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
-  const float* lse = p.partial_lse + item;
-  float m = -INFINITY;
-  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, lse[s * split_stride]);
-  for (int offset = 16; offset > 0; offset /= 2)
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    for (int s = lane; s < p.num_splits; s += 32) sum += expf(lse[s * split_stride] - m);
-  }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
-  const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-  for (int d = lane; d < p.head_dim; d += 32) {
-    float acc = 0.0f;
-    if (sum > 0.0f) {
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float l = lse[s * split_stride];
-        // Empty splits never wrote their output: skip them instead of scaling garbage by 0.
-        if (l != -INFINITY)
-          acc += expf(l - m) * p.partial_out[(s * split_stride + item) * p.head_dim + d];
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float m = -INFINITY;
+    for (int s = lane; s < p.num_splits; s += 32)
+      m = fmaxf(m, p.partial_lse[s * split_stride + item]);
+    for (int offset = 16; offset > 0; offset /= 2)
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    float sum = 0.0f;
+    for (int s = lane; s < p.num_splits; s += 32) {
+      const float l = p.partial_lse[s * split_stride + item];
+      // Empty splits (LSE -inf) never wrote their output: weight 0, and their values are never
+      // used.
+      const float w = l == -INFINITY ? 0.0f : expf(l - m);
+      weight[s] = w;
+      sum += w;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) {
+      total = sum;
+      if (p.lse != nullptr) {
+        p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
+            sum > 0.0f ? m + logf(sum) : -INFINITY;
       }
     }
-    out[d] = T(acc * inv_sum);
   }
-  if (lane == 0 && p.lse != nullptr) {
-    p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
-        sum > 0.0f ? m + logf(sum) : -INFINITY;
+  __syncthreads();
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
+  const float* partial = p.partial_out + item * p.head_dim;
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float value = partial[s * split_stride * p.head_dim + d];
+      acc += weight[s] > 0.0f ? weight[s] * value : 0.0f;
+    }
+    out[d] = T(acc * inv_total);
   }
 }
 
@@ -136,7 +148,7 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n) {
   const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
-  const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, 128);
+  const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, kDecodeMaxSplits);
   int64_t best = 1;
   double best_fill = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -245,8 +257,11 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
 
   int device = 0;
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  if (cache.paged) {
+    while ((1 << params.page_shift) < cache.tokens_per_block) ++params.page_shift;
+  }
   if (args.num_splits > 0) {
-    params.num_splits = args.num_splits;
+    params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
     const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype);
     int64_t max_keys = p.max_seq_len;
@@ -275,8 +290,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   params.partial_lse = params.partial_out + partial_values * spec.head_dim;
   try {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, stream);
-    const int64_t items = p.num_rows * spec.num_q_heads;
-    const dim3 grid(static_cast<unsigned>((items + 3) / 4));
+    const dim3 grid(static_cast<unsigned>(p.num_rows * spec.num_q_heads));
     if (p.dtype == DType::kBF16) {
       decode_combine_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(params);
     } else {

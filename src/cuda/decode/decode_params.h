@@ -14,6 +14,9 @@ namespace attnkit::cuda {
 constexpr int kDecodeMaxAlibiHeads = 256;
 // Query heads of one KV-head group that one CTA serves: the 16 rows of an m16n8k16 MMA.
 constexpr int kDecodeHeadsPerCta = 16;
+// Split-KV count limit (the combine kernel keeps one weight per split in shared memory); a larger
+// DecodeArgs::num_splits is clamped to it.
+constexpr int kDecodeMaxSplits = 128;
 
 struct DecodeParams {
   const void* q = nullptr;  // [num_rows, Hq, D] bf16/f16
@@ -32,6 +35,7 @@ struct DecodeParams {
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
+  int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
   const int32_t* seq_lens = nullptr;           // [num_rows], counts the new token
   const int32_t* cache_indirection = nullptr;  // [num_rows / beam_width, beam_width, max_seq]
   int64_t indirection_seq_stride = 0;          // elements

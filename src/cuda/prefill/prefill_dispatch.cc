@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -19,7 +20,15 @@
 namespace attnkit::cuda::prefill {
 
 const char* prefill_tile_name(PrefillTile tile) {
-  return tile == PrefillTile::kM128 ? "m128" : "m64";
+  switch (tile) {
+    case PrefillTile::kM128:
+      return "m128";
+    case PrefillTile::kM64:
+      return "m64";
+    case PrefillTile::kM128W4:
+      return "m128w4";
+  }
+  return "?";
 }
 
 namespace {
@@ -44,8 +53,15 @@ Launcher launcher_for(bool masked, bool quant_kv) {
 
 template <int D, DType kDT>
 Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv) {
-  return tile == PrefillTile::kM128 ? launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv)
-                                    : launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv);
+  switch (tile) {
+    case PrefillTile::kM128:
+      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv);
+    case PrefillTile::kM64:
+      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv);
+    case PrefillTile::kM128W4:
+      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv);
+  }
+  return nullptr;
 }
 
 template <DType kDT>
@@ -75,8 +91,15 @@ Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked,
 
 template <int D>
 int smem_bytes_for(PrefillTile tile, bool quant_kv) {
-  return tile == PrefillTile::kM128 ? PrefillTraits<D, PrefillTile::kM128>::smem_bytes(quant_kv)
-                                    : PrefillTraits<D, PrefillTile::kM64>::smem_bytes(quant_kv);
+  switch (tile) {
+    case PrefillTile::kM128:
+      return PrefillTraits<D, PrefillTile::kM128>::smem_bytes(quant_kv);
+    case PrefillTile::kM64:
+      return PrefillTraits<D, PrefillTile::kM64>::smem_bytes(quant_kv);
+    case PrefillTile::kM128W4:
+      return PrefillTraits<D, PrefillTile::kM128W4>::smem_bytes(quant_kv);
+  }
+  return 0;
 }
 
 struct DeviceLimits {
@@ -94,8 +117,7 @@ DeviceLimits device_limits(int ordinal) {
           cudaSuccess ||
       cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal) !=
           cudaSuccess ||
-      cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, ordinal) !=
-          cudaSuccess) {
+      cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
     cudaGetLastError();
     return d;
   }
@@ -152,21 +174,40 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
   return "";
 }
 
-// 128-row tiles read each K/V tile once for twice the rows; they pay off once the grid fills
-// every SM about twice, else the 64-row tile's extra CTAs win.
+// 128-row tiles read each K/V tile from memory once for twice the rows, and the 4-warp 128-row
+// tile also reads each smem fragment once for two MMA row blocks; they pay off once the grid
+// fills every SM, else the 64-row tile's extra CTAs win.
 PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count) {
   if (tiles.size() == 1) return tiles[0];
-  return ctas_m128 >= 2 * static_cast<int64_t>(sm_count) ? PrefillTile::kM128 : PrefillTile::kM64;
+  auto has = [&](PrefillTile t) { return std::find(tiles.begin(), tiles.end(), t) != tiles.end(); };
+  if (ctas_m128 >= sm_count && has(PrefillTile::kM128W4)) return PrefillTile::kM128W4;
+  if (ctas_m128 >= 2 * static_cast<int64_t>(sm_count) && has(PrefillTile::kM128)) {
+    return PrefillTile::kM128;
+  }
+  return has(PrefillTile::kM64) ? PrefillTile::kM64 : tiles[0];
+}
+
+// ATTNKIT_PREFILL_TILE=m128|m64|m128w4 forces a tile where it is compiled (benchmarks).
+std::optional<PrefillTile> tile_from_env() {
+  const char* env = std::getenv("ATTNKIT_PREFILL_TILE");
+  if (env == nullptr) return std::nullopt;
+  for (PrefillTile t : {PrefillTile::kM128, PrefillTile::kM64, PrefillTile::kM128W4}) {
+    if (std::string(env) == prefill_tile_name(t)) return t;
+  }
+  return std::nullopt;
 }
 
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
                       int32_t max_seqlen_q, int32_t heads) {
   const std::vector<PrefillTile> tiles = compiled_tiles(c.head_dim, c.dtype);
   if (forced) {
-    ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(),
-                  "prefill: tile ", prefill_tile_name(*forced), " is not compiled for head_dim ",
-                  c.head_dim, " and ", dtype_name(c.dtype));
+    ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
+                  prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
+                  dtype_name(c.dtype));
     return *forced;
+  }
+  if (const std::optional<PrefillTile> env = tile_from_env()) {
+    if (std::find(tiles.begin(), tiles.end(), *env) != tiles.end()) return *env;
   }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
   return choose_tile(tiles, ctas, device_limits(c.device).sm_count);
@@ -198,7 +239,7 @@ void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
 
 }  // namespace
 
-int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM128 ? 128 : 64; }
+int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM64 ? 64 : 128; }
 int prefill_block_n(int head_dim) { return head_dim >= 256 ? 32 : 64; }
 
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
@@ -220,7 +261,7 @@ int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
 
 std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype) {
   std::vector<PrefillTile> tiles;
-  for (PrefillTile tile : {PrefillTile::kM128, PrefillTile::kM64}) {
+  for (PrefillTile tile : {PrefillTile::kM128, PrefillTile::kM64, PrefillTile::kM128W4}) {
     if (find_launcher(head_dim, tile, dtype, false, false) != nullptr) tiles.push_back(tile);
   }
   return tiles;
@@ -283,6 +324,9 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     prm.kv = detail::make_kv_layout(cache);
     prm.kv_seq_lens = static_cast<const int32_t*>(cache.seq_lens.data);
     prm.kv_is_int8 = cache.dtype == DType::kInt8;
+    if (cache.paged) {
+      while ((1 << prm.kv_page_shift) < cache.tokens_per_block) ++prm.kv_page_shift;
+    }
     if (cache.k_scale.defined()) {
       prm.k_scale = static_cast<const float*>(cache.k_scale.data);
       prm.k_scale_per_head = cache.k_scale.numel() > 1;

@@ -7,4 +7,7 @@ ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM128, DType::kBF16)
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM64, DType::kBF16)
 #endif
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM128W4, DType::kBF16)
+#endif
 }  // namespace attnkit::cuda::prefill

@@ -53,9 +53,7 @@ struct LongestFirstScheduler {
     return {static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y),
             p.num_m_blocks - 1 - static_cast<int32_t>(blockIdx.z)};
   }
-  static dim3 grid(const PrefillParams& p) {
-    return dim3(p.num_q_heads, p.batch, p.num_m_blocks);
-  }
+  static dim3 grid(const PrefillParams& p) { return dim3(p.num_q_heads, p.batch, p.num_m_blocks); }
 };
 
 // Per-sequence geometry, resolved once per CTA.
@@ -147,7 +145,7 @@ __device__ __forceinline__ bool attends(const PrefillParams& p, int32_t pos, int
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
-                                  kTile == PrefillTile::kM64 ? 2 : 1)
+                                  kTile == PrefillTile::kM128 ? 1 : 2)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   using T = PrefillTraits<kHeadDim, kTile>;
   using Tag = typename TagOf<kDType>::Type;
@@ -198,8 +196,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       const float x = p.kv_is_int8 ? static_cast<float>(static_cast<int8_t>(v))
                                    : numerics::fp8_e4m3_bits_to_float(static_cast<uint8_t>(v));
       // Exact: every fp8 e4m3 and int8 value is representable in bf16 and f16.
-      s_lut[v] = kDType == DType::kBF16 ? numerics::float_to_bf16_bits(x)
-                                        : numerics::float_to_f16_bits(x);
+      s_lut[v] =
+          kDType == DType::kBF16 ? numerics::float_to_bf16_bits(x) : numerics::float_to_f16_bits(x);
     }
   }
 
@@ -217,9 +215,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
         const uint8_t* src_k;
         const uint8_t* src_v;
         if (p.paged) {
-          const int32_t pos = valid ? key : 0;
-          src_k = valid ? p.kv.k_ptr(work.batch, pos, kv_head, ch * 8) : p.kv.k_base;
-          src_v = valid ? p.kv.v_ptr(work.batch, pos, kv_head, ch * 8) : p.kv.v_base;
+          const int64_t off = valid ? p.kv.byte_offset_shift(work.batch, p.kv.slot_of(key), kv_head,
+                                                             ch * 8, p.kv_page_shift)
+                                    : 0;
+          src_k = p.kv.k_base + off;
+          src_v = p.kv.v_base + off;
         } else {
           const int64_t tok = valid ? key : 0;
           src_k = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + seq.k_offset +
@@ -241,8 +241,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
         const int ch = c % kRawChunks;
         const int32_t key = key0 + r;
         const bool valid = key < seq.kv_len;
-        const uint8_t* src_k = valid ? p.kv.k_ptr(work.batch, key, kv_head, ch * 16) : p.kv.k_base;
-        const uint8_t* src_v = valid ? p.kv.v_ptr(work.batch, key, kv_head, ch * 16) : p.kv.v_base;
+        const int64_t off = valid ? p.kv.byte_offset_shift(work.batch, p.kv.slot_of(key), kv_head,
+                                                           ch * 16, p.kv_page_shift)
+                                  : 0;
+        const uint8_t* src_k = p.kv.k_base + off;
+        const uint8_t* src_v = p.kv.v_base + off;
         cp_async_16(smem_u32(dk + r * T::kHeadDim + ch * 16), src_k, valid);
         cp_async_16(smem_u32(dv + r * T::kHeadDim + ch * 16), src_v, valid);
       }
@@ -281,15 +284,24 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
   const bool has_mods = p.softcap > 0.f || p.alibi;
   const float alibi_slope = p.alibi ? p.alibi_slopes[head] : 0.f;
 
+  constexpr int kA = T::kMAtoms;
   uint32_t q_frag[T::kQInRegs ? T::kKSteps : 1][4];
-  float o_acc[T::kDTiles][4];
+  float o_acc[kA][T::kDTiles][4];
 #pragma unroll
-  for (int i = 0; i < T::kDTiles; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
-  float row_sum[2] = {0.f, 0.f};              // this thread's partial sums
-  const int warp_row = warp * 16;
-  // Query positions of this thread's two rows (g and g + 8 of the warp's block).
-  const int32_t pos_row[2] = {p_lo + warp_row + g, p_lo + warp_row + g + 8};
+  for (int a = 0; a < kA; ++a)
+#pragma unroll
+    for (int i = 0; i < T::kDTiles; ++i)
+      o_acc[a][i][0] = o_acc[a][i][1] = o_acc[a][i][2] = o_acc[a][i][3] = 0.f;
+  float row_max[kA][2];  // log2 units
+  float row_sum[kA][2];  // this thread's partial sums
+  const int warp_row = warp * T::kRowsPerWarp;
+  // Query position of this thread's row i (g, g + 8) of row block a; recomputed, not kept live.
+  auto pos_row = [&](int a, int i) { return p_lo + warp_row + 16 * a + g + 8 * i; };
+#pragma unroll
+  for (int a = 0; a < kA; ++a) {
+    row_max[a][0] = row_max[a][1] = -INFINITY;
+    row_sum[a][0] = row_sum[a][1] = 0.f;
+  }
 
   const uint32_t q_lane_addr =
       smem_u32(s_q + (warp_row + (lane % 16)) * T::kRowBytes + (lane / 16) * 16);
@@ -318,22 +330,28 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
     const int32_t n_block = range.block(it);
     const int32_t key0 = n_block * T::kBlockN;
 
-    // ---- S = Q K^T (16 x kBlockN per warp) ----
-    float s_acc[T::kNTiles][4];
+    // ---- S = Q K^T (kRowsPerWarp x kBlockN per warp); each K fragment feeds kA row blocks ----
+    float s_acc[kA][T::kNTiles][4];
 #pragma unroll
-    for (int i = 0; i < T::kNTiles; ++i) s_acc[i][0] = s_acc[i][1] = s_acc[i][2] = s_acc[i][3] = 0.f;
-    const uint32_t k_lane_addr = smem_u32(tile_k + ((lane % 8) + (lane / 16) * 8) * T::kRowBytes +
-                                          ((lane / 8) % 2) * 16);
+    for (int a = 0; a < kA; ++a)
+#pragma unroll
+      for (int i = 0; i < T::kNTiles; ++i)
+        s_acc[a][i][0] = s_acc[a][i][1] = s_acc[a][i][2] = s_acc[a][i][3] = 0.f;
+    const uint32_t k_lane_addr =
+        smem_u32(tile_k + ((lane % 8) + (lane / 16) * 8) * T::kRowBytes + ((lane / 8) % 2) * 16);
 #pragma unroll
     for (int ks = 0; ks < T::kKSteps; ++ks) {
-      uint32_t a[4];
-      if constexpr (T::kQInRegs) {
-        a[0] = q_frag[ks][0];
-        a[1] = q_frag[ks][1];
-        a[2] = q_frag[ks][2];
-        a[3] = q_frag[ks][3];
-      } else {
-        ldmatrix_x4(a, q_lane_addr + ks * 32);
+      uint32_t qa[kA][4];
+#pragma unroll
+      for (int a = 0; a < kA; ++a) {
+        if constexpr (T::kQInRegs) {
+          qa[a][0] = q_frag[ks][0];
+          qa[a][1] = q_frag[ks][1];
+          qa[a][2] = q_frag[ks][2];
+          qa[a][3] = q_frag[ks][3];
+        } else {
+          ldmatrix_x4(qa[a], q_lane_addr + a * 16 * T::kRowBytes + ks * 32);
+        }
       }
 #pragma unroll
       for (int np = 0; np < T::kNTiles / 2; ++np) {
@@ -341,90 +359,111 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
         ldmatrix_x4(kf, k_lane_addr + np * 16 * T::kRowBytes + ks * 32);
         const uint32_t b0[2] = {kf[0], kf[1]};
         const uint32_t b1[2] = {kf[2], kf[3]};
-        mma_m16n8k16<Tag>(s_acc[2 * np], a, b0);
-        mma_m16n8k16<Tag>(s_acc[2 * np + 1], a, b1);
+#pragma unroll
+        for (int a = 0; a < kA; ++a) {
+          mma_m16n8k16<Tag>(s_acc[a][2 * np], qa[a], b0);
+          mma_m16n8k16<Tag>(s_acc[a][2 * np + 1], qa[a], b1);
+        }
       }
     }
 
     // ---- logits in log2 units: scale, soft-cap, ALiBi, mask ----
     if (has_mods) {
 #pragma unroll
-      for (int nt = 0; nt < T::kNTiles; ++nt) {
+      for (int a = 0; a < kA; ++a)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s_acc[nt][e] * logit_scale;
-          if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-          const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
-          x += alibi_slope * static_cast<float>(key - pos_row[e / 2]);
-          s_acc[nt][e] = x * kLog2e;
+        for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s_acc[a][nt][e] * logit_scale;
+            if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+            const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+            x += alibi_slope * static_cast<float>(key - pos_row(a, e / 2));
+            s_acc[a][nt][e] = x * kLog2e;
+          }
         }
-      }
     } else {
 #pragma unroll
-      for (int nt = 0; nt < T::kNTiles; ++nt)
+      for (int a = 0; a < kA; ++a)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[nt][e] *= scale_log2;
+        for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_acc[a][nt][e] *= scale_log2;
     }
     bool needs_mask = key0 + T::kBlockN > seq.kv_len;
     if constexpr (kMasked) {
-      needs_mask = needs_mask || key0 + T::kBlockN - 1 > p_lo ||
-                   (p.window > 0 && key0 <= p_hi - p.window);
+      needs_mask =
+          needs_mask || key0 + T::kBlockN - 1 > p_lo || (p.window > 0 && key0 <= p_hi - p.window);
     }
     if (needs_mask) {
 #pragma unroll
-      for (int nt = 0; nt < T::kNTiles; ++nt)
+      for (int a = 0; a < kA; ++a)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
-          if (!attends<kMasked>(p, pos_row[e / 2], key, seq.kv_len)) s_acc[nt][e] = -INFINITY;
-        }
+        for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+            if (!attends<kMasked>(p, pos_row(a, e / 2), key, seq.kv_len)) {
+              s_acc[a][nt][e] = -INFINITY;
+            }
+          }
     }
 
     // ---- online softmax ----
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = row_max[i];
+    for (int a = 0; a < kA; ++a) {
 #pragma unroll
-      for (int nt = 0; nt < T::kNTiles; ++nt)
-        mx = fmaxf(mx, fmaxf(s_acc[nt][2 * i], s_acc[nt][2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row with no key so far keeps max -inf; 0 stands in so that exp2 gives 0, not NaN.
-      const float m_use = mx == -INFINITY ? 0.f : mx;
-      const float correction = fast_exp2(row_max[i] - m_use);
-      row_max[i] = mx;
-      float sum = 0.f;
+      for (int i = 0; i < 2; ++i) {
+        float mx = row_max[a][i];
 #pragma unroll
-      for (int nt = 0; nt < T::kNTiles; ++nt) {
-        s_acc[nt][2 * i] = fast_exp2(s_acc[nt][2 * i] - m_use);
-        s_acc[nt][2 * i + 1] = fast_exp2(s_acc[nt][2 * i + 1] - m_use);
-        sum += s_acc[nt][2 * i] + s_acc[nt][2 * i + 1];
-      }
-      row_sum[i] = row_sum[i] * correction + sum;
+        for (int nt = 0; nt < T::kNTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s_acc[a][nt][2 * i], s_acc[a][nt][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row with no key so far keeps max -inf; 0 stands in so that exp2 gives 0, not NaN.
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        const float correction = fast_exp2(row_max[a][i] - m_use);
+        row_max[a][i] = mx;
+        float sum = 0.f;
 #pragma unroll
-      for (int dt = 0; dt < T::kDTiles; ++dt) {
-        o_acc[dt][2 * i] *= correction;
-        o_acc[dt][2 * i + 1] *= correction;
+        for (int nt = 0; nt < T::kNTiles; ++nt) {
+          s_acc[a][nt][2 * i] = fast_exp2(s_acc[a][nt][2 * i] - m_use);
+          s_acc[a][nt][2 * i + 1] = fast_exp2(s_acc[a][nt][2 * i + 1] - m_use);
+          sum += s_acc[a][nt][2 * i] + s_acc[a][nt][2 * i + 1];
+        }
+        row_sum[a][i] = row_sum[a][i] * correction + sum;
+#pragma unroll
+        for (int dt = 0; dt < T::kDTiles; ++dt) {
+          o_acc[a][dt][2 * i] *= correction;
+          o_acc[a][dt][2 * i + 1] *= correction;
+        }
       }
     }
 
-    // ---- O += P V ----
+    // ---- O += P V; each V fragment feeds kA row blocks ----
     const uint32_t v_lane_addr =
         smem_u32(tile_v + ((lane % 8) + ((lane / 8) % 2) * 8) * T::kRowBytes + (lane / 16) * 16);
 #pragma unroll
     for (int kp = 0; kp < T::kBlockN / 16; ++kp) {
-      const uint32_t a[4] = {pack_pair<Tag>(s_acc[2 * kp][0], s_acc[2 * kp][1]),
-                             pack_pair<Tag>(s_acc[2 * kp][2], s_acc[2 * kp][3]),
-                             pack_pair<Tag>(s_acc[2 * kp + 1][0], s_acc[2 * kp + 1][1]),
-                             pack_pair<Tag>(s_acc[2 * kp + 1][2], s_acc[2 * kp + 1][3])};
+      uint32_t pa[kA][4];
+#pragma unroll
+      for (int a = 0; a < kA; ++a) {
+        pa[a][0] = pack_pair<Tag>(s_acc[a][2 * kp][0], s_acc[a][2 * kp][1]);
+        pa[a][1] = pack_pair<Tag>(s_acc[a][2 * kp][2], s_acc[a][2 * kp][3]);
+        pa[a][2] = pack_pair<Tag>(s_acc[a][2 * kp + 1][0], s_acc[a][2 * kp + 1][1]);
+        pa[a][3] = pack_pair<Tag>(s_acc[a][2 * kp + 1][2], s_acc[a][2 * kp + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < T::kHeadDim / 16; ++dp) {
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, v_lane_addr + kp * 16 * T::kRowBytes + dp * 32);
         const uint32_t b0[2] = {vf[0], vf[1]};
         const uint32_t b1[2] = {vf[2], vf[3]};
-        mma_m16n8k16<Tag>(o_acc[2 * dp], a, b0);
-        mma_m16n8k16<Tag>(o_acc[2 * dp + 1], a, b1);
+#pragma unroll
+        for (int a = 0; a < kA; ++a) {
+          mma_m16n8k16<Tag>(o_acc[a][2 * dp], pa[a], b0);
+          mma_m16n8k16<Tag>(o_acc[a][2 * dp + 1], pa[a], b1);
+        }
       }
     }
     __syncthreads();  // the stage read here is refilled by the next iteration's load
@@ -433,27 +472,31 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
   __syncthreads();
 
   // ---- epilogue: normalize, stage the warp's rows in its own Q rows, 16-byte stores ----
-  float inv_sum[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float sum = row_sum[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    row_sum[i] = sum;
-    // A fully masked row (no attended key) outputs zeros.
-    inv_sum[i] = sum > 0.f ? v_scale / sum : 0.f;
-  }
   uint8_t* stage_rows = s_q + warp_row * T::kRowBytes;
 #pragma unroll
-  for (int dt = 0; dt < T::kDTiles; ++dt) {
-    *reinterpret_cast<uint32_t*>(stage_rows + g * T::kRowBytes + dt * 16 + t4 * 4) =
-        pack_pair<Tag>(o_acc[dt][0] * inv_sum[0], o_acc[dt][1] * inv_sum[0]);
-    *reinterpret_cast<uint32_t*>(stage_rows + (g + 8) * T::kRowBytes + dt * 16 + t4 * 4) =
-        pack_pair<Tag>(o_acc[dt][2] * inv_sum[1], o_acc[dt][3] * inv_sum[1]);
+  for (int a = 0; a < kA; ++a) {
+    float inv_sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float sum = row_sum[a][i];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      row_sum[a][i] = sum;
+      // A fully masked row (no attended key) outputs zeros.
+      inv_sum[i] = sum > 0.f ? v_scale / sum : 0.f;
+    }
+    uint8_t* block_rows = stage_rows + 16 * a * T::kRowBytes;
+#pragma unroll
+    for (int dt = 0; dt < T::kDTiles; ++dt) {
+      *reinterpret_cast<uint32_t*>(block_rows + g * T::kRowBytes + dt * 16 + t4 * 4) =
+          pack_pair<Tag>(o_acc[a][dt][0] * inv_sum[0], o_acc[a][dt][1] * inv_sum[0]);
+      *reinterpret_cast<uint32_t*>(block_rows + (g + 8) * T::kRowBytes + dt * 16 + t4 * 4) =
+          pack_pair<Tag>(o_acc[a][dt][2] * inv_sum[1], o_acc[a][dt][3] * inv_sum[1]);
+    }
   }
   __syncwarp();
   Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + head * p.o_head_stride;
-  for (int c = lane; c < 16 * T::kChunksPerRow; c += 32) {
+  for (int c = lane; c < T::kRowsPerWarp * T::kChunksPerRow; c += 32) {
     const int r = c / T::kChunksPerRow;
     const int ch = c % T::kChunksPerRow;
     const int32_t row = m0 + warp_row + r;
@@ -464,13 +507,15 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
   }
   if (p.lse != nullptr && t4 == 0) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int32_t row = m0 + warp_row + g + 8 * i;
-      if (row < seq.q_len) {
-        p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
-            row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * kLn2 : -INFINITY;
+    for (int a = 0; a < kA; ++a)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int32_t row = m0 + warp_row + 16 * a + g + 8 * i;
+        if (row < seq.q_len) {
+          p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
+              row_sum[a][i] > 0.f ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2 : -INFINITY;
+        }
       }
-    }
   }
 }
 
@@ -489,7 +534,7 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
 }  // namespace attnkit::cuda::prefill
 
 // One instantiation of every (tile, kMasked, kQuantKv) for a head_dim and dtype.
-#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                         \
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                          \
   template void launch_prefill<D, TILE, DT, false, false>(const PrefillParams&, cudaStream_t); \
   template void launch_prefill<D, TILE, DT, true, false>(const PrefillParams&, cudaStream_t);  \
   template void launch_prefill<D, TILE, DT, false, true>(const PrefillParams&, cudaStream_t);  \

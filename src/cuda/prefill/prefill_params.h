@@ -17,9 +17,12 @@ constexpr int kMaxAlibiHeads = 256;
 enum class PrefillTile : int32_t {
   kM128 = 0,  // 128 query rows, 8 warps: the most reuse of each K/V tile (long sequences)
   kM64 = 1,   // 64 query rows, 4 warps: twice the CTAs (short sequences, head_dim 256)
+  // 128 query rows, 4 warps of 32 rows: each K/V fragment read from smem feeds two MMA row
+  // blocks (half the smem traffic per MMA), Q re-read from smem; head_dim 64 and 128.
+  kM128W4 = 2,
 };
-constexpr int kNumPrefillTiles = 2;
-const char* prefill_tile_name(PrefillTile tile);  // "m128", "m64"
+constexpr int kNumPrefillTiles = 3;
+const char* prefill_tile_name(PrefillTile tile);  // "m128", "m64", "m128w4"
 
 // One packed-varlen, paged or dense ([B, S, H, D]) attention launch. Element strides; "tok" is
 // the token dimension. Sequence b's queries start at cu_seqlens_q[b] tokens (or b * q_batch_stride
@@ -47,6 +50,7 @@ struct PrefillParams {
   bool paged = false;
   detail::KvLayout kv;
   const int32_t* kv_seq_lens = nullptr;  // [B]
+  int32_t kv_page_shift = 0;             // paged: tokens_per_block == 1 << kv_page_shift
   bool kv_is_int8 = false;               // quantized cache: int8 (else fp8 e4m3)
   const float* k_scale = nullptr;        // [1] or [Hkv]; null = 1
   const float* v_scale = nullptr;

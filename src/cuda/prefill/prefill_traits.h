@@ -11,7 +11,7 @@ constexpr bool tile_exists(int head_dim, PrefillTile tile) {
   switch (head_dim) {
     case 64:
     case 128:
-      return true;
+      return true;  // all three tiles
     case 80:
     case 96:
       return tile == PrefillTile::kM128;
@@ -27,14 +27,16 @@ template <int kHeadDim_, PrefillTile kTile_>
 struct PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr PrefillTile kTile = kTile_;
-  static constexpr int kBlockM = kTile == PrefillTile::kM128 ? 128 : 64;
-  // Every warp owns 16 query rows (one MMA row block).
-  static constexpr int kWarps = kBlockM / 16;
+  static constexpr int kBlockM = kTile == PrefillTile::kM64 ? 64 : 128;
+  // Every warp owns kMAtoms blocks of 16 query rows (MMA row blocks).
+  static constexpr int kMAtoms = kTile == PrefillTile::kM128W4 ? 2 : 1;
+  static constexpr int kRowsPerWarp = 16 * kMAtoms;
+  static constexpr int kWarps = kBlockM / kRowsPerWarp;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = kHeadDim >= 256 ? 32 : 64;
   static constexpr int kStages = kHeadDim <= 64 ? 3 : 2;
   // Q stays in registers (one ldmatrix per CTA) up to D = 128; D = 256 re-reads it from smem.
-  static constexpr bool kQInRegs = kHeadDim <= 128;
+  static constexpr bool kQInRegs = kHeadDim <= 128 && kMAtoms == 1;
   // Shared-memory rows are padded by 16 bytes: 8 consecutive rows then start in 8 different
   // 16-byte bank groups, so ldmatrix is conflict-free for every head_dim (80 and 96 included,
   // which an XOR swizzle over 8 chunks does not cover).

@@ -18,6 +18,7 @@ struct AppendKvTraits {
   static constexpr int kThreads = 128;
   static constexpr int kVec = 8;              // elements per 16-byte input vector
   static constexpr int kMaxRotaryHalf = 256;  // rotary_dim / 2 for head_dim <= 512
+  static constexpr int kUnitsInFlight = 2;    // units whose loads a thread issues together
 };
 
 template <DType kIn>
@@ -79,17 +80,133 @@ __device__ __forceinline__ void store_cache8(uint8_t* dst, const float* x) {
   }
 }
 
-template <DType kIn>
-__device__ __forceinline__ void load_vec(const void* base, int64_t offset, const void* bias,
-                                         int64_t bias_offset, float* x) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + offset));
-  unpack8<kIn>(raw, x);
-  if (bias != nullptr) {
-    float b[8];
-    unpack8<kIn>(__ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(bias) + bias_offset)), b);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] += b[i];
+// Where one unit lives: which head (Q, K or V), its input offset and its first dims.
+struct AppendKvUnit {
+  int32_t head;   // 0 .. Hq + 2 Hkv - 1
+  int32_t local;  // head index inside Q, K or V
+  bool is_q, is_k, paired, valid;
+  int32_t d0, d1;  // first dim of the vector and of its partner (paired units)
+  int64_t in_offset;
+};
+
+// The raw 16-byte vectors of a unit, loaded before anything is computed so that several units'
+// loads are in flight per thread.
+struct AppendKvRaw {
+  uint4 lo, hi, bias_lo, bias_hi;
+};
+
+template <RopeStyle kStyle>
+__device__ __forceinline__ AppendKvUnit locate_unit(const AppendKvParams& params, int64_t token,
+                                                    int32_t unit, int32_t units_per_head,
+                                                    int32_t paired_units, int32_t total_units) {
+  constexpr int kVec = AppendKvTraits::kVec;
+  AppendKvUnit u{};
+  u.valid = unit < total_units;
+  if (!u.valid) return u;
+  const int32_t hq = params.num_q_heads, hkv = params.num_kv_heads;
+  const int32_t rotary_half = params.rope.rotary_dim / 2;
+  u.head = unit / units_per_head;
+  const int32_t w = unit % units_per_head;
+  u.is_q = u.head < hq;
+  u.is_k = !u.is_q && u.head < hq + hkv;
+  u.local = u.is_q ? u.head : (u.is_k ? u.head - hq : u.head - hq - hkv);
+  u.in_offset = u.is_q ? token * params.q_stride_token + u.local * params.q_stride_head
+                       : (u.is_k ? token * params.k_stride_token + u.local * params.k_stride_head
+                                 : token * params.v_stride_token + u.local * params.v_stride_head);
+  u.paired = w < paired_units;
+  if (u.paired) {
+    u.d0 = w * kVec;
+  } else if constexpr (kStyle == RopeStyle::kGptNeox) {
+    u.d0 = 2 * rotary_half + (w - paired_units) * kVec;
+  } else {
+    u.d0 = w * kVec;
   }
+  u.d1 = u.d0 + rotary_half;
+  return u;
+}
+
+__device__ __forceinline__ uint4 load16(const void* base, int64_t offset) {
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + offset));
+}
+
+__device__ __forceinline__ void load_unit(const AppendKvParams& params, const AppendKvUnit& u,
+                                          AppendKvRaw& raw) {
+  if (!u.valid) return;
+  const void* in = u.is_q ? params.q_in : (u.is_k ? params.k_in : params.v_in);
+  const int64_t bias_offset = static_cast<int64_t>(u.head) * params.head_dim;
+  raw.lo = load16(in, u.in_offset + u.d0);
+  if (u.paired) raw.hi = load16(in, u.in_offset + u.d1);
+  if (params.bias != nullptr) {
+    raw.bias_lo = load16(params.bias, bias_offset + u.d0);
+    if (u.paired) raw.bias_hi = load16(params.bias, bias_offset + u.d1);
+  }
+}
+
+// Bias, rotation, rounding and the stores of one unit.
+template <DType kIn, DType kKv, RopeStyle kStyle>
+__device__ __forceinline__ void finish_unit(const AppendKvParams& params, const AppendKvUnit& u,
+                                            const AppendKvRaw& raw, const float2* cos_sin,
+                                            int64_t token, int64_t position, int64_t row) {
+  constexpr int kVec = AppendKvTraits::kVec;
+  if (!u.valid) return;
+  float lo[kVec], hi[kVec];
+  unpack8<kIn>(raw.lo, lo);
+  if (u.paired) unpack8<kIn>(raw.hi, hi);
+  if (params.bias != nullptr) {
+    float b[kVec];
+    unpack8<kIn>(raw.bias_lo, b);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) lo[i] += b[i];
+    if (u.paired) {
+      unpack8<kIn>(raw.bias_hi, b);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) hi[i] += b[i];
+    }
+  }
+  if (u.is_q || u.is_k) {
+    if constexpr (kStyle == RopeStyle::kGptNeox) {
+      if (u.paired) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float2 cs = cos_sin[u.d0 + i];
+          const float a = lo[i], b = hi[i];
+          lo[i] = a * cs.x - b * cs.y;
+          hi[i] = b * cs.x + a * cs.y;
+        }
+      }
+    } else if constexpr (kStyle == RopeStyle::kGptJ) {
+      const int32_t rotary_dim = params.rope.rotary_dim;
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2) {
+        if (u.d0 + i < rotary_dim) {
+          const float2 cs = cos_sin[(u.d0 + i) / 2];
+          const float a = lo[i], b = lo[i + 1];
+          lo[i] = a * cs.x - b * cs.y;
+          lo[i + 1] = b * cs.x + a * cs.y;
+        }
+      }
+    }
+  }
+  if (u.is_q) {
+    uint16_t* out = static_cast<uint16_t*>(params.q_out) + token * params.q_out_stride_token +
+                    u.local * params.q_out_stride_head;
+    *reinterpret_cast<uint4*>(out + u.d0) = pack8<kIn>(lo);
+    if (u.paired) *reinterpret_cast<uint4*>(out + u.d1) = pack8<kIn>(hi);
+    return;
+  }
+  const float scale = u.is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, u.local)
+                             : kv_scale_of(params.v_scale, params.v_scale_per_head, u.local);
+  // Division, not a reciprocal multiply: stored = round(x / scale) exactly as numerics.h.
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    lo[i] = lo[i] / scale;
+    hi[i] = hi[i] / scale;
+  }
+  uint8_t* dst = u.is_k ? params.layout.k_ptr(row, position, u.local)
+                        : params.layout.v_ptr(row, position, u.local);
+  const int32_t elt = params.layout.element_bytes;
+  store_cache8<kKv>(dst + static_cast<int64_t>(u.d0) * elt, lo);
+  if (u.paired) store_cache8<kKv>(dst + static_cast<int64_t>(u.d1) * elt, hi);
 }
 
 template <DType kIn, DType kKv, RopeStyle kStyle>
@@ -97,11 +214,31 @@ __global__ void __launch_bounds__(AppendKvTraits::kThreads)
     fused_append_kv_kernel(const __grid_constant__ AppendKvParams params) {
   using Traits = AppendKvTraits;
   constexpr int kVec = Traits::kVec;
+  constexpr int kUnroll = Traits::kUnitsInFlight;
   __shared__ float2 cos_sin[kStyle == RopeStyle::kNone ? 1 : Traits::kMaxRotaryHalf];
 
   const int64_t token = blockIdx.x;
-  const int64_t position = params.positions[token];
   const int32_t rotary_half = params.rope.rotary_dim / 2;
+  const int32_t dim = params.head_dim;
+  // NeoX: rotary_half / 8 paired units, then the pass-through vectors; else one vector per unit.
+  const int32_t paired_units = kStyle == RopeStyle::kGptNeox ? rotary_half / kVec : 0;
+  const int32_t units_per_head =
+      kStyle == RopeStyle::kGptNeox ? paired_units + (dim - 2 * rotary_half) / kVec : dim / kVec;
+  const int32_t total_units = (params.num_q_heads + 2 * params.num_kv_heads) * units_per_head;
+
+  // The first units' loads go out before the cos/sin table is built, so that the table's math
+  // hides under their latency.
+  AppendKvUnit unit[kUnroll];
+  AppendKvRaw raw[kUnroll];
+  int32_t base = threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    unit[k] = locate_unit<kStyle>(params, token, base + k * Traits::kThreads, units_per_head,
+                                  paired_units, total_units);
+    load_unit(params, unit[k], raw[k]);
+  }
+  const int64_t position = params.positions[token];
+  const int64_t row = params.row_of_token[token];
   if constexpr (kStyle != RopeStyle::kNone) {
     for (int i = threadIdx.x; i < rotary_half; i += Traits::kThreads) {
       float c, s;
@@ -110,79 +247,18 @@ __global__ void __launch_bounds__(AppendKvTraits::kThreads)
     }
     __syncthreads();
   }
-  const int64_t row = params.row_of_token[token];
-  const int32_t hq = params.num_q_heads, hkv = params.num_kv_heads, dim = params.head_dim;
-  // NeoX: rotary_half / 8 paired units, then the pass-through vectors; else one vector per unit.
-  const int32_t paired_units = kStyle == RopeStyle::kGptNeox ? rotary_half / kVec : 0;
-  const int32_t units_per_head = kStyle == RopeStyle::kGptNeox
-                                     ? paired_units + (dim - 2 * rotary_half) / kVec
-                                     : dim / kVec;
-  const int32_t total_units = (hq + 2 * hkv) * units_per_head;
-
-  for (int32_t unit = threadIdx.x; unit < total_units; unit += Traits::kThreads) {
-    const int32_t head = unit / units_per_head;
-    const int32_t u = unit % units_per_head;
-    const bool is_q = head < hq;
-    const bool is_k = !is_q && head < hq + hkv;
-    const int32_t local = is_q ? head : (is_k ? head - hq : head - hq - hkv);
-    const void* in = is_q ? params.q_in : (is_k ? params.k_in : params.v_in);
-    const int64_t in_offset =
-        is_q ? token * params.q_stride_token + local * params.q_stride_head
-             : (is_k ? token * params.k_stride_token + local * params.k_stride_head
-                     : token * params.v_stride_token + local * params.v_stride_head);
-    const int64_t bias_offset = static_cast<int64_t>(head) * dim;
-    const bool paired = u < paired_units;
-    const int32_t d0 = paired ? u * kVec
-                              : (kStyle == RopeStyle::kGptNeox ? 2 * rotary_half + (u - paired_units) * kVec
-                                                               : u * kVec);
-    const int32_t d1 = d0 + rotary_half;  // partner vector of a paired unit
-    float lo[kVec], hi[kVec];
-    load_vec<kIn>(in, in_offset + d0, params.bias, bias_offset + d0, lo);
-    if (paired) load_vec<kIn>(in, in_offset + d1, params.bias, bias_offset + d1, hi);
-
-    if (is_q || is_k) {
-      if constexpr (kStyle == RopeStyle::kGptNeox) {
-        if (paired) {
+  while (base < total_units) {
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float2 cs = cos_sin[d0 + i];
-            const float a = lo[i], b = hi[i];
-            lo[i] = a * cs.x - b * cs.y;
-            hi[i] = b * cs.x + a * cs.y;
-          }
-        }
-      } else if constexpr (kStyle == RopeStyle::kGptJ) {
+    for (int k = 0; k < kUnroll; ++k) {
+      finish_unit<kIn, kKv, kStyle>(params, unit[k], raw[k], cos_sin, token, position, row);
+    }
+    base += kUnroll * Traits::kThreads;
 #pragma unroll
-        for (int i = 0; i < kVec; i += 2) {
-          if (d0 + i < 2 * rotary_half) {
-            const float2 cs = cos_sin[(d0 + i) / 2];
-            const float a = lo[i], b = lo[i + 1];
-            lo[i] = a * cs.x - b * cs.y;
-            lo[i + 1] = b * cs.x + a * cs.y;
-          }
-        }
-      }
+    for (int k = 0; k < kUnroll; ++k) {
+      unit[k] = locate_unit<kStyle>(params, token, base + k * Traits::kThreads, units_per_head,
+                                    paired_units, total_units);
+      load_unit(params, unit[k], raw[k]);
     }
-
-    if (is_q) {
-      uint16_t* out = static_cast<uint16_t*>(params.q_out) + token * params.q_out_stride_token +
-                      local * params.q_out_stride_head;
-      *reinterpret_cast<uint4*>(out + d0) = pack8<kIn>(lo);
-      if (paired) *reinterpret_cast<uint4*>(out + d1) = pack8<kIn>(hi);
-      continue;
-    }
-    const float scale = is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, local)
-                             : kv_scale_of(params.v_scale, params.v_scale_per_head, local);
-    // Division, not a reciprocal multiply: stored = round(x / scale) exactly as numerics.h.
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      lo[i] = lo[i] / scale;
-      hi[i] = hi[i] / scale;
-    }
-    uint8_t* dst = is_k ? params.layout.k_ptr(row, position, local) : params.layout.v_ptr(row, position, local);
-    const int32_t elt = params.layout.element_bytes;
-    store_cache8<kKv>(dst + static_cast<int64_t>(d0) * elt, lo);
-    if (paired) store_cache8<kKv>(dst + static_cast<int64_t>(d1) * elt, hi);
   }
 }
 
@@ -209,18 +285,17 @@ void launch_fused_append_kv_style(const AppendKvParams& params, cudaStream_t str
 template <DType kIn>
 void launch_fused_append_kv(const AppendKvParams& params, cudaStream_t stream) {
   if (params.num_tokens == 0) return;
+  // An unquantized cache has the dtype of the input (validate_append_kv), so three cache types
+  // per input dtype.
+  if (params.kv_dtype == kIn) return launch_fused_append_kv_style<kIn, kIn>(params, stream);
   switch (params.kv_dtype) {
-    case DType::kBF16:
-      return launch_fused_append_kv_style<kIn, DType::kBF16>(params, stream);
-    case DType::kF16:
-      return launch_fused_append_kv_style<kIn, DType::kF16>(params, stream);
     case DType::kFp8E4M3:
       return launch_fused_append_kv_style<kIn, DType::kFp8E4M3>(params, stream);
     case DType::kInt8:
       return launch_fused_append_kv_style<kIn, DType::kInt8>(params, stream);
     default:
-      detail::fail("fused append_kv: kv_cache.dtype must be bf16, f16, fp8_e4m3 or int8, got ",
-                   dtype_name(params.kv_dtype));
+      detail::fail("fused append_kv: kv_cache.dtype must be ", dtype_name(kIn),
+                   " (the input dtype), fp8_e4m3 or int8, got ", dtype_name(params.kv_dtype));
   }
 }
 

@@ -19,12 +19,13 @@ std::string fused_alignment_problem(const AppendKvParams& params) {
                              params.q_out_stride_token, params.q_out_stride_head};
   for (int64_t stride : strides) {
     if (stride % 8 != 0) {
-      return detail::concat("token and head strides of qkv / q / k / v / q_out must be multiples of ",
-                            "8 elements (16 bytes), got a stride of ", stride);
+      return detail::concat(
+          "token and head strides of qkv / q / k / v / q_out must be multiples of ",
+          "8 elements (16 bytes), got a stride of ", stride);
     }
   }
-  const void* pointers[] = {params.q_in, params.k_in, params.v_in, params.q_out, params.layout.k_base,
-                            params.layout.v_base};
+  const void* pointers[] = {params.q_in,  params.k_in,          params.v_in,
+                            params.q_out, params.layout.k_base, params.layout.v_base};
   for (const void* ptr : pointers) {
     if (!aligned16(ptr)) return "tensor and cache base pointers must be 16-byte aligned";
   }
@@ -94,23 +95,18 @@ std::string fused_append_kv_unsupported(const AttentionSpec& spec,
     return "fused append_kv for f16 inputs: not compiled in this build (ATTNKIT_KERNEL_SUBSET)";
   }
 #endif
-  switch (p.kv_dtype) {
-    case DType::kBF16:
-    case DType::kF16:
-    case DType::kFp8E4M3:
-    case DType::kInt8:
-      break;
-    default:
-      return detail::concat("fused append_kv writes bf16, f16, fp8_e4m3 or int8 caches, got ",
-                            dtype_name(p.kv_dtype));
+  if (p.kv_dtype != p.dtype && p.kv_dtype != DType::kFp8E4M3 && p.kv_dtype != DType::kInt8) {
+    return detail::concat("fused append_kv writes caches of the input dtype (", dtype_name(p.dtype),
+                          "), fp8_e4m3 or int8, got ", dtype_name(p.kv_dtype));
   }
   if (spec.head_dim % 8 != 0 || spec.head_dim > 512) {
     return detail::concat("fused append_kv needs head_dim a multiple of 8 and <= 512, got ",
                           spec.head_dim);
   }
   if (spec.rope.style == RopeStyle::kGptNeox && spec.effective_rotary_dim() % 16 != 0) {
-    return detail::concat("fused append_kv with GPT-NeoX RoPE needs rotary_dim a multiple of 16, got ",
-                          spec.effective_rotary_dim());
+    return detail::concat(
+        "fused append_kv with GPT-NeoX RoPE needs rotary_dim a multiple of 16, got ",
+        spec.effective_rotary_dim());
   }
   return "";
 }
@@ -126,9 +122,11 @@ void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
                   "append_kv: backend 'fused' cannot serve this call: ", misaligned);
     return launch_vanilla_append_kv(params, as_cuda_stream(stream));
   }
-  if (p.dtype == DType::kBF16) return launch_fused_append_kv<DType::kBF16>(params, as_cuda_stream(stream));
+  if (p.dtype == DType::kBF16)
+    return launch_fused_append_kv<DType::kBF16>(params, as_cuda_stream(stream));
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-  if (p.dtype == DType::kF16) return launch_fused_append_kv<DType::kF16>(params, as_cuda_stream(stream));
+  if (p.dtype == DType::kF16)
+    return launch_fused_append_kv<DType::kF16>(params, as_cuda_stream(stream));
 #endif
   detail::fail("append_kv: backend 'fused' cannot serve this call: ",
                fused_append_kv_unsupported(spec, p));

@@ -26,7 +26,8 @@ __global__ void __launch_bounds__(kThreads)
                    : token * params.v_stride_token + local * params.v_stride_head);
   for (int d = threadIdx.x; d < dim; d += kThreads) {
     float value = load_element(in, params.in_dtype, in_offset + d);
-    if (params.bias != nullptr) value += load_element(params.bias, params.in_dtype, int64_t{head} * dim + d);
+    if (params.bias != nullptr)
+      value += load_element(params.bias, params.in_dtype, int64_t{head} * dim + d);
     x[d] = value;
   }
   __syncthreads();
@@ -46,22 +47,26 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (is_q) {
     const int64_t out_offset = token * params.q_out_stride_token + local * params.q_out_stride_head;
-    for (int d = threadIdx.x; d < dim; d += kThreads) store_element(params.q_out, params.in_dtype, out_offset + d, x[d]);
+    for (int d = threadIdx.x; d < dim; d += kThreads)
+      store_element(params.q_out, params.in_dtype, out_offset + d, x[d]);
     return;
   }
   const int64_t row = params.row_of_token[token];
   const float scale = is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, local)
                            : kv_scale_of(params.v_scale, params.v_scale_per_head, local);
-  uint8_t* dst = is_k ? params.layout.k_ptr(row, position, local) : params.layout.v_ptr(row, position, local);
-  for (int d = threadIdx.x; d < dim; d += kThreads) store_element(dst, params.kv_dtype, d, x[d] / scale);
+  uint8_t* dst =
+      is_k ? params.layout.k_ptr(row, position, local) : params.layout.v_ptr(row, position, local);
+  for (int d = threadIdx.x; d < dim; d += kThreads)
+    store_element(dst, params.kv_dtype, d, x[d] / scale);
 }
 
 }  // namespace
 
 void launch_vanilla_append_kv(const AppendKvParams& params, cudaStream_t stream) {
   if (params.num_tokens == 0) return;
-  ATTNKIT_CHECK(params.head_dim <= kMaxHeadDim, "vanilla append_kv on CUDA: head_dim must be <= ",
-                kMaxHeadDim, ", got ", params.head_dim);
+  ATTNKIT_CHECK(params.head_dim <= kMaxHeadDim,
+                "vanilla append_kv on CUDA: head_dim must be <= ", kMaxHeadDim, ", got ",
+                params.head_dim);
   const dim3 grid(static_cast<unsigned>(params.num_tokens),
                   static_cast<unsigned>(params.num_q_heads + 2 * params.num_kv_heads));
   vanilla_append_kv_kernel<<<grid, kThreads, 0, stream>>>(params);

@@ -23,7 +23,8 @@ __device__ float block_reduce(float value, float* scratch, bool is_max) {
   if (threadIdx.x % 32 == 0) scratch[warp] = value;
   __syncthreads();
   float result = scratch[0];
-  for (int w = 1; w < kWarps; ++w) result = is_max ? fmaxf(result, scratch[w]) : result + scratch[w];
+  for (int w = 1; w < kWarps; ++w)
+    result = is_max ? fmaxf(result, scratch[w]) : result + scratch[w];
   return result;
 }
 
@@ -62,7 +63,10 @@ __global__ void __launch_bounds__(kVanillaThreads)
       int lo = 0, hi = params.batch;  // last sequence whose start <= token
       while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
-        if (params.cu_seqlens_q[mid] <= token) lo = mid; else hi = mid;
+        if (params.cu_seqlens_q[mid] <= token)
+          lo = mid;
+        else
+          hi = mid;
       }
       seq = lo;
       const int64_t q_begin = params.cu_seqlens_q[seq];
@@ -98,8 +102,8 @@ __global__ void __launch_bounds__(kVanillaThreads)
   const float k_scale = kv_scale_of(params.k_scale, params.k_scale_per_head, kv_head);
   const float v_scale = kv_scale_of(params.v_scale, params.v_scale_per_head, kv_head);
 
-  const int64_t q_offset =
-      out_batch * params.q_stride_batch + q_index * params.q_stride_token + head * params.q_stride_head;
+  const int64_t q_offset = out_batch * params.q_stride_batch + q_index * params.q_stride_token +
+                           head * params.q_stride_head;
   for (int d = threadIdx.x; d < d_count; d += kVanillaThreads) {
     q_s[d] = load_element(params.q, params.dtype, q_offset + d);
   }
@@ -127,7 +131,8 @@ __global__ void __launch_bounds__(kVanillaThreads)
             params.cache_indirection[s * params.ind_stride_seq + b * params.ind_stride_beam +
                                      j * params.ind_stride_token];
     }
-    const uint8_t* p = value ? params.layout.v_ptr(row, j, kv_head) : params.layout.k_ptr(row, j, kv_head);
+    const uint8_t* p =
+        value ? params.layout.v_ptr(row, j, kv_head) : params.layout.k_ptr(row, j, kv_head);
     *base = p;
     *offset = 0;
   };
@@ -159,7 +164,8 @@ __global__ void __launch_bounds__(kVanillaThreads)
     }
     __syncthreads();
     float local_max = kNegInf;
-    for (int jj = threadIdx.x; jj < n; jj += kVanillaThreads) local_max = fmaxf(local_max, score_s[jj]);
+    for (int jj = threadIdx.x; jj < n; jj += kVanillaThreads)
+      local_max = fmaxf(local_max, score_s[jj]);
     const float new_max = fmaxf(running_max, block_reduce(local_max, scratch, true));
     if (new_max == kNegInf) {  // every key so far is masked
       __syncthreads();
@@ -176,13 +182,15 @@ __global__ void __launch_bounds__(kVanillaThreads)
     for (int i = 0; i < kAccPerThread; ++i) acc[i] *= alpha;
     for (int jj = 0; jj < n; ++jj) {
       const float prob = score_s[jj];
-      if (prob == 0.0f) continue;  // masked keys (their V, maybe in an invalid block, is never read)
+      if (prob == 0.0f)
+        continue;  // masked keys (their V, maybe in an invalid block, is never read)
       const void* base;
       int64_t offset;
       key_location(chunk + jj, true, &base, &offset);
       for (int i = 0; i < kAccPerThread; ++i) {
         const int d = threadIdx.x + i * kVanillaThreads;
-        if (d < d_count) acc[i] += prob * (load_element(base, params.kv_dtype, offset + d) * v_scale);
+        if (d < d_count)
+          acc[i] += prob * (load_element(base, params.kv_dtype, offset + d) * v_scale);
       }
     }
     running_max = new_max;
@@ -191,8 +199,8 @@ __global__ void __launch_bounds__(kVanillaThreads)
 
   const bool empty = running_sum == 0.0f;
   const float inv_sum = empty ? 0.0f : 1.0f / running_sum;
-  const int64_t out_offset = out_batch * params.out_stride_batch + q_index * params.out_stride_token +
-                             head * params.out_stride_head;
+  const int64_t out_offset = out_batch * params.out_stride_batch +
+                             q_index * params.out_stride_token + head * params.out_stride_head;
   for (int i = 0; i < kAccPerThread; ++i) {
     const int d = threadIdx.x + i * kVanillaThreads;
     if (d < d_count) store_element(params.out, params.dtype, out_offset + d, acc[i] * inv_sum);
@@ -206,8 +214,9 @@ __global__ void __launch_bounds__(kVanillaThreads)
 }  // namespace
 
 void fill_vanilla_spec_fields(const AttentionSpec& spec, VanillaAttentionParams& params) {
-  ATTNKIT_CHECK(spec.head_dim <= kVanillaMaxHeadDim, "vanilla CUDA kernels: spec.head_dim must be <= ",
-                kVanillaMaxHeadDim, ", got ", spec.head_dim);
+  ATTNKIT_CHECK(spec.head_dim <= kVanillaMaxHeadDim,
+                "vanilla CUDA kernels: spec.head_dim must be <= ", kVanillaMaxHeadDim, ", got ",
+                spec.head_dim);
   params.num_q_heads = spec.num_q_heads;
   params.group_size = spec.group_size();
   params.head_dim = spec.head_dim;
@@ -229,9 +238,10 @@ void fill_vanilla_spec_fields(const AttentionSpec& spec, VanillaAttentionParams&
 
 void launch_vanilla_attention(const VanillaAttentionParams& params, cudaStream_t stream) {
   if (params.num_tokens == 0 || params.num_q_heads == 0) return;
-  ATTNKIT_CHECK(params.num_q_heads <= 65535, "vanilla CUDA kernels: at most 65535 query heads, got ",
-                params.num_q_heads);
-  const dim3 grid(static_cast<unsigned>(params.num_tokens), static_cast<unsigned>(params.num_q_heads));
+  ATTNKIT_CHECK(params.num_q_heads <= 65535,
+                "vanilla CUDA kernels: at most 65535 query heads, got ", params.num_q_heads);
+  const dim3 grid(static_cast<unsigned>(params.num_tokens),
+                  static_cast<unsigned>(params.num_q_heads));
   vanilla_attention_kernel<<<grid, kVanillaThreads, 0, stream>>>(params);
   check_launch("vanilla_attention_kernel");
 }

@@ -16,8 +16,8 @@
 namespace attnkit::cuda {
 
 constexpr int kVanillaThreads = 128;
-constexpr int kVanillaChunk = 1024;     // keys whose scores are held in shared memory at once
-constexpr int kVanillaMaxHeadDim = 512; // kVanillaThreads * 4 accumulators per thread
+constexpr int kVanillaChunk = 1024;      // keys whose scores are held in shared memory at once
+constexpr int kVanillaMaxHeadDim = 512;  // kVanillaThreads * 4 accumulators per thread
 constexpr int kVanillaMaxAlibiHeads = 256;
 
 enum class VanillaQueryMode : uint8_t {
@@ -42,11 +42,11 @@ struct VanillaAttentionParams {
   int32_t head_dim;
 
   VanillaQueryMode mode;
-  int64_t num_tokens;            // grid x
-  const int32_t* cu_seqlens_q;   // kVarlen: int32 [batch + 1]
-  int32_t batch;                 // kVarlen: sequences
-  int32_t dense_seqlen_q;        // kDense
-  int32_t dense_seqlen_kv;       // kDense
+  int64_t num_tokens;           // grid x
+  const int32_t* cu_seqlens_q;  // kVarlen: int32 [batch + 1]
+  int32_t batch;                // kVarlen: sequences
+  int32_t dense_seqlen_q;       // kDense
+  int32_t dense_seqlen_kv;      // kDense
 
   // ---- keys from packed tensors (kVarlen without cache, kDense).
   bool from_cache;

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The one GPU-machine check (docs/gpu.md): configure and build the CUDA backend, run the gpu and
+# cpu tests, `attnkit check`, and the benchmarks that exist, with one log per step under $OUT and
+# a summary at the end. Meant for a single call of the device tool:
+#
+#   run(command="bash scripts/gpu_check.sh", carry=[".carry"], timeout_s=600)
+#
+# Environment (all optional):
+#   OUT                 where logs go (the device tool sets it; default ./gpu-check-out)
+#   GPU_CHECK_BUILD     build directory (default build-gpu)
+#   GPU_CHECK_ARCHS     CUDA architectures (default "80;90a": the full matrix)
+#   GPU_CHECK_STEPS     steps to run, space separated, in this order (default: all of
+#                       "info configure build gpu_tests cpu_tests check bench_decode bench_prefill
+#                        peers_decode")
+#   GPU_CHECK_FILTER    --gtest_filter for the gpu tests (default: all)
+#   GPU_CHECK_CPU_FILTER --gtest_filter for the cpu tests (default: all)
+#   GPU_CHECK_JOBS      parallel build jobs (default: nproc)
+#   GPU_CHECK_CMAKE_ARGS extra configure arguments (e.g. -DATTNKIT_KERNEL_SUBSET=ON)
+# A step that fails is recorded and the script goes on (a failed build skips what needs it); the
+# exit status is 0 only when every step that ran passed.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$OUT"
+BUILD="${GPU_CHECK_BUILD:-build-gpu}"
+ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
+STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill peers_decode}"
+JOBS="${GPU_CHECK_JOBS:-$(nproc)}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+BUILD_OK=1
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# run_step NAME COMMAND...: runs COMMAND with its output in $OUT/NAME.log; records the result.
+run_step() {
+  local name="$1"
+  shift
+  local start=$SECONDS
+  echo "=== $name: $*" | tee "$OUT/$name.log"
+  "$@" >>"$OUT/$name.log" 2>&1
+  local rc=$?
+  local took=$((SECONDS - start))
+  if [ $rc -eq 0 ]; then
+    note "PASS  $name (${took}s)"
+  else
+    note "FAIL  $name (rc=$rc, ${took}s): see $name.log"
+    tail -n 30 "$OUT/$name.log" | sed 's/^/      /' >>"$SUMMARY"
+    FAILED=1
+  fi
+  return $rc
+}
+skip() { note "SKIP  $1: $2"; }
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# GoogleTest: the system package, else a carried source tree (.carry/googletest), else
+# /usr/src/googletest (tests/CMakeLists.txt picks the first that exists).
+GTEST_ARGS=()
+if [ -f .carry/googletest/CMakeLists.txt ]; then
+  GTEST_ARGS=(-DATTNKIT_GTEST_SOURCE_DIR="$PWD/.carry/googletest")
+fi
+
+if wants info; then
+  run_step info bash -c 'date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; nvcc --version | tail -n 2; cmake --version | head -n 1; nproc'
+fi
+
+if wants configure; then
+  # shellcheck disable=SC2086
+  run_step configure cmake -S . -B "$BUILD" -G Ninja -DATTNKIT_WITH_CUDA=ON \
+    -DATTNKIT_CUDA_ARCHS="$ARCHS" "${GTEST_ARGS[@]}" ${GPU_CHECK_CMAKE_ARGS:-} || BUILD_OK=0
+fi
+
+if wants build; then
+  if [ $BUILD_OK -eq 1 ]; then
+    run_step build cmake --build "$BUILD" -j "$JOBS" --target attnkit attnkit_gpu_tests \
+      attnkit_cpu_tests attnkit_cli || BUILD_OK=0
+  else
+    skip build "configure failed"
+  fi
+fi
+
+TESTS_DIR="$BUILD/tests"
+CLI="$BUILD/attnkit"
+
+if wants gpu_tests; then
+  if [ $BUILD_OK -eq 1 ] && [ -x "$TESTS_DIR/attnkit_gpu_tests" ]; then
+    run_step gpu_tests "$TESTS_DIR/attnkit_gpu_tests" --gtest_color=no \
+      --gtest_filter="${GPU_CHECK_FILTER:-*}" --gtest_output="xml:$OUT/gpu_tests.xml"
+  else
+    skip gpu_tests "no test binary ($TESTS_DIR/attnkit_gpu_tests)"
+  fi
+fi
+
+if wants cpu_tests; then
+  if [ $BUILD_OK -eq 1 ] && [ -x "$TESTS_DIR/attnkit_cpu_tests" ]; then
+    run_step cpu_tests "$TESTS_DIR/attnkit_cpu_tests" --gtest_color=no \
+      --gtest_filter="${GPU_CHECK_CPU_FILTER:-*}" --gtest_output="xml:$OUT/cpu_tests.xml"
+  else
+    skip cpu_tests "no test binary ($TESTS_DIR/attnkit_cpu_tests)"
+  fi
+fi
+
+# A subcommand that exists but only says "(not yet implemented)" is skipped, not failed.
+cli_has() {
+  [ -x "$CLI" ] && "$CLI" "$@" --help >/dev/null 2>&1 &&
+    ! "$CLI" "$@" --help 2>&1 | grep -q "not yet implemented"
+}
+
+if wants check; then
+  if cli_has check; then run_step check "$CLI" check; else skip check "attnkit check not built or not implemented"; fi
+fi
+if wants bench_decode; then
+  if cli_has bench decode; then run_step bench_decode "$CLI" bench decode; else skip bench_decode "attnkit bench decode not implemented"; fi
+fi
+if wants bench_prefill; then
+  if cli_has bench prefill; then run_step bench_prefill "$CLI" bench prefill; else skip bench_prefill "attnkit bench prefill not implemented"; fi
+fi
+if wants peers_decode; then
+  if [ ! -f bench/peers_decode.py ]; then
+    skip peers_decode "bench/peers_decode.py not present"
+  elif ! python3 -c "import torch" >/dev/null 2>&1; then
+    skip peers_decode "python3 has no torch"
+  else
+    run_step peers_decode env ATTNKIT_CLI="$CLI" python3 bench/peers_decode.py
+  fi
+fi
+
+# Failing tests by name, for the summary.
+for xml in "$OUT"/gpu_tests.xml "$OUT"/cpu_tests.xml; do
+  [ -f "$xml" ] || continue
+  python3 - "$xml" <<'EOF' >>"$SUMMARY" 2>/dev/null || true
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+tests, failures = int(root.get("tests", 0)), int(root.get("failures", 0))
+skipped = sum(1 for c in root.iter("testcase") if c.find("skipped") is not None)
+print(f"      {sys.argv[1].rsplit('/', 1)[-1]}: {tests} tests, {failures} failed, {skipped} skipped")
+for case in root.iter("testcase"):
+    if case.find("failure") is not None:
+        print(f"      failed: {case.get('classname')}.{case.get('name')}")
+EOF
+done
+
+echo "--- summary ($SUMMARY)"
+cat "$SUMMARY"
+exit $FAILED

@@ -1,0 +1,316 @@
+// forward() on CUDA against the CPU reference and an fp64 oracle: a packed mixed batch (context
+// chunks after cached tokens, a fresh prompt, generation requests with beams and cache
+// indirection), a sequence built by chunked prefill then decode steps, a cyclic window cache,
+// fp8 caches, the fused and vanilla paths, a caller workspace, and the rejections.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "gpu/gpu_case_util.h"
+
+namespace attnkit::test {
+namespace {
+
+struct Step {
+  std::vector<int32_t> context_past, context_len;  // context requests: cached tokens, new tokens
+  std::vector<int32_t> generation_past;            // generation requests: cached tokens
+  int32_t beam = 1;
+  bool indirection = false;
+  bool bias = false;
+  bool caller_workspace = false;
+};
+
+// One forward() step on the CPU reference and on the GPU (caches persist across steps): the
+// caches must agree within one unit of the cache dtype and the outputs within the DESIGN.md 6
+// tolerance of an fp64 oracle built from the reference's rotated Q and cache.
+void run_forward_step(const AttentionSpec& spec_in, Backend backend, const Step& step,
+                      OracleKvCache& cpu_cache, DeviceKvCache& gpu_cache, std::mt19937_64& rng,
+                      const std::string& what) {
+  SCOPED_TRACE(what);
+  AttentionSpec spec = spec_in;
+  const int32_t hq = spec.num_q_heads, hkv = spec.num_kv_heads, d = spec.head_dim;
+  const int32_t nctx = static_cast<int32_t>(step.context_past.size());
+  const int32_t ngen = static_cast<int32_t>(step.generation_past.size());
+  std::vector<int32_t> cu = {0}, past;
+  std::vector<int32_t> positions, rows;  // per token, for the oracle
+  for (int32_t i = 0; i < nctx; ++i) {
+    cu.push_back(cu.back() + step.context_len[i]);
+    past.push_back(step.context_past[i]);
+    cpu_cache.set_seq_len(i, step.context_past[i] + step.context_len[i]);
+    for (int32_t t = 0; t < step.context_len[i]; ++t) {
+      positions.push_back(step.context_past[i] + t);
+      rows.push_back(i);
+    }
+  }
+  for (int32_t g = 0; g < ngen; ++g) {
+    cu.push_back(cu.back() + step.beam);
+    past.push_back(step.generation_past[g]);
+    for (int32_t b = 0; b < step.beam; ++b) {
+      cpu_cache.set_seq_len(nctx + g * step.beam + b, step.generation_past[g] + 1);
+      positions.push_back(step.generation_past[g]);
+      rows.push_back(nctx + g * step.beam + b);
+    }
+  }
+  gpu_cache.upload_seq_lens(cpu_cache);
+  const int64_t tokens = cu.back();
+  const int64_t width = int64_t{hq + 2 * hkv} * d;
+  HostTensor qkv(DType::kBF16, {tokens, width});
+  qkv.fill_uniform(rng, -2.0f, 2.0f);
+  HostTensor bias(DType::kBF16, {width});
+  bias.fill_uniform(rng, -0.5f, 0.5f);
+  HostTensor hcu = int32_tensor(cu), hpast = int32_tensor(past);
+  int32_t max_seq = 1;
+  for (int32_t p : step.generation_past) max_seq = std::max(max_seq, p + 1);
+  HostTensor indirection;
+  if (step.indirection) {
+    indirection = HostTensor(DType::kInt32, {ngen, step.beam, max_seq});
+    std::uniform_int_distribution<int32_t> beam_of(0, step.beam - 1);
+    for (int64_t i = 0; i < indirection.numel(); ++i) indirection.data<int32_t>()[i] = beam_of(rng);
+  }
+
+  // CPU reference; its rotated Q comes from append_kv on a scratch copy of the cache.
+  OracleKvCache scratch = cpu_cache;
+  HostTensor q_rot = poisoned(DType::kBF16, {tokens, hq, d});
+  {
+    HostTensor hpos = int32_tensor(positions), hrow = int32_tensor(rows);
+    AppendKvArgs a;
+    a.qkv = qkv;
+    if (step.bias) a.qkv_bias = bias;
+    a.positions = hpos;
+    a.row_of_token = hrow;
+    a.kv_cache = scratch.view();
+    a.q_out = q_rot;
+    append_kv(spec, a);
+  }
+  HostTensor cpu_out = poisoned(DType::kBF16, {tokens, hq, d});
+  HostTensor cpu_lse = poisoned(DType::kF32, {tokens, hq});
+  ForwardArgs args;
+  args.qkv = qkv;
+  if (step.bias) args.qkv_bias = bias;
+  args.num_context = nctx;
+  args.beam_width = step.beam;
+  args.cu_seqlens_q = hcu;
+  args.past_lens = hpast;
+  args.kv_cache = cpu_cache.view();
+  if (step.indirection) args.cache_indirection = indirection;
+  args.out = cpu_out;
+  args.lse = cpu_lse;
+  forward(spec, args);
+
+  // GPU.
+  DeviceTensor dqkv(qkv), dbias(bias), dind, dout(poisoned(DType::kBF16, {tokens, hq, d})),
+      dlse(poisoned(DType::kF32, {tokens, hq}));
+  if (step.indirection) dind = DeviceTensor(indirection);
+  ForwardArgs gargs = args;
+  gargs.qkv = dqkv;
+  if (step.bias) gargs.qkv_bias = dbias;
+  gargs.kv_cache = gpu_cache.view();
+  if (step.indirection) gargs.cache_indirection = dind;
+  gargs.out = dout;
+  gargs.lse = dlse;
+  DeviceTensor workspace;
+  if (step.caller_workspace) {
+    workspace = DeviceTensor(HostTensor(DType::kInt8, {tokens * hq * d * 2 + 4096 + 8 * tokens}));
+    gargs.workspace = workspace;
+  }
+  spec.backend = backend;
+  cudaStream_t stream;
+  ATTNKIT_CUDA_OK(cudaStreamCreate(&stream));
+  ASSERT_NO_THROW(forward(spec, gargs, stream));
+  ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+  ATTNKIT_CUDA_OK(cudaStreamDestroy(stream));
+
+  // Caches agree (within one unit, like append_kv).
+  OracleKvCache gpu_copy = cpu_cache;
+  gpu_cache.download_pool(gpu_copy);
+  const HostTensor& a = gpu_copy.pool();
+  const HostTensor& b = cpu_cache.pool();
+  double max_diff = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.get(i), y = b.get(i);
+    if (std::isnan(x) && std::isnan(y)) continue;
+    const double unit = cpu_cache.view().dtype == DType::kBF16
+                            ? std::ldexp(1.0, std::ilogb(std::max(std::fabs(y), 1e-6)) - 7)
+                            : std::max(std::fabs(y) / 8.0, 0.002);  // fp8: a code is ~1/8
+    max_diff = std::max(max_diff, std::fabs(x - y) / unit);
+  }
+  EXPECT_LE(max_diff, 1.0) << what << ": cache after forward differs by more than one unit";
+
+  // Oracle from the reference's rotated Q and cache.
+  OracleAccumulator oracle;
+  for (int32_t i = 0; i < nctx; ++i) {
+    OracleProblem pr = oracle_problem_of(spec);
+    pr.q = head_values(q_rot, int64_t{cu[i]} * hq * d, int64_t{step.context_len[i]} * hq * d);
+    for (int32_t t = 0; t < step.context_len[i]; ++t)
+      pr.q_positions.push_back(step.context_past[i] + t);
+    const int32_t len = step.context_past[i] + step.context_len[i];
+    pr.k = cpu_cache.dense(i, len, 0);
+    pr.v = cpu_cache.dense(i, len, 1);
+    oracle.add(pr, DType::kBF16);
+  }
+  for (int32_t g = 0; g < ngen; ++g) {
+    for (int32_t bm = 0; bm < step.beam; ++bm) {
+      const int32_t row = nctx + g * step.beam + bm;
+      const int32_t len = step.generation_past[g] + 1;
+      OracleProblem pr = oracle_problem_of(spec);
+      pr.q = head_values(q_rot, (int64_t{cu[nctx + g]} + bm) * hq * d, int64_t{hq} * d);
+      pr.q_positions = {len - 1};
+      pr.k.resize(size_t(len) * hkv * d);
+      pr.v.resize(pr.k.size());
+      for (int32_t j = 0; j < len; ++j) {
+        const int32_t src =
+            step.indirection
+                ? nctx + g * step.beam +
+                      indirection.data<int32_t>()[(int64_t{g} * step.beam + bm) * max_seq + j]
+                : row;
+        for (int32_t h = 0; h < hkv; ++h) {
+          for (int32_t e = 0; e < d; ++e) {
+            pr.k[(size_t(j) * hkv + h) * d + e] = cpu_cache.read(src, j, h, e, 0);
+            pr.v[(size_t(j) * hkv + h) * d + e] = cpu_cache.read(src, j, h, e, 1);
+          }
+        }
+      }
+      oracle.add(pr, DType::kBF16);
+    }
+  }
+  const HostTensor gpu_lse = downloaded(dlse, cpu_lse);
+  expect_attention_matches(what, oracle, downloaded(dout, cpu_out), &gpu_lse, cpu_out, &cpu_lse);
+}
+
+AttentionSpec llama_like(int32_t hq, int32_t hkv, int32_t d) {
+  AttentionSpec spec;
+  spec.num_q_heads = hq;
+  spec.num_kv_heads = hkv;
+  spec.head_dim = d;
+  spec.rope.style = RopeStyle::kGptNeox;
+  return spec;
+}
+
+void fill_finite(OracleKvCache& cache, DType dtype, int32_t hkv, std::mt19937_64& rng) {
+  fill_cache_random(cache, dtype, hkv, true, rng);
+}
+
+TEST(Forward, MixedBatchWithBeamsMatchesReference) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed());
+  const AttentionSpec spec = llama_like(8, 2, 64);
+  for (DType kv_dtype : {DType::kBF16, DType::kFp8E4M3}) {
+    for (Backend backend : {Backend::kFused, Backend::kVanilla, Backend::kAuto}) {
+      // Two context requests (a chunk after 32 cached tokens, a fresh prompt) and two generation
+      // requests of beam width 2: rows 0, 1 and 2..5.
+      const int32_t tpb = 16, rows = 6, blocks_per_row = 5;
+      OracleKvCache cpu_cache =
+          OracleKvCache::paged(kv_dtype, 2, 64, tpb, rows, blocks_per_row, rng);
+      fill_finite(cpu_cache, kv_dtype, 2, rng);
+      DeviceKvCache gpu_cache(cpu_cache);
+      Step step;
+      step.context_past = {32, 0};
+      step.context_len = {20, 7};
+      step.generation_past = {40, 9};
+      step.beam = 2;
+      step.indirection = true;
+      step.bias = true;
+      step.caller_workspace = backend == Backend::kAuto;
+      run_forward_step(
+          spec, backend, step, cpu_cache, gpu_cache, rng,
+          std::string("mixed batch ") + dtype_name(kv_dtype) + " " + backend_name(backend));
+    }
+  }
+}
+
+TEST(Forward, ChunkedPrefillThenDecodeEqualsReference) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 1);
+  AttentionSpec spec = llama_like(4, 1, 128);
+  spec.rope.style = RopeStyle::kGptJ;
+  spec.alibi = true;
+  for (Backend backend : {Backend::kFused, Backend::kVanilla}) {
+    const int32_t tpb = 16;
+    OracleKvCache cpu_cache = OracleKvCache::paged(DType::kBF16, 1, 128, tpb, 1, 4, rng);
+    fill_finite(cpu_cache, DType::kBF16, 1, rng);
+    DeviceKvCache gpu_cache(cpu_cache);
+    int32_t past = 0;
+    for (int32_t chunk : {16, 16, 5}) {
+      Step step;
+      step.context_past = {past};
+      step.context_len = {chunk};
+      run_forward_step(
+          spec, backend, step, cpu_cache, gpu_cache, rng,
+          std::string("chunk at ") + std::to_string(past) + " " + backend_name(backend));
+      past += chunk;
+    }
+    for (int i = 0; i < 3; ++i) {
+      Step step;
+      step.generation_past = {past};
+      run_forward_step(
+          spec, backend, step, cpu_cache, gpu_cache, rng,
+          std::string("decode at ") + std::to_string(past) + " " + backend_name(backend));
+      ++past;
+    }
+  }
+}
+
+TEST(Forward, CyclicWindowCache) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 2);
+  AttentionSpec spec = llama_like(4, 2, 64);
+  spec.mask.kind = MaskKind::kSlidingWindow;
+  spec.mask.window = 12;
+  spec.mask.sink_tokens = 2;
+  const int32_t tpb = 8;
+  OracleKvCache cpu_cache = OracleKvCache::paged(DType::kBF16, 2, 64, tpb, 2, 5, rng);
+  fill_finite(cpu_cache, DType::kBF16, 2, rng);
+  cpu_cache.make_cyclic(cyclic_window_slots(spec.mask.window, tpb), spec.mask.sink_tokens);
+  DeviceKvCache gpu_cache(cpu_cache);
+  // Row 0: a chunk of 8 far past the window capacity; row 1: a generation step.
+  Step step;
+  step.context_past = {96};
+  step.context_len = {8};
+  step.generation_past = {77};
+  run_forward_step(spec, Backend::kFused, step, cpu_cache, gpu_cache, rng, "cyclic fused");
+}
+
+TEST(Forward, RejectsBadInputWithoutWriting) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 3);
+  const AttentionSpec spec = llama_like(4, 2, 64);
+  OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 2, 64, 16, 1, 2, rng);
+  fill_finite(cache, DType::kBF16, 2, rng);
+  cache.set_seq_len(0, 5);
+  DeviceKvCache dcache(cache);
+  const int64_t width = int64_t{4 + 4} * 64;
+  HostTensor qkv(DType::kBF16, {5, width});
+  qkv.fill_uniform(rng, -1.0f, 1.0f);
+  const HostTensor poison = poisoned(DType::kBF16, {5, 4, 64});
+  HostTensor hcu = int32_tensor({0, 5}), hpast = int32_tensor({0});
+  DeviceTensor dqkv(qkv), dout(poison), dcu(hcu), small(HostTensor(DType::kInt8, {64}));
+  ForwardArgs args;
+  args.qkv = dqkv;
+  args.num_context = 1;
+  args.cu_seqlens_q = hcu;
+  args.past_lens = hpast;
+  args.kv_cache = dcache.view();
+  args.out = dout;
+  // A workspace that is too small.
+  ForwardArgs bad = args;
+  bad.workspace = small;
+  EXPECT_THROW(forward(spec, bad), Error);
+  // cu_seqlens_q on the device (it must be in host memory).
+  bad = args;
+  bad.cu_seqlens_q = dcu;
+  EXPECT_THROW(forward(spec, bad), Error);
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  for (double x : downloaded(dout, poison).to_double()) {
+    ASSERT_TRUE(std::isnan(x)) << "output written by a rejected call";
+  }
+  OracleKvCache after = cache;
+  dcache.download_pool(after);
+  EXPECT_EQ(after.pool().bytes(), cache.pool().bytes()) << "cache written by a rejected call";
+}
+
+}  // namespace
+}  // namespace attnkit::test
