@@ -948,5 +948,34 @@ TEST(DenseRef, StridedViewsEqualContiguous) {
   }
 }
 
+// A rejected call (here: a tile size no kernel has, a mask) writes neither out, lse nor stats.
+TEST(DenseRef, RejectedCallWritesNothing) {
+  std::mt19937_64 rng(test::test_seed() + 17);
+  const Shape shape{1, 8, 8, 2, 1, 64};
+  const Inputs in = make_inputs(shape, DType::kF32, rng);
+  HostTensor out(DType::kF32, {1, 8, 2, 64}), lse(DType::kF32, {1, 8, 2});
+  out.fill(NAN);
+  lse.fill(NAN);
+  DenseStats stats{5, 5};
+  DenseArgs args;
+  args.q = in.q;
+  args.k = in.k;
+  args.v = in.v;
+  args.out = out;
+  args.lse = lse;
+  args.stats = &stats;
+  args.block_m = 8;
+  const AttentionSpec spec = with_threshold(make_spec(shape), 1.0);
+  EXPECT_THROW(dense(spec, args), Error);
+  args.block_m = 16;
+  AttentionSpec causal = spec;
+  causal.mask.kind = MaskKind::kCausal;
+  EXPECT_THROW(dense(causal, args), Error);
+  EXPECT_EQ(stats.tiles_total, 5);
+  EXPECT_EQ(stats.tiles_skipped, 5);
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isnan(out.get(i)));
+  for (int64_t i = 0; i < lse.numel(); ++i) ASSERT_TRUE(std::isnan(lse.get(i)));
+}
+
 }  // namespace
 }  // namespace attnkit
