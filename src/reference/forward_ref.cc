@@ -72,6 +72,13 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     decode.kv_cache.seq_lens = slice_rows(args.kv_cache.seq_lens, num_context, num_generation_rows);
     decode.kv_cache.block_table =
         slice_rows(args.kv_cache.block_table, num_context, num_generation_rows);
+    if (!args.kv_cache.paged) {
+      // A contiguous cache addresses row r as block r: move the base past the context rows.
+      const int64_t skip = num_context * args.kv_cache.block_stride_bytes;
+      decode.kv_cache.k_base = static_cast<uint8_t*>(args.kv_cache.k_base) + skip;
+      decode.kv_cache.v_base = static_cast<uint8_t*>(args.kv_cache.v_base) + skip;
+      decode.kv_cache.num_blocks -= num_context;
+    }
     decode.q = slice_rows(q_rot, num_context_tokens, num_generation_rows);
     decode.beam_width = beam_width;
     decode.cache_indirection = args.cache_indirection;

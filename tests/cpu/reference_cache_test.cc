@@ -243,10 +243,15 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   HostTensor pre(DType::kBF16, {static_cast<int64_t>(pre_positions.size()), width});
   pre.fill_uniform(rng, -1, 1);
   append(spec, pre, pre_positions, pre_rows, cache.view());
+  // The same state in a contiguous cache (row r = block r).
+  OracleKvCache contiguous = OracleKvCache::contiguous(DType::kFp8E4M3, hkv, d, 6, max_seq);
+  contiguous.set_scales({0.004f, 0.006f}, {0.005f, 0.003f});
+  append(spec, pre, pre_positions, pre_rows, contiguous.view());
 
   const std::vector<int32_t> cu = {0, 5, 14, 16, 18}, past = {8, 0, 11, 6};
   const std::vector<int32_t> after = {13, 9, 12, 12, 7, 7};
   for (int32_t r = 0; r < 6; ++r) cache.set_seq_len(r, after[r]);
+  for (int32_t r = 0; r < 6; ++r) contiguous.set_seq_len(r, after[r]);
   HostTensor qkv(DType::kBF16, {18, width}), bias(DType::kBF16, {width});
   qkv.fill_uniform(rng, -1, 1);
   bias.fill_uniform(rng, -0.5, 0.5);
@@ -278,6 +283,16 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   args.out = out;
   args.lse = lse;
   call::forward(spec, args);
+
+  // forward() over the contiguous cache gives the same result.
+  HostTensor out_contiguous(DType::kBF16, {18, hq, d});
+  out_contiguous.fill(NAN);
+  ForwardArgs contiguous_args = args;
+  contiguous_args.kv_cache = contiguous.view();
+  contiguous_args.out = out_contiguous;
+  contiguous_args.lse = TensorView();
+  call::forward(spec, contiguous_args);
+  EXPECT_EQ(max_abs_diff(out.to_double(), out_contiguous.to_double()), 0.0);
 
   // Separate calls: append_kv for every token, prefill for rows 0-1, decode for rows 2-5.
   std::vector<int32_t> positions, rows;
