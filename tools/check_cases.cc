@@ -53,7 +53,7 @@ std::vector<double> brute_force_prefill(const AttentionSpec& spec, Tensor& q, Te
               keep[j] = j <= p;
               break;
             case MaskKind::kSlidingWindow:
-              keep[j] = (j <= p && j > p - spec.mask.window) || j < spec.mask.sink_tokens;
+              keep[j] = j <= p && (j > p - spec.mask.window || j < spec.mask.sink_tokens);
               break;
           }
           logit[j] = x;

@@ -4,7 +4,7 @@
 // by a multi-stage cp.async pipeline, each warp takes 16 keys of the tile and keeps its own
 // online-softmax state (m, l, O); the warps are merged at the end. QK^T and PV run on
 // mma.sync m16n8k16 with float accumulation. 8-bit caches are widened to the query type in
-// shared memory; their scales multiply the logits (K) and the output (V).
+// registers; their scales multiply the logits (K) and the output (V).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,7 +21,7 @@
 
 namespace attnkit::cuda {
 
-// KV-cache element types: the cache's storage, and how 16 stored bytes widen to the MMA type.
+// KV-cache element types: the cache's storage, and how two stored bytes widen to the MMA type.
 struct KvNative {  // the cache holds the query's own type: no conversion
   static constexpr int kBytes = 2;
 };
@@ -50,9 +50,6 @@ struct KvInt8 {
   }
 };
 
-// 8-bit caches: MMA operands straight from the stored bytes (true) or a widening pass (false).
-constexpr bool kDecodeDirect8Bit = true;
-
 template <int kHeadDim_, typename QTag_, typename Kv_>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -63,13 +60,12 @@ struct DecodeTraits {
   static constexpr int kKeysPerWarp = 16;
   static constexpr int kTileN = kWarps * kKeysPerWarp;
   static constexpr bool k8Bit = Kv::kBytes == 1;
-  // 8-bit caches: kDirect feeds the MMAs from the stored bytes (ldmatrix on byte rows, widened in
-  // registers); otherwise (kWiden) a pass widens each stage into 16-bit rows first.
-  static constexpr bool kDirect = k8Bit && kDecodeDirect8Bit;
-  static constexpr bool kWiden = k8Bit && !kDirect;
-  // Byte rows of an 8-bit stage: padded so that their pitch is an odd number of 16-byte units.
-  static constexpr int kRawRowBytes =
-      kDirect ? kHeadDim + ((kHeadDim / 16) % 2 == 0 ? 16 : 32) : kHeadDim;
+  // 8-bit caches feed the MMAs from the stored bytes: ldmatrix on byte rows, widened to the
+  // query type in registers (no widening pass through shared memory).
+  static constexpr bool kDirect = k8Bit;
+  // Byte rows of an 8-bit stage: padded so that their pitch is an odd number of 16-byte units
+  // (conflict-free ldmatrix; D = 80 also gets room for the unused half of its last x4 load).
+  static constexpr int kRawRowBytes = kHeadDim + ((kHeadDim / 16) % 2 == 0 ? 16 : 32);
   // Rows of 16-bit elements padded by 16 bytes: ldmatrix's 8 row addresses then fall into
   // distinct bank groups (the row pitch is an odd number of 16-byte units).
   static constexpr int kRowStride = kHeadDim + 8;
@@ -80,12 +76,11 @@ struct DecodeTraits {
   static constexpr int kStageHalfBytes =
       k8Bit ? kTileN * kRawRowBytes : kTileN * kRowBytes;  // K (or V) of one stage
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
-  static constexpr int kWidenedBytes = kWiden ? 2 * kTileN * kRowBytes : 0;
   // ~104 KB per CTA leaves room for two CTAs per SM on sm_90 (228 KB).
   static constexpr int kBudget = 104 * 1024;
-  static constexpr int kStagesFit = (kBudget - kWidenedBytes) / kStageBytes;
+  static constexpr int kStagesFit = kBudget / kStageBytes;
   static constexpr int kStages = kStagesFit < 2 ? 2 : (kStagesFit > 6 ? 6 : kStagesFit);
-  static constexpr int kPipelineBytes = kStages * kStageBytes + kWidenedBytes;
+  static constexpr int kPipelineBytes = kStages * kStageBytes;
   // The warp merge reuses the pipeline memory: O, m and l of every warp.
   static constexpr int kMergeBytes =
       kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) * static_cast<int>(sizeof(float));
@@ -143,7 +138,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   extern __shared__ __align__(128) uint8_t smem[];
   QT* q_smem = reinterpret_cast<QT*>(smem);
   uint8_t* pipe_smem = smem + Traits::kQBytes;
-  QT* widened_smem = reinterpret_cast<QT*>(pipe_smem + kStages * Traits::kStageBytes);
 
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
@@ -193,8 +187,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // Stage loader, in two steps. key_offset(): lane t < 16 of warp w computes the byte offset of
   // key 16w + t of a tile (block table, cyclic slot, beam indirection: all through KvLayout), or
   // -1 past the split. copy_tile(): the copy lanes fetch the offsets by shuffle so that
-  // consecutive lanes copy consecutive 16 bytes. The main loop computes the next tile's offsets
-  // at the end of an iteration, where the block-table latency overlaps the wait for data.
+  // consecutive lanes copy consecutive 16 bytes. The main loop computes the offsets one tile
+  // ahead, so that the block-table latency overlaps the math.
   auto key_offset = [&](int tile) -> int64_t {
     const int32_t key = key_begin + tile * kTileN + warp * Traits::kKeysPerWarp + lane;
     if (lane >= Traits::kKeysPerWarp || key >= key_end) return -1;
@@ -261,42 +255,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int next = tile + kStages - 1;
       if (next < num_tiles) copy_tile(next_offset, next % kStages);
       cp_async_commit();
+      // Next iteration's offsets (-1 past the split): issued here so that the block-table read
+      // overlaps this tile's math.
+      next_offset = key_offset(tile + kStages);
     }
     const int stage = tile % kStages;
-    const QT* k_tile;
-    const QT* v_tile;
-    if constexpr (Traits::kWiden) {
-      // Widen the stored bytes of this stage into the 16-bit ldmatrix buffers.
-      const uint8_t* raw = pipe_smem + stage * Traits::kStageBytes;
-      constexpr int kChunks = 2 * kTileN * Traits::kChunksPerToken;
-      for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) {
-        const int half = c / (kTileN * Traits::kChunksPerToken);  // 0: K, 1: V
-        const int within = c % (kTileN * Traits::kChunksPerToken);
-        const int token = within / Traits::kChunksPerToken;
-        const int part = within % Traits::kChunksPerToken;
-        const uint4 bytes = *reinterpret_cast<const uint4*>(raw + half * Traits::kStageHalfBytes +
-                                                            token * Traits::kRawRowBytes +
-                                                            part * 16);
-        const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-        uint32_t wide[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          wide[2 * w] = Kv::template widen_pair<QTag>(static_cast<uint16_t>(words[w] & 0xffff));
-          wide[2 * w + 1] = Kv::template widen_pair<QTag>(static_cast<uint16_t>(words[w] >> 16));
-        }
-        QT* dst = widened_smem + (half * kTileN + token) * kRowStride + part * 16;
-        reinterpret_cast<uint4*>(dst)[0] = make_uint4(wide[0], wide[1], wide[2], wide[3]);
-        reinterpret_cast<uint4*>(dst)[1] = make_uint4(wide[4], wide[5], wide[6], wide[7]);
-      }
-      __syncthreads();
-      k_tile = widened_smem;
-      v_tile = widened_smem + kTileN * kRowStride;
-    } else {
-      k_tile = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes);
-      v_tile = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
-                                           Traits::kStageHalfBytes);
-    }
-
     // S = Q K^T for this warp's 16 keys: two n8 tiles.
     float s[2][4] = {};
     if constexpr (Traits::kDirect) {
@@ -326,7 +289,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       }
     } else {
-      const QT* k_rows = k_tile + warp * Traits::kKeysPerWarp * kRowStride;
+      const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
+                         warp * Traits::kKeysPerWarp * kRowStride;
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         uint32_t a[4], b[4];
@@ -390,15 +354,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
       // On byte rows, .trans gives lane (g, t) the stored bytes V[2t][2g], V[2t][2g+1],
       // V[2t+1][2g], V[2t+1][2g+1] of a 16-d chunk: bytes 0,2 feed the n8 tile of the even d's,
       // bytes 1,3 the tile of the odd d's (the epilogue undoes this column order).
-      const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes +
-                              Traits::kStageHalfBytes +
+      const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
                               warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
 #pragma unroll
       for (int cc = 0; cc < kD / 16; cc += 2) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_u32(v_rows +
-                                      (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                                      (cc + lane / 16) * 16));
+        ldmatrix_x4_trans(
+            b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                        (cc + lane / 16) * 16));
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
           if (cc + step < kD / 16) {
@@ -415,7 +378,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       }
     } else {
-      const QT* v_rows = v_tile + warp * Traits::kKeysPerWarp * kRowStride;
+      const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
+                                                     Traits::kStageHalfBytes) +
+                         warp * Traits::kKeysPerWarp * kRowStride;
 #pragma unroll
       for (int dd = 0; dd < kD / 16; ++dd) {
         uint32_t b[4];
@@ -426,7 +391,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
         mma_m16n8k16<QTag>(o[2 * dd + 1], pa, b1);
       }
     }
-    if (tile + kStages < num_tiles) next_offset = key_offset(tile + kStages);
   }
 
   // Merge the four warps' states through shared memory (the pipeline is drained first).

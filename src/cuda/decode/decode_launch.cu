@@ -143,7 +143,7 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 }  // namespace
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
-// smallest split count whose waves fill >= 85% of the resident-CTA slots, with at least four
+// smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
 // tiles of keys per split (the prologue and the combine are not free).
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n) {
@@ -155,7 +155,7 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
     const int64_t work = ctas * s;
     const int64_t waves = (work + slots - 1) / slots;
     const double fill = static_cast<double>(work) / static_cast<double>(waves * slots);
-    if (fill >= 0.85) return static_cast<int32_t>(s);
+    if (fill >= 0.95) return static_cast<int32_t>(s);
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
   }
   return static_cast<int32_t>(best);
