@@ -16,12 +16,25 @@ void check_cuda(cudaError_t status, const char* what) {
   }
 }
 
+// Makes `device` current for a scope and restores the caller's device after it.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
 class CudaKvMemory final : public KvMemory {
  public:
   CudaKvMemory(int device, int32_t num_blocks, int64_t host_slots, int64_t block_bytes,
                void* stream)
       : device_(device), block_bytes_(block_bytes), stream_(static_cast<cudaStream_t>(stream)) {
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    DeviceGuard guard(device);
     check_cuda(cudaMalloc(&pool_, static_cast<size_t>(num_blocks) * block_bytes), "cudaMalloc");
     if (host_slots > 0) {
       const cudaError_t status =
@@ -33,7 +46,7 @@ class CudaKvMemory final : public KvMemory {
     }
   }
   ~CudaKvMemory() override {
-    cudaSetDevice(device_);
+    DeviceGuard guard(device_);
     cudaStreamSynchronize(stream_);  // copies out of the pool may still be in flight
     if (host_) cudaFreeHost(host_);
     cudaFree(pool_);
@@ -80,6 +93,13 @@ std::unique_ptr<KvMemory> make_cuda_kv_memory(int device, int32_t num_blocks, in
 }
 
 int64_t cuda_free_memory_bytes(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    count = 0;
+  }
+  ATTNKIT_CHECK(device >= 0 && device < count, "KvCacheManagerConfig.device: cuda:", device,
+                " is not present (", count, " CUDA devices visible)");
   int current = 0;
   check_cuda(cudaGetDevice(&current), "cudaGetDevice");
   check_cuda(cudaSetDevice(device), "cudaSetDevice");

@@ -481,10 +481,19 @@ void KvCacheManager::Impl::append(SeqId seq, std::span<const int32_t> tokens) {
                 " (", max_blocks, " blocks per sequence)");
 
   // Existing table entries this append writes into: they must be private to the sequence.
-  std::vector<uint8_t> touched(s.blocks.size(), 0);
+  std::vector<int64_t> must_copy, may_copy;
+  auto consider = [&](int64_t e) {
+    const Block& blk = blocks[s.blocks[e]];
+    if (blk.ref > 1) {
+      must_copy.push_back(e);
+    } else if (blk.registered) {
+      may_copy.push_back(e);
+    }
+  };
   if (!cyclic) {
-    if (old_len % T != 0) touched[old_len / T] = 1;
+    if (old_len % T != 0) consider(old_len / T);  // the partial last block
   } else {
+    std::vector<uint8_t> touched(s.blocks.size(), 0);
     const int64_t end = std::min(old_len + m, old_len + static_cast<int64_t>(max_slots) + T);
     for (int64_t p = old_len; p < end; ++p) {
       for (int32_t w : distinct_slots) {
@@ -492,15 +501,8 @@ void KvCacheManager::Impl::append(SeqId seq, std::span<const int32_t> tokens) {
         if (e < static_cast<int64_t>(touched.size())) touched[e] = 1;
       }
     }
-  }
-  std::vector<int64_t> must_copy, may_copy;
-  for (size_t e = 0; e < touched.size(); ++e) {
-    if (!touched[e]) continue;
-    const Block& blk = blocks[s.blocks[e]];
-    if (blk.ref > 1) {
-      must_copy.push_back(e);
-    } else if (blk.registered) {
-      may_copy.push_back(e);
+    for (size_t e = 0; e < touched.size(); ++e) {
+      if (touched[e]) consider(static_cast<int64_t>(e));
     }
   }
   const int64_t new_entries = entries_for(old_len + m) - static_cast<int64_t>(s.blocks.size());

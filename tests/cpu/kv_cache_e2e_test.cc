@@ -232,5 +232,59 @@ TEST(KvCacheEndToEndWindow, CyclicCacheMatchesLinearCacheWithWindowMask) {
   }
 }
 
+// Beam search: rows that read earlier positions through the exported cache_indirection give the
+// same decode as sequences holding each beam's gathered history.
+TEST(KvCacheEndToEndBeams, IndirectionEqualsGatheredHistories) {
+  std::mt19937_64 rng(test_seed());
+  const TokenModel model{rng()};
+  const AttentionSpec spec = causal_spec();
+  KvCacheManager m(e2e_config(32));
+  const auto prompt = random_tokens(rng, 20);
+  m.add(0, prompt);
+  prefill_seq(spec, model, m, 0, prompt, 0);
+  m.fork(0, 1);
+  const std::vector<SeqId> beams = {0, 1};
+  std::vector<std::vector<int32_t>> history = {prompt, prompt};
+  constexpr int32_t kMaxSeq = 64;
+  for (int step = 0; step < 12; ++step) {
+    const std::vector<int32_t> next = random_tokens(rng, 2);
+    std::vector<int32_t> positions, rows = {0, 1};
+    for (int b = 0; b < 2; ++b) {
+      m.append(beams[b], std::vector<int32_t>{next[b]});
+      positions.push_back(static_cast<int32_t>(m.length(beams[b]) - 1));
+    }
+    const KvBlockTables t = m.block_tables(beams);
+    const KvCacheView view = m.layer_view(0, t.table_view(), t.seq_lens_view());
+    HostTensor q = write_kv(spec, model, view, next, positions, rows);
+    const std::vector<int32_t> ind = m.cache_indirection(beams, 2, kMaxSeq);
+    HostTensor ind_tensor(DType::kInt32, {1, 2, kMaxSeq});
+    std::memcpy(ind_tensor.data<int32_t>(), ind.data(), ind.size() * sizeof(int32_t));
+    HostTensor out(DType::kBF16, {2, kHq, kD});
+    out.fill(NAN);
+    DecodeArgs d;
+    d.q = q;
+    d.kv_cache = view;
+    d.beam_width = 2;
+    d.cache_indirection = ind_tensor;
+    d.out = out;
+    decode(spec, d);
+
+    KvCacheManagerConfig gathered_config = e2e_config(32);
+    gathered_config.enable_prefix_reuse = false;
+    KvCacheManager gathered(gathered_config);
+    for (int b = 0; b < 2; ++b) {
+      gathered.add(b, history[b]);
+      prefill_seq(spec, model, gathered, b, history[b], 0);
+    }
+    ASSERT_TRUE(bit_identical(as_floats(out), decode_step(spec, model, gathered, {0, 1}, next)))
+        << "step " << step;
+    for (int b = 0; b < 2; ++b) history[b].push_back(next[b]);
+    const std::vector<int32_t> parents = {static_cast<int32_t>(rng() % 2),
+                                          static_cast<int32_t>(rng() % 2)};
+    m.reorder_beams(beams, parents);
+    history = {history[parents[0]], history[parents[1]]};
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::test
