@@ -16,6 +16,7 @@
 #   GPU_CHECK_CPU_FILTER --gtest_filter for the cpu tests (default: all)
 #   GPU_CHECK_JOBS      parallel build jobs (default: nproc)
 #   GPU_CHECK_CMAKE_ARGS extra configure arguments (e.g. -DATTNKIT_KERNEL_SUBSET=ON)
+#   GPU_CHECK_STEP_TIMEOUT seconds after which a step is stopped (default 0: no limit)
 # A step that fails is recorded and the script goes on (a failed build skips what needs it); the
 # exit status is 0 only when every step that ran passed.
 set -u -o pipefail
@@ -40,7 +41,7 @@ run_step() {
   shift
   local start=$SECONDS
   echo "=== $name: $*" | tee "$OUT/$name.log"
-  "$@" >>"$OUT/$name.log" 2>&1
+  timeout "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" >>"$OUT/$name.log" 2>&1
   local rc=$?
   local took=$((SECONDS - start))
   if [ $rc -eq 0 ]; then

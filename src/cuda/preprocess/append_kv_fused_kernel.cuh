@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/element_io.cuh"
@@ -19,6 +20,8 @@ struct AppendKvTraits {
   static constexpr int kVec = 8;              // elements per 16-byte input vector
   static constexpr int kMaxRotaryHalf = 256;  // rotary_dim / 2 for head_dim <= 512
   static constexpr int kUnitsInFlight = 2;    // units whose loads a thread issues together
+  static constexpr int kTokensPerBlock = 4;   // amortizes the cos/sin table and the block start
+  static constexpr int kMinBlocksPerSm = 5;   // <= 102 registers: 640 threads per SM
 };
 
 template <DType kIn>
@@ -67,14 +70,18 @@ __device__ __forceinline__ void store_cache8(uint8_t* dst, const float* x) {
   } else {
     uint32_t words[2] = {0, 0};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      uint32_t code;
+    for (int i = 0; i < 8; i += 2) {
+      uint32_t pair;
       if constexpr (kKv == DType::kFp8E4M3) {
-        code = numerics::float_to_fp8_e4m3_bits(x[i]);
+        // The hardware conversion (sm_89+; emulated on sm_80) rounds and saturates like
+        // numerics::float_to_fp8_e4m3_bits.
+        pair = __nv_cvt_float2_to_fp8x2(make_float2(x[i], x[i + 1]), __NV_SATFINITE, __NV_E4M3);
       } else {
-        code = static_cast<uint8_t>(numerics::float_to_int8_sat(x[i]));
+        pair = static_cast<uint8_t>(numerics::float_to_int8_sat(x[i])) |
+               (static_cast<uint32_t>(static_cast<uint8_t>(numerics::float_to_int8_sat(x[i + 1])))
+                << 8);
       }
-      words[i / 4] |= code << (8 * (i % 4));
+      words[i / 4] |= pair << (8 * (i % 4));
     }
     *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
   }
@@ -82,6 +89,8 @@ __device__ __forceinline__ void store_cache8(uint8_t* dst, const float* x) {
 
 // Where one unit lives: which head (Q, K or V), its input offset and its first dims.
 struct AppendKvUnit {
+  int64_t token;  // global token
+  int32_t slot;   // token inside the block (its cos/sin table, position and row)
   int32_t head;   // 0 .. Hq + 2 Hkv - 1
   int32_t local;  // head index inside Q, K or V
   bool is_q, is_k, paired, valid;
@@ -96,8 +105,9 @@ struct AppendKvRaw {
 };
 
 template <RopeStyle kStyle>
-__device__ __forceinline__ AppendKvUnit locate_unit(const AppendKvParams& params, int64_t token,
-                                                    int32_t unit, int32_t units_per_head,
+__device__ __forceinline__ AppendKvUnit locate_unit(const AppendKvParams& params,
+                                                    int64_t first_token, int32_t unit,
+                                                    int32_t units_per_token, int32_t units_per_head,
                                                     int32_t paired_units, int32_t total_units) {
   constexpr int kVec = AppendKvTraits::kVec;
   AppendKvUnit u{};
@@ -105,8 +115,12 @@ __device__ __forceinline__ AppendKvUnit locate_unit(const AppendKvParams& params
   if (!u.valid) return u;
   const int32_t hq = params.num_q_heads, hkv = params.num_kv_heads;
   const int32_t rotary_half = params.rope.rotary_dim / 2;
-  u.head = unit / units_per_head;
-  const int32_t w = unit % units_per_head;
+  u.slot = unit / units_per_token;
+  const int64_t token = first_token + u.slot;
+  u.token = token;
+  const int32_t in_token = unit % units_per_token;
+  u.head = in_token / units_per_head;
+  const int32_t w = in_token % units_per_head;
   u.is_q = u.head < hq;
   u.is_k = !u.is_q && u.head < hq + hkv;
   u.local = u.is_q ? u.head : (u.is_k ? u.head - hq : u.head - hq - hkv);
@@ -145,10 +159,14 @@ __device__ __forceinline__ void load_unit(const AppendKvParams& params, const Ap
 // Bias, rotation, rounding and the stores of one unit.
 template <DType kIn, DType kKv, RopeStyle kStyle>
 __device__ __forceinline__ void finish_unit(const AppendKvParams& params, const AppendKvUnit& u,
-                                            const AppendKvRaw& raw, const float2* cos_sin,
-                                            int64_t token, int64_t position, int64_t row) {
+                                            const AppendKvRaw& raw, const float2* cos_sin_table,
+                                            const int64_t* positions, const int64_t* rows) {
   constexpr int kVec = AppendKvTraits::kVec;
   if (!u.valid) return;
+  const float2* cos_sin = cos_sin_table + u.slot * AppendKvTraits::kMaxRotaryHalf;
+  const int64_t token = u.token;
+  const int64_t position = positions[u.slot];
+  const int64_t row = rows[u.slot];
   float lo[kVec], hi[kVec];
   unpack8<kIn>(raw.lo, lo);
   if (u.paired) unpack8<kIn>(raw.hi, hi);
@@ -196,11 +214,14 @@ __device__ __forceinline__ void finish_unit(const AppendKvParams& params, const 
   }
   const float scale = u.is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, u.local)
                              : kv_scale_of(params.v_scale, params.v_scale_per_head, u.local);
-  // Division, not a reciprocal multiply: stored = round(x / scale) exactly as numerics.h.
+  // Division, not a reciprocal multiply: stored = round(x / scale) exactly as numerics.h
+  // (x / 1 == x, so an unscaled cache skips it).
+  if (scale != 1.0f) {
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) {
-    lo[i] = lo[i] / scale;
-    hi[i] = hi[i] / scale;
+    for (int i = 0; i < kVec; ++i) {
+      lo[i] = lo[i] / scale;
+      hi[i] = hi[i] / scale;
+    }
   }
   uint8_t* dst = u.is_k ? params.layout.k_ptr(row, position, u.local)
                         : params.layout.v_ptr(row, position, u.local);
@@ -210,21 +231,26 @@ __device__ __forceinline__ void finish_unit(const AppendKvParams& params, const 
 }
 
 template <DType kIn, DType kKv, RopeStyle kStyle>
-__global__ void __launch_bounds__(AppendKvTraits::kThreads)
+__global__ void __launch_bounds__(AppendKvTraits::kThreads, AppendKvTraits::kMinBlocksPerSm)
     fused_append_kv_kernel(const __grid_constant__ AppendKvParams params) {
   using Traits = AppendKvTraits;
   constexpr int kVec = Traits::kVec;
   constexpr int kUnroll = Traits::kUnitsInFlight;
-  __shared__ float2 cos_sin[kStyle == RopeStyle::kNone ? 1 : Traits::kMaxRotaryHalf];
+  constexpr int kTokens = Traits::kTokensPerBlock;
+  __shared__ float2 cos_sin[kStyle == RopeStyle::kNone ? 1 : kTokens * Traits::kMaxRotaryHalf];
+  __shared__ int64_t positions[kTokens], rows[kTokens];
 
-  const int64_t token = blockIdx.x;
+  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokens;
+  const int32_t tokens_here = static_cast<int32_t>(
+      params.num_tokens - first_token < kTokens ? params.num_tokens - first_token : kTokens);
   const int32_t rotary_half = params.rope.rotary_dim / 2;
   const int32_t dim = params.head_dim;
   // NeoX: rotary_half / 8 paired units, then the pass-through vectors; else one vector per unit.
   const int32_t paired_units = kStyle == RopeStyle::kGptNeox ? rotary_half / kVec : 0;
   const int32_t units_per_head =
       kStyle == RopeStyle::kGptNeox ? paired_units + (dim - 2 * rotary_half) / kVec : dim / kVec;
-  const int32_t total_units = (params.num_q_heads + 2 * params.num_kv_heads) * units_per_head;
+  const int32_t units_per_token = (params.num_q_heads + 2 * params.num_kv_heads) * units_per_head;
+  const int32_t total_units = tokens_here * units_per_token;
 
   // The first units' loads go out before the cos/sin table is built, so that the table's math
   // hides under their latency.
@@ -233,30 +259,37 @@ __global__ void __launch_bounds__(AppendKvTraits::kThreads)
   int32_t base = threadIdx.x;
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
-    unit[k] = locate_unit<kStyle>(params, token, base + k * Traits::kThreads, units_per_head,
-                                  paired_units, total_units);
+    unit[k] = locate_unit<kStyle>(params, first_token, base + k * Traits::kThreads, units_per_token,
+                                  units_per_head, paired_units, total_units);
     load_unit(params, unit[k], raw[k]);
   }
-  const int64_t position = params.positions[token];
-  const int64_t row = params.row_of_token[token];
+  if (threadIdx.x < tokens_here) {
+    positions[threadIdx.x] = params.positions[first_token + threadIdx.x];
+    rows[threadIdx.x] = params.row_of_token[first_token + threadIdx.x];
+  }
+  __syncthreads();
   if constexpr (kStyle != RopeStyle::kNone) {
-    for (int i = threadIdx.x; i < rotary_half; i += Traits::kThreads) {
-      float c, s;
-      detail::rope_cos_sin<float>(params.rope, position, i, &c, &s);
-      cos_sin[i] = make_float2(c, s);
+    for (int idx = threadIdx.x; idx < tokens_here * rotary_half; idx += Traits::kThreads) {
+      const int t = idx / rotary_half, i = idx % rotary_half;
+      // The angle in double (once per token and pair, off the critical path): float angles lose
+      // ~position * 1e-7 rad, several bf16 units at positions of a few thousand.
+      double c, s;
+      detail::rope_cos_sin<double>(params.rope, positions[t], i, &c, &s);
+      cos_sin[t * Traits::kMaxRotaryHalf + i] =
+          make_float2(static_cast<float>(c), static_cast<float>(s));
     }
     __syncthreads();
   }
   while (base < total_units) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      finish_unit<kIn, kKv, kStyle>(params, unit[k], raw[k], cos_sin, token, position, row);
+      finish_unit<kIn, kKv, kStyle>(params, unit[k], raw[k], cos_sin, positions, rows);
     }
     base += kUnroll * Traits::kThreads;
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      unit[k] = locate_unit<kStyle>(params, token, base + k * Traits::kThreads, units_per_head,
-                                    paired_units, total_units);
+      unit[k] = locate_unit<kStyle>(params, first_token, base + k * Traits::kThreads,
+                                    units_per_token, units_per_head, paired_units, total_units);
       load_unit(params, unit[k], raw[k]);
     }
   }
@@ -264,8 +297,10 @@ __global__ void __launch_bounds__(AppendKvTraits::kThreads)
 
 template <DType kIn, DType kKv, RopeStyle kStyle>
 void launch_fused_append_kv_typed(const AppendKvParams& params, cudaStream_t stream) {
+  const int64_t blocks =
+      (params.num_tokens + AppendKvTraits::kTokensPerBlock - 1) / AppendKvTraits::kTokensPerBlock;
   fused_append_kv_kernel<kIn, kKv, kStyle>
-      <<<static_cast<unsigned>(params.num_tokens), AppendKvTraits::kThreads, 0, stream>>>(params);
+      <<<static_cast<unsigned>(blocks), AppendKvTraits::kThreads, 0, stream>>>(params);
   check_launch("fused_append_kv_kernel");
 }
 

@@ -35,13 +35,14 @@ __global__ void __launch_bounds__(kThreads)
   if (!(is_q || is_k) || params.rope.style == RopeStyle::kNone) {
   } else {
     for (int i = threadIdx.x; i < params.rope.rotary_dim / 2; i += kThreads) {
-      float c, s;
-      detail::rope_cos_sin<float>(params.rope, position, i, &c, &s);
+      // In double like the reference: the naive kernel trades speed for agreement.
+      double c, s;
+      detail::rope_cos_sin<double>(params.rope, position, i, &c, &s);
       int32_t a, b;
       detail::rope_pair_dims(params.rope, i, &a, &b);
-      const float xa = x[a], xb = x[b];
-      x[a] = xa * c - xb * s;
-      x[b] = xb * c + xa * s;
+      const double xa = x[a], xb = x[b];
+      x[a] = static_cast<float>(xa * c - xb * s);
+      x[b] = static_cast<float>(xb * c + xa * s);
     }
     __syncthreads();
   }

@@ -36,7 +36,8 @@ __device__ bool attends(const VanillaAttentionParams& params, int64_t p, int64_t
     case MaskKind::kCausal:
       return j <= p;
     case MaskKind::kSlidingWindow:
-      return (j <= p && j > p - params.window) || j < params.sink_tokens;
+      // Sinks are attended only by queries at or after them (the mask stays causal).
+      return j <= p && (j > p - params.window || j < params.sink_tokens);
   }
   return false;
 }
