@@ -26,7 +26,7 @@ OUT="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$OUT"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
 ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
-STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill peers_decode}"
+STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_append peers_decode}"
 JOBS="${GPU_CHECK_JOBS:-$(nproc)}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -117,6 +117,9 @@ if wants bench_decode; then
 fi
 if wants bench_prefill; then
   if cli_has bench prefill; then run_step bench_prefill "$CLI" bench prefill; else skip bench_prefill "attnkit bench prefill not implemented"; fi
+fi
+if wants bench_append; then
+  if cli_has bench append; then run_step bench_append "$CLI" bench append; else skip bench_append "attnkit bench append not implemented"; fi
 fi
 if wants peers_decode; then
   if [ ! -f bench/peers_decode.py ]; then

@@ -8,6 +8,7 @@ void register_bench_command(CLI::App& app) {
   bench->require_subcommand(1);
   register_bench_decode(*bench);
   register_bench_prefill(*bench);
+  register_bench_append(*bench);
 }
 
 }  // namespace attnkit::tools

@@ -9,9 +9,11 @@ void register_info_command(CLI::App& app);    // info_cmd.cc
 void register_check_command(CLI::App& app);   // check_cmd.cc
 void register_config_command(CLI::App& app);  // config_cmd.cc
 void register_bench_command(CLI::App& app);   // bench_cmd.cc
+void register_replay_command(CLI::App& app);  // replay_cmd.cc
 
 // Benchmark subcommands under `attnkit bench` (CUDA builds measure; CPU-only builds explain).
 void register_bench_decode(CLI::App& bench);   // bench_decode.cc
 void register_bench_prefill(CLI::App& bench);  // bench_prefill.cc
+void register_bench_append(CLI::App& bench);   // bench_append.cc
 
 }  // namespace attnkit::tools
