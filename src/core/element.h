@@ -1,5 +1,5 @@
-// Element access by runtime dtype for host code (the reference backend and the tests): every
-// value goes through float (or double) with the bit-exact conversions of numerics.h.
+// Element access by runtime dtype, host and device (the reference backend, the tests and the naive
+// GPU kernels): every value goes through float with the bit-exact conversions of numerics.h.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +11,7 @@ namespace attnkit::detail {
 
 // Reads element `index` (in elements from `data`) as float. Integer dtypes convert exactly
 // (int8 as its integer value, not dequantized).
-inline float load_as_float(const void* data, DType dtype, int64_t index) {
+ATTNKIT_HD float load_as_float(const void* data, DType dtype, int64_t index) {
   switch (dtype) {
     case DType::kF32:
       return static_cast<const float*>(data)[index];
@@ -32,7 +32,7 @@ inline float load_as_float(const void* data, DType dtype, int64_t index) {
 }
 
 // Writes `value` rounded to `dtype` (float dtypes round to nearest even; fp8 and int8 saturate).
-inline void store_from_float(void* data, DType dtype, int64_t index, float value) {
+ATTNKIT_HD void store_from_float(void* data, DType dtype, int64_t index, float value) {
   switch (dtype) {
     case DType::kF32:
       static_cast<float*>(data)[index] = value;
