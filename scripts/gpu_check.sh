@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU-machine check (docs/gpu.md): configure and build the CUDA backend, run the gpu and
-# cpu tests, `attnkit check`, and the benchmarks that exist, with one log per step under $OUT and
+# cpu tests, `attnkit check`, and the benchmarks that exist, with one log per step (packed into $OUT/logs.tgz) and
 # a summary at the end. Meant for a single call of the device tool:
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".carry"], timeout_s=600)
@@ -23,7 +23,10 @@ set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-out}"
-mkdir -p "$OUT"
+# The device tool returns at most 8 files: step logs go to $LOGS and are packed into
+# $OUT/logs.tgz at the end; summary.txt stays beside it.
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
 ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
 STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_append peers_decode}"
@@ -35,20 +38,20 @@ BUILD_OK=1
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-# run_step NAME COMMAND...: runs COMMAND with its output in $OUT/NAME.log; records the result.
+# run_step NAME COMMAND...: runs COMMAND with its output in $LOGS/NAME.log; records the result.
 run_step() {
   local name="$1"
   shift
   local start=$SECONDS
-  echo "=== $name: $*" | tee "$OUT/$name.log"
-  timeout "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" >>"$OUT/$name.log" 2>&1
+  echo "=== $name: $*" | tee "$LOGS/$name.log"
+  timeout "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" >>"$LOGS/$name.log" 2>&1
   local rc=$?
   local took=$((SECONDS - start))
   if [ $rc -eq 0 ]; then
     note "PASS  $name (${took}s)"
   else
     note "FAIL  $name (rc=$rc, ${took}s): see $name.log"
-    tail -n 30 "$OUT/$name.log" | sed 's/^/      /' >>"$SUMMARY"
+    tail -n 30 "$LOGS/$name.log" | sed 's/^/      /' >>"$SUMMARY"
     FAILED=1
   fi
   return $rc
@@ -88,7 +91,7 @@ CLI="$BUILD/attnkit"
 if wants gpu_tests; then
   if [ $BUILD_OK -eq 1 ] && [ -x "$TESTS_DIR/attnkit_gpu_tests" ]; then
     run_step gpu_tests "$TESTS_DIR/attnkit_gpu_tests" --gtest_color=no \
-      --gtest_filter="${GPU_CHECK_FILTER:-*}" --gtest_output="xml:$OUT/gpu_tests.xml"
+      --gtest_filter="${GPU_CHECK_FILTER:-*}" --gtest_output="xml:$LOGS/gpu_tests.xml"
   else
     skip gpu_tests "no test binary ($TESTS_DIR/attnkit_gpu_tests)"
   fi
@@ -97,7 +100,7 @@ fi
 if wants cpu_tests; then
   if [ $BUILD_OK -eq 1 ] && [ -x "$TESTS_DIR/attnkit_cpu_tests" ]; then
     run_step cpu_tests "$TESTS_DIR/attnkit_cpu_tests" --gtest_color=no \
-      --gtest_filter="${GPU_CHECK_CPU_FILTER:-*}" --gtest_output="xml:$OUT/cpu_tests.xml"
+      --gtest_filter="${GPU_CHECK_CPU_FILTER:-*}" --gtest_output="xml:$LOGS/cpu_tests.xml"
   else
     skip cpu_tests "no test binary ($TESTS_DIR/attnkit_cpu_tests)"
   fi
@@ -132,7 +135,7 @@ if wants peers_decode; then
 fi
 
 # Failing tests by name, for the summary.
-for xml in "$OUT"/gpu_tests.xml "$OUT"/cpu_tests.xml; do
+for xml in "$LOGS"/gpu_tests.xml "$LOGS"/cpu_tests.xml; do
   [ -f "$xml" ] || continue
   python3 - "$xml" <<'EOF' >>"$SUMMARY" 2>/dev/null || true
 import sys, xml.etree.ElementTree as ET
@@ -146,6 +149,7 @@ for case in root.iter("testcase"):
 EOF
 done
 
-echo "--- summary ($SUMMARY)"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+echo "--- summary ($SUMMARY; step logs in $OUT/logs.tgz)"
 cat "$SUMMARY"
 exit $FAILED
