@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Installs the build and test dependencies that are missing (Debian packages; PyPI packages once
-# the Python package exists). Idempotent and quiet when everything is present.
+# Installs the build and test dependencies that are missing (Debian packages, and the PyPI
+# packages of the Python binding). Idempotent and quiet when everything is present.
 set -euo pipefail
 
 need=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in cmake ninja-build g++ make nlohmann-json3-dev libcli11-dev libgtest-dev clang-format; do
+for pkg in cmake ninja-build g++ make nlohmann-json3-dev libcli11-dev libgtest-dev clang-format \
+  python3-dev python3-venv; do
   have_pkg "$pkg" || need+=("$pkg")
 done
+# pip for the python3 on PATH when it is Debian's (a pyenv / venv python brings its own).
+if ! python3 -m pip --version >/dev/null 2>&1; then
+  have_pkg python3-pip || need+=(python3-pip)
+fi
 if ((${#need[@]})); then
   if ! command -v apt-get >/dev/null; then
     echo "install_deps: missing ${need[*]} and no apt-get; install them by hand" >&2
@@ -18,4 +23,16 @@ if ((${#need[@]})); then
   echo "install_deps: installing ${need[*]}"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# PyPI packages of the Python binding and its tests, for the python3 on PATH.
+py_need=()
+for mod in nanobind numpy pytest; do
+  python3 -c "import $mod" >/dev/null 2>&1 || py_need+=("$mod")
+done
+if ((${#py_need[@]})); then
+  echo "install_deps: pip installing ${py_need[*]}"
+  # Debian's own python3 is "externally managed" (PEP 668); a pyenv / venv python is not.
+  python3 -m pip install --quiet "${py_need[@]}" 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages "${py_need[@]}"
 fi

@@ -1,0 +1,834 @@
+"""attnkit: attention for LLM and diffusion inference (Python binding of the C++ library).
+
+Every function takes DLPack tensors (PyTorch, NumPy, CuPy, JAX, ...) and runs on their device:
+CPU arrays run on the reference backend (fp64 accumulation), CUDA tensors on the backend that
+``backend`` selects. Outputs are allocated with the input's array library when ``out`` is None
+(NumPy, PyTorch and CuPy; other libraries must pass ``out=``). Every rejected call raises
+:class:`attnkit.Error` (a ``ValueError``) carrying the C++ message, and writes nothing.
+
+Shapes use B sequences, Hq query heads, Hkv KV heads (dividing Hq), D head_dim, and packed
+("varlen") token dimensions without padding. See docs/python.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from . import _attnkit as _C
+
+Error = _C.Error
+Error.__module__ = "attnkit"
+AttentionConfig = _C.AttentionConfig
+
+__all__ = [
+    "Error",
+    "AttentionConfig",
+    "KvView",
+    "KvCache",
+    "info",
+    "prefill",
+    "decode",
+    "append_kv",
+    "forward",
+    "dense",
+    "merge_states",
+    "default_alibi_slopes",
+]
+
+__version__ = _C.info()["version"]
+
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+
+
+def info() -> dict:
+    """Build and device information.
+
+    Returns a dict: ``version`` (str), ``cuda`` (bool: built with the CUDA backend),
+    ``cuda_architectures`` (str, e.g. "80,90a"), ``devices`` (list of dicts with ordinal, name,
+    compute_capability, sm_count, total_memory, l2_bytes; empty without a GPU).
+    """
+    return _C.info()
+
+
+def default_alibi_slopes(num_heads: int) -> list:
+    """The default ALiBi slopes for ``num_heads`` heads (DESIGN.md section 3), a list of floats."""
+    return list(_C.default_alibi_slopes(num_heads))
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _library(x: Any) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def _device(x: Any) -> tuple:
+    dev = getattr(x, "__dlpack_device__", None)
+    return tuple(dev()) if dev is not None else (_DLPACK_CPU, 0)
+
+
+def _is_cuda(x: Any) -> bool:
+    return _device(x)[0] == _DLPACK_CUDA
+
+
+def _empty(like: Any, shape: Sequence[int], float32: bool = False) -> Any:
+    """An uninitialized array of ``shape`` from ``like``'s library, on its device, with its dtype
+    (or float32)."""
+    lib = _library(like)
+    if lib == "numpy":
+        import numpy as np
+
+        return np.empty(shape, dtype=np.float32 if float32 else like.dtype)
+    if lib == "torch":
+        import torch
+
+        return torch.empty(
+            tuple(shape), dtype=torch.float32 if float32 else like.dtype, device=like.device
+        )
+    if lib == "cupy":
+        import cupy
+
+        with like.device:
+            return cupy.empty(shape, dtype=cupy.float32 if float32 else like.dtype)
+    raise Error(
+        f"out: required for arrays of type {type(like).__module__}.{type(like).__name__}; "
+        "outputs are allocated only for numpy, torch and cupy inputs"
+    )
+
+
+def _int32(x: Any, like: Any, name: str) -> Any:
+    """Lists and NumPy integer arrays become int32 arrays next to ``like``; other arrays pass
+    through (the C++ validation checks their dtype and device)."""
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple, range)) or (
+        _library(x) == "numpy" and x.dtype.kind in "iu" and x.dtype.itemsize != 4
+    ):
+        import numpy as np
+
+        host = np.ascontiguousarray(np.asarray(x, dtype=np.int64))
+        if host.size and (host.min() < -(2**31) or host.max() >= 2**31):
+            raise Error(f"{name}: values must fit in int32")
+        host = host.astype(np.int32)
+        if _library(like) == "torch" and _is_cuda(like):
+            import torch
+
+            return torch.from_numpy(host).to(like.device)
+        if _library(like) == "cupy":
+            import cupy
+
+            return cupy.asarray(host)
+        return host
+    return x
+
+
+def _stream(x: Any, stream: Optional[int]) -> int:
+    if stream is not None:
+        return int(stream)
+    if _is_cuda(x) and _library(x) == "torch":
+        import torch
+
+        return torch.cuda.current_stream(x.device).cuda_stream
+    return 0
+
+
+def _host(x: Any) -> Any:
+    """A NumPy copy of a (small) array; synchronizes with the device for CUDA arrays."""
+    import numpy as np
+
+    if _library(x) == "torch":
+        x = x.cpu()
+    elif _library(x) == "cupy":
+        x = x.get()
+    return np.asarray(x)
+
+
+def _max_len(cu: Any) -> int:
+    """Longest sequence of a cu_seqlens array (reads device arrays back: pass max_seqlen_* on
+    CUDA to avoid the synchronization)."""
+    cu = _host(cu)
+    return int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0
+
+
+def _mask(causal: bool, window: Optional[int], sink_tokens: int) -> dict:
+    if window is not None and window != 0:
+        if not causal:
+            raise Error(
+                f"window: a sliding window is causal; got window={window} with causal=False "
+                "(accepted: causal=True, or window=None)"
+            )
+        return {"mask": "sliding_window", "window": int(window), "sink_tokens": int(sink_tokens)}
+    if sink_tokens:
+        raise Error(f"sink_tokens: only with a sliding window, got sink_tokens={sink_tokens}")
+    return {"mask": "causal" if causal else "none"}
+
+
+def _spec(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    softmax_scale: Optional[float],
+    alibi: Any,
+    softcap: float,
+    backend: str,
+) -> dict:
+    spec = {
+        "num_q_heads": int(num_q_heads),
+        "num_kv_heads": int(num_kv_heads),
+        "head_dim": int(head_dim),
+        "softmax_scale": float(softmax_scale) if softmax_scale is not None else 0.0,
+        "softcap": float(softcap),
+        "backend": backend,
+    }
+    if alibi is True:
+        spec["alibi"] = True
+    elif alibi is not False and alibi is not None:
+        spec["alibi"] = True
+        spec["alibi_slopes"] = [float(s) for s in alibi]
+    return spec
+
+
+def _rope(
+    rope: str,
+    rotary_dim: int,
+    rope_base: float,
+    rope_scaling: str,
+    rope_factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position: int,
+) -> dict:
+    return {
+        "rope_style": rope,
+        "rotary_dim": int(rotary_dim),
+        "rope_base": float(rope_base),
+        "rope_scaling": rope_scaling,
+        "rope_factor": float(rope_factor),
+        "low_freq_factor": float(low_freq_factor),
+        "high_freq_factor": float(high_freq_factor),
+        "original_max_position": int(original_max_position),
+    }
+
+
+def _shape(x: Any, name: str, ndim: int) -> tuple:
+    shape = tuple(int(s) for s in x.shape)
+    if len(shape) != ndim:
+        raise Error(f"{name}: expected {ndim} dimensions, got shape {list(shape)}")
+    return shape
+
+
+class KvView:
+    """A paged (or contiguous) KV cache as the attention functions read it.
+
+    k, v: [num_blocks, Hkv, T, D] each (every block contiguous; the block stride may be larger,
+    so ``pool[:, 0]`` / ``pool[:, 1]`` of a [num_blocks, 2, Hkv, T, D] pool work), dtype f16 /
+    bf16 / fp8_e4m3 / int8 (or uint16 / uint8 storage with ``kv_dtype="bf16"`` / ``"fp8_e4m3"``).
+    seq_lens: int32 [rows]: tokens of each row, counting this step's.
+    block_table: int32 [rows, max_blocks_per_seq], -1 = no block; None: a contiguous cache
+    (row r is block r and T is the row capacity).
+    k_scale, v_scale: float32 [1] or [Hkv] (required for fp8 / int8 caches).
+    window_slots, sink_tokens: a cyclic sliding-window cache (0: linear).
+    """
+
+    def __init__(
+        self,
+        k: Any,
+        v: Any,
+        seq_lens: Any = None,
+        block_table: Any = None,
+        *,
+        k_scale: Any = None,
+        v_scale: Any = None,
+        window_slots: int = 0,
+        sink_tokens: int = 0,
+        kv_dtype: Optional[str] = None,
+    ) -> None:
+        self.k, self.v = k, v
+        self.seq_lens = _int32(seq_lens, k, "seq_lens")
+        self.block_table = _int32(block_table, k, "block_table")
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.window_slots, self.sink_tokens = int(window_slots), int(sink_tokens)
+        self.kv_dtype = kv_dtype
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.k.shape[3])
+
+    def _dict(self) -> dict:
+        return {
+            "k": self.k,
+            "v": self.v,
+            "seq_lens": self.seq_lens,
+            "block_table": self.block_table,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+            "window_slots": self.window_slots,
+            "sink_tokens": self.sink_tokens,
+            "kv_dtype": self.kv_dtype,
+        }
+
+
+def _as_view(k_cache: Any, v_cache: Any, seq_lens: Any, block_table: Any, **kw: Any) -> KvView:
+    if isinstance(k_cache, KvView):
+        if v_cache is not None or seq_lens is not None or block_table is not None:
+            raise Error(
+                "v_cache: must not be given with a KvView (it holds v, seq_lens, block_table)"
+            )
+        return k_cache
+    if k_cache is None or v_cache is None:
+        raise Error("kv_cache: needs a KvView, or k_cache and v_cache arrays")
+    return KvView(k_cache, v_cache, seq_lens, block_table, **kw)
+
+
+# ---- entry points -----------------------------------------------------------------------------
+
+
+def prefill(
+    q: Any,
+    k: Any = None,
+    v: Any = None,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    *,
+    kv_cache: Optional[KvView] = None,
+    causal: bool = True,
+    window: Optional[int] = None,
+    sink_tokens: int = 0,
+    softmax_scale: Optional[float] = None,
+    alibi: Any = False,
+    softcap: float = 0.0,
+    backend: str = "auto",
+    out: Any = None,
+    return_lse: bool = False,
+    lse: Any = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    stream: Optional[int] = None,
+) -> Any:
+    """Packed variable-length context attention (FlashAttention's varlen forward).
+
+    q: [total_q, Hq, D] f32 (CPU) / f16 / bf16. Packed mode: k, v: [total_kv, Hkv, D] of q's
+    dtype, cu_seqlens_q / cu_seqlens_k: int32 [B + 1] (None: one sequence). Paged mode:
+    ``kv_cache`` (a KvView whose seq_lens already count the queries' tokens) instead of k, v,
+    cu_seqlens_k. The queries of sequence i are the last n_i of its keys (bottom-right aligned).
+    causal / window / sink_tokens: the mask (window W: keys p - W < j <= p, plus j < sink_tokens);
+    causal=False: no mask (cross attention). alibi: False, True (default slopes) or [Hq] slopes.
+    softcap: > 0 applies cap * tanh(logit / cap). out: [total_q, Hq, D] (allocated if None).
+    lse / return_lse: float32 [total_q, Hq] natural-log sum-exp (-inf for empty rows).
+    Returns out, or (out, lse) when return_lse or lse is given.
+    """
+    total_q, hq, d = _shape(q, "q", 3)
+    paged = kv_cache is not None
+    if paged:
+        if k is not None or v is not None or cu_seqlens_k is not None:
+            raise Error("kv_cache: must not be given together with k, v or cu_seqlens_k")
+        hkv = kv_cache.num_kv_heads
+    else:
+        if k is None or v is None:
+            raise Error("k, v: required (packed mode), or pass kv_cache= (paged mode)")
+        hkv = _shape(k, "k", 3)[1]
+        if cu_seqlens_k is None:
+            cu_seqlens_k = [0, int(k.shape[0])]
+    if cu_seqlens_q is None:
+        cu_seqlens_q = [0, total_q]
+    cu_seqlens_q = _int32(cu_seqlens_q, q, "cu_seqlens_q")
+    cu_seqlens_k = _int32(cu_seqlens_k, q, "cu_seqlens_k")
+    spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend)
+    spec.update(_mask(causal, window, sink_tokens))
+    cuda = _is_cuda(q)
+    if cuda and max_seqlen_q is None:
+        max_seqlen_q = _max_len(cu_seqlens_q)
+    if cuda and max_seqlen_k is None:
+        if paged:
+            lens = _host(kv_cache.seq_lens)
+            max_seqlen_k = int(lens.max()) if lens.size else 0
+        else:
+            max_seqlen_k = _max_len(cu_seqlens_k)
+    if out is None:
+        out = _empty(q, (total_q, hq, d))
+    if lse is None and return_lse:
+        lse = _empty(q, (total_q, hq), float32=True)
+    _C.prefill(
+        spec,
+        q,
+        cu_seqlens_q,
+        out,
+        k=k,
+        v=v,
+        cu_seqlens_kv=cu_seqlens_k,
+        kv_cache=kv_cache._dict() if paged else None,
+        lse=lse,
+        max_seqlen_q=int(max_seqlen_q or 0),
+        max_seqlen_kv=int(max_seqlen_k or 0),
+        stream=_stream(q, stream),
+    )
+    return (out, lse) if lse is not None else out
+
+
+def decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any = None,
+    seq_lens: Any = None,
+    block_table: Any = None,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Optional[str] = None,
+    window_slots: int = 0,
+    window: Optional[int] = None,
+    sink_tokens: int = 0,
+    softmax_scale: Optional[float] = None,
+    alibi: Any = False,
+    softcap: float = 0.0,
+    backend: str = "auto",
+    beam_width: int = 1,
+    cache_indirection: Any = None,
+    num_splits: int = 0,
+    max_seq_len: int = 0,
+    out: Any = None,
+    return_lse: bool = False,
+    lse: Any = None,
+    stream: Optional[int] = None,
+) -> Any:
+    """Generation attention: one new token per row over a paged (or contiguous) KV cache.
+
+    q: [rows, Hq, D]. The cache: a KvView as ``k_cache``, or k_cache / v_cache
+    [num_blocks, Hkv, T, D], seq_lens int32 [rows] (counting the new token, which sits at
+    position seq_lens[r] - 1), block_table int32 [rows, max_blocks] (None: contiguous cache),
+    k_scale / v_scale float32 [1] or [Hkv] (fp8 / int8 caches), kv_dtype for uint8 / uint16
+    storage. window / sink_tokens: sliding-window mask (window_slots: cyclic cache capacity).
+    beam_width / cache_indirection int32 [rows / beam_width, beam_width, max_seq]: beam search.
+    num_splits: split-KV override (0: heuristic). out: [rows, Hq, D]; lse: float32 [rows, Hq].
+    Returns out, or (out, lse) when return_lse or lse is given.
+    """
+    rows, hq, d = _shape(q, "q", 3)
+    view = _as_view(
+        k_cache,
+        v_cache,
+        seq_lens,
+        block_table,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        window_slots=window_slots,
+        sink_tokens=sink_tokens if window_slots else 0,
+        kv_dtype=kv_dtype,
+    )
+    spec = _spec(hq, view.num_kv_heads, d, softmax_scale, alibi, softcap, backend)
+    spec.update(_mask(True, window, sink_tokens))
+    if out is None:
+        out = _empty(q, (rows, hq, d))
+    if lse is None and return_lse:
+        lse = _empty(q, (rows, hq), float32=True)
+    _C.decode(
+        spec,
+        q,
+        view._dict(),
+        out,
+        lse=lse,
+        beam_width=int(beam_width),
+        cache_indirection=_int32(cache_indirection, q, "cache_indirection"),
+        num_splits=int(num_splits),
+        max_seq_len=int(max_seq_len),
+        stream=_stream(q, stream),
+    )
+    return (out, lse) if lse is not None else out
+
+
+def append_kv(
+    kv_cache: KvView,
+    positions: Any,
+    row_of_token: Any,
+    *,
+    qkv: Any = None,
+    q: Any = None,
+    k: Any = None,
+    v: Any = None,
+    num_q_heads: Optional[int] = None,
+    qkv_bias: Any = None,
+    rope: str = "none",
+    rotary_dim: int = 0,
+    rope_base: float = 10000.0,
+    rope_scaling: str = "none",
+    rope_factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+    backend: str = "auto",
+    q_out: Any = None,
+    stream: Optional[int] = None,
+) -> Any:
+    """Fused QKV pre-processing: bias, RoPE at explicit positions, K/V written into the cache
+    (quantized with its scales), rotated Q returned.
+
+    Input: qkv [num_tokens, (Hq + 2 * Hkv) * D] (Q heads, K heads, V heads) with num_q_heads
+    (default: what the width leaves), or q [num_tokens, Hq, D], k / v [num_tokens, Hkv, D].
+    qkv_bias: [(Hq + 2 * Hkv) * D]. positions: int32 [num_tokens] absolute positions;
+    row_of_token: int32 [num_tokens] block-table row of each token. rope: "none", "gpt_neox" or
+    "gptj" (rotary_dim 0 = D; rope_scaling "none", "linear" or "llama3").
+    Returns q_out [num_tokens, Hq, D] (allocated if None).
+    """
+    hkv, d = kv_cache.num_kv_heads, kv_cache.head_dim
+    src = qkv if qkv is not None else q
+    if src is None:
+        raise Error("qkv: required (or q, k and v)")
+    num_tokens = int(src.shape[0])
+    if qkv is not None:
+        width = _shape(qkv, "qkv", 2)[1]
+        hq = int(num_q_heads) if num_q_heads is not None else width // d - 2 * hkv
+    else:
+        hq = _shape(q, "q", 3)[1]
+    spec = _spec(hq, hkv, d, None, False, 0.0, backend)
+    spec.update(
+        _rope(
+            rope,
+            rotary_dim,
+            rope_base,
+            rope_scaling,
+            rope_factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        )
+    )
+    if kv_cache.window_slots:
+        spec.update({"mask": "sliding_window", "window": kv_cache.window_slots})
+        spec["sink_tokens"] = kv_cache.sink_tokens
+    if q_out is None:
+        q_out = _empty(src, (num_tokens, hq, d))
+    _C.append_kv(
+        spec,
+        kv_cache._dict(),
+        _int32(positions, src, "positions"),
+        _int32(row_of_token, src, "row_of_token"),
+        q_out,
+        qkv=qkv,
+        q=q,
+        k=k,
+        v=v,
+        qkv_bias=qkv_bias,
+        stream=_stream(src, stream),
+    )
+    return q_out
+
+
+def forward(
+    qkv: Any,
+    kv_cache: KvView,
+    cu_seqlens_q: Any,
+    past_lens: Any,
+    num_context: int,
+    *,
+    num_q_heads: Optional[int] = None,
+    beam_width: int = 1,
+    qkv_bias: Any = None,
+    cache_indirection: Any = None,
+    window: Optional[int] = None,
+    sink_tokens: int = 0,
+    softmax_scale: Optional[float] = None,
+    alibi: Any = False,
+    softcap: float = 0.0,
+    rope: str = "none",
+    rotary_dim: int = 0,
+    rope_base: float = 10000.0,
+    rope_scaling: str = "none",
+    rope_factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+    backend: str = "auto",
+    num_splits: int = 0,
+    workspace: Any = None,
+    out: Any = None,
+    return_lse: bool = False,
+    lse: Any = None,
+    stream: Optional[int] = None,
+) -> Any:
+    """The in-flight-batching op: append_kv on every token, prefill over the cache for the first
+    ``num_context`` requests, decode for the generation requests (beam_width tokens each).
+
+    qkv: [num_tokens, (Hq + 2 * Hkv) * D] packed (context tokens first). kv_cache: KvView whose
+    seq_lens int32 [rows] hold the lengths after this step (rows: one per context request, then
+    beam_width per generation request). cu_seqlens_q: int32 [requests + 1] token offsets (host
+    memory); past_lens: int32 [requests] tokens cached before this step (host memory).
+    out: [num_tokens, Hq, D]; lse: float32 [num_tokens, Hq].
+    Returns out, or (out, lse) when return_lse or lse is given.
+    """
+    num_tokens, width = _shape(qkv, "qkv", 2)
+    hkv, d = kv_cache.num_kv_heads, kv_cache.head_dim
+    hq = int(num_q_heads) if num_q_heads is not None else width // d - 2 * hkv
+    spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend)
+    spec.update(_mask(True, window, sink_tokens))
+    spec.update(
+        _rope(
+            rope,
+            rotary_dim,
+            rope_base,
+            rope_scaling,
+            rope_factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        )
+    )
+    import numpy as np
+
+    host_cu = np.asarray(cu_seqlens_q, dtype=np.int32)
+    host_past = np.asarray(past_lens, dtype=np.int32)
+    if out is None:
+        out = _empty(qkv, (num_tokens, hq, d))
+    if lse is None and return_lse:
+        lse = _empty(qkv, (num_tokens, hq), float32=True)
+    _C.forward(
+        spec,
+        qkv,
+        kv_cache._dict(),
+        host_cu,
+        host_past,
+        int(num_context),
+        out,
+        beam_width=int(beam_width),
+        qkv_bias=qkv_bias,
+        cache_indirection=_int32(cache_indirection, qkv, "cache_indirection"),
+        lse=lse,
+        workspace=workspace,
+        num_splits=int(num_splits),
+        stream=_stream(qkv, stream),
+    )
+    return (out, lse) if lse is not None else out
+
+
+def dense(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    config: Optional[AttentionConfig] = None,
+    role: str = "default",
+    backend: Optional[str] = None,
+    skip_softmax: Optional[dict] = None,
+    quant: Optional[dict] = None,
+    softmax_scale: Optional[float] = None,
+    timestep: float = 0.0,
+    block_m: int = 128,
+    block_n: int = 128,
+    out: Any = None,
+    return_lse: bool = False,
+    lse: Any = None,
+    return_stats: bool = False,
+    stream: Optional[int] = None,
+) -> Any:
+    """Unmasked [B, S, H, D] attention (diffusion, encoders, cross attention).
+
+    q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D] of q's dtype. config / role: an AttentionConfig
+    whose resolved settings for ``role`` (backend, skip_softmax, quant) apply; the explicit
+    ``backend`` / ``skip_softmax`` / ``quant`` arguments override them. skip_softmax: dict with
+    threshold | target_sparsity (+ calibration_a, calibration_b), disabled_until_timestep.
+    quant: dict with dtype_qk ("int8" | "fp8_e4m3"), q_block_size, k_block_size (1, 4, 16).
+    timestep: normalized diffusion timestep (skip-softmax gate); block_m / block_n: the tiles of
+    the skip decisions. out: [B, Sq, Hq, D]; lse: float32 [B, Sq, Hq].
+    Returns out, plus lse and/or the stats dict (tiles_total, tiles_skipped, skipped_fraction)
+    in that order when asked for.
+    """
+    b, sq, hq, d = _shape(q, "q", 4)
+    hkv = _shape(k, "k", 4)[2]
+    resolved = (
+        config.resolve(role)
+        if config is not None
+        else {"backend": "auto", "skip_softmax": None, "quant": None}
+    )
+    spec = _spec(hq, hkv, d, softmax_scale, False, 0.0, backend or resolved["backend"])
+    spec["mask"] = "none"
+    spec["skip_softmax"] = skip_softmax if skip_softmax is not None else resolved["skip_softmax"]
+    spec["quant"] = quant if quant is not None else resolved["quant"]
+    if out is None:
+        out = _empty(q, (b, sq, hq, d))
+    if lse is None and return_lse:
+        lse = _empty(q, (b, sq, hq), float32=True)
+    stats = _C.dense(
+        spec,
+        q,
+        k,
+        v,
+        out,
+        lse=lse,
+        timestep=float(timestep),
+        block_m=int(block_m),
+        block_n=int(block_n),
+        stream=_stream(q, stream),
+    )
+    result = (out,) + ((lse,) if lse is not None else ()) + ((stats,) if return_stats else ())
+    return result if len(result) > 1 else out
+
+
+def merge_states(
+    out_a: Any,
+    lse_a: Any,
+    out_b: Any,
+    lse_b: Any,
+    *,
+    out: Any = None,
+    lse: Any = None,
+    return_lse: bool = True,
+    stream: Optional[int] = None,
+) -> Any:
+    """Combine two partial attention results of the same queries over disjoint key sets.
+
+    out_a, out_b: [N, H, D]; lse_a, lse_b: float32 [N, H]. Result: lse = log(e^lse_a + e^lse_b),
+    out = (e^lse_a out_a + e^lse_b out_b) / e^lse (zeros and -inf where both are -inf).
+    Returns (out, lse), or out alone with return_lse=False.
+    """
+    n, h, d = _shape(out_a, "out_a", 3)
+    if out is None:
+        out = _empty(out_a, (n, h, d))
+    if lse is None and return_lse:
+        lse = _empty(out_a, (n, h), float32=True)
+    _C.merge_states(out_a, lse_a, out_b, lse_b, out, lse=lse, stream=_stream(out_a, stream))
+    return (out, lse) if lse is not None else out
+
+
+# ---- KV cache manager -------------------------------------------------------------------------
+
+
+class KvCache:
+    """Paged KV-cache pool with prefix reuse, forks (copy-on-write) and eviction (the C++
+    KvCacheManager). The pool is [num_blocks, num_layers, 2, Hkv, T, D]; ``view(layer, seqs)``
+    gives the KvView that prefill / decode / append_kv / forward read.
+
+    dtype: "f16", "bf16", "fp8_e4m3" or "int8"; device: "cpu" (host memory, reference backend)
+    or "cuda[:N]". CPU pools need max_tokens or max_bytes; max_seq_len sets the table width.
+    layer_windows / sink_tokens: sliding windows per layer (all windowed: a cyclic cache).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        num_layers: int = 1,
+        tokens_per_block: int = 16,
+        dtype: str = "f16",
+        device: str = "cpu",
+        max_tokens: int = 0,
+        max_bytes: int = 0,
+        free_gpu_memory_fraction: float = 0.9,
+        host_cache_bytes: int = 0,
+        layer_windows: Sequence[int] = (),
+        sink_tokens: int = 0,
+        enable_prefix_reuse: bool = True,
+        stream: int = 0,
+    ) -> None:
+        self._m = _C.KvCacheManager(
+            {
+                "num_layers": num_layers,
+                "num_kv_heads": num_kv_heads,
+                "head_dim": head_dim,
+                "tokens_per_block": tokens_per_block,
+                "dtype": dtype,
+                "device": device,
+                "max_tokens": max_tokens,
+                "max_bytes": max_bytes,
+                "free_gpu_memory_fraction": free_gpu_memory_fraction,
+                "host_cache_bytes": host_cache_bytes,
+                "max_seq_len": max_seq_len,
+                "layer_windows": list(layer_windows),
+                "sink_tokens": sink_tokens,
+                "enable_prefix_reuse": enable_prefix_reuse,
+                "stream": stream,
+            }
+        )
+        self.dtype = dtype
+        self.sink_tokens = sink_tokens
+        pool = self._m.pool()
+        if self._m.is_cuda():
+            import torch
+
+            pool = torch.from_dlpack(pool)
+        self.pool = pool
+
+    def add(self, seq: int, prompt: Sequence[int], salt: int = 0, priority: int = 0) -> int:
+        """Starts ``seq`` with its prompt token ids; returns the leading tokens already cached."""
+        return self._m.add(seq, [int(t) for t in prompt], salt, priority)
+
+    def append(self, seq: int, tokens: Sequence[int]) -> None:
+        """Appends tokens (generated tokens or the next chunk) to ``seq``."""
+        self._m.append(seq, [int(t) for t in tokens])
+
+    def fork(self, src: int, dst: int) -> None:
+        """New sequence ``dst`` sharing the blocks of ``src`` (copy-on-write of the last block)."""
+        self._m.fork(src, dst)
+
+    def release(self, seq: int) -> None:
+        """Drops ``seq``; its full blocks stay cached for reuse until evicted."""
+        self._m.release(seq)
+
+    def reorder_beams(self, beams: Sequence[int], parents: Sequence[int]) -> None:
+        """Beam b continues the history of beam parents[b] (see cache_indirection)."""
+        self._m.reorder_beams(list(beams), list(parents))
+
+    def __contains__(self, seq: int) -> bool:
+        return self._m.contains(seq)
+
+    def length(self, seq: int) -> int:
+        return self._m.length(seq)
+
+    def blocks(self, seq: int) -> list:
+        return list(self._m.blocks(seq))
+
+    def probe_prefix(self, prompt: Sequence[int], salt: int = 0) -> int:
+        return self._m.probe_prefix([int(t) for t in prompt], salt)
+
+    def stats(self) -> dict:
+        """hits, misses, evictions, offloads, onboards, cow_copies, num_blocks, free_blocks,
+        cached_blocks, used_blocks, host_blocks, host_cached_blocks."""
+        return self._m.stats()
+
+    def check_invariants(self) -> None:
+        """Raises Error describing the first broken bookkeeping invariant."""
+        self._m.check_invariants()
+
+    @property
+    def num_blocks(self) -> int:
+        return self._m.num_blocks()
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self._m.max_blocks_per_seq()
+
+    def block_tables(self, seqs: Sequence[int]) -> tuple:
+        """(block_table int32 [len(seqs), max_blocks_per_seq], seq_lens int32 [len(seqs)]) as
+        NumPy arrays."""
+        return self._m.block_tables(list(seqs))
+
+    def cache_indirection(self, beams: Sequence[int], beam_width: int, max_seq: int) -> Any:
+        """int32 [len(beams) / beam_width, beam_width, max_seq] NumPy array."""
+        return self._m.cache_indirection(list(beams), beam_width, max_seq)
+
+    def view(
+        self, layer: int, seqs: Sequence[int], *, k_scale: Any = None, v_scale: Any = None
+    ) -> KvView:
+        """The KvView of ``layer`` with one row per sequence of ``seqs`` (tables copied to the
+        pool's device)."""
+        table, lens = self.block_tables(seqs)
+        pool = self.pool
+        if self._m.is_cuda():
+            table = pool.new_tensor(table, dtype=__import__("torch").int32)
+            lens = pool.new_tensor(lens, dtype=__import__("torch").int32)
+        window_slots = self._m.window_slots(layer)
+        raw = self.dtype if self.dtype in ("bf16", "fp8_e4m3") and not self._m.is_cuda() else None
+        return KvView(
+            pool[:, layer, 0],
+            pool[:, layer, 1],
+            lens,
+            table,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            window_slots=window_slots,
+            sink_tokens=self.sink_tokens if window_slots else 0,
+            kv_dtype=raw,
+        )
