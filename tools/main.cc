@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   attnkit::tools::register_check_command(app);
   attnkit::tools::register_config_command(app);
   attnkit::tools::register_bench_command(app);
+  attnkit::tools::register_replay_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
