@@ -362,4 +362,24 @@ inline void merge_states(const MergeStatesArgs& a) { attnkit::merge_states(a); }
 #endif
 }  // namespace call
 
+// append_kv with fused input (and an optional bias); returns the rotated Q (NaN-poisoned first).
+inline HostTensor run_append_kv(const AttentionSpec& spec, const HostTensor& qkv,
+                                const std::vector<int32_t>& positions,
+                                const std::vector<int32_t>& rows, const KvCacheView& cache,
+                                const HostTensor* bias = nullptr) {
+  const int64_t n = static_cast<int64_t>(positions.size());
+  HostTensor q_out(qkv.dtype(), {n, spec.num_q_heads, spec.head_dim});
+  q_out.fill(NAN);
+  HostTensor pos = int32_tensor(positions), row = int32_tensor(rows);
+  AppendKvArgs args;
+  args.qkv = qkv;
+  if (bias) args.qkv_bias = *bias;
+  args.positions = pos;
+  args.row_of_token = row;
+  args.kv_cache = cache;
+  args.q_out = q_out;
+  call::append_kv(spec, args);
+  return q_out;
+}
+
 }  // namespace attnkit::test

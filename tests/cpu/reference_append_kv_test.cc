@@ -24,25 +24,6 @@ AttentionSpec rope_spec(int32_t hq, int32_t hkv, int32_t d, RopeStyle style, int
   return spec;
 }
 
-// Runs append_kv with fused input; returns q_out (same dtype as the input).
-HostTensor run_append(const AttentionSpec& spec, const HostTensor& qkv, const HostTensor* bias,
-                      const std::vector<int32_t>& positions, const std::vector<int32_t>& rows,
-                      const KvCacheView& cache) {
-  const int64_t n = static_cast<int64_t>(positions.size());
-  HostTensor q_out(qkv.dtype(), {n, spec.num_q_heads, spec.head_dim});
-  q_out.fill(NAN);
-  HostTensor pos = int32_tensor(positions), row = int32_tensor(rows);
-  AppendKvArgs args;
-  args.qkv = qkv;
-  if (bias) args.qkv_bias = *bias;
-  args.positions = pos;
-  args.row_of_token = row;
-  args.kv_cache = cache;
-  args.q_out = q_out;
-  call::append_kv(spec, args);
-  return q_out;
-}
-
 TEST(ReferenceRope, HandComputedTinyCase) {
   // D = 8, base 10000: inv_freq = 10000^(-2i/8) = 1, 0.1, 0.01, 0.001; position 3.
   const double angle[4] = {3.0, 0.3, 0.03, 0.003};
@@ -56,8 +37,8 @@ TEST(ReferenceRope, HandComputedTinyCase) {
   // GPT-NeoX: pairs (i, i + 4).
   {
     OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 1, 8, 8, 1, 1, rng);
-    const HostTensor q = run_append(rope_spec(1, 1, 8, RopeStyle::kGptNeox, 0), qkv, nullptr, {3},
-                                    {0}, cache.view());
+    const HostTensor q =
+        run_append_kv(rope_spec(1, 1, 8, RopeStyle::kGptNeox, 0), qkv, {3}, {0}, cache.view());
     for (int i = 0; i < 4; ++i) {
       const double c = std::cos(angle[i]), s = std::sin(angle[i]);
       const double want_a = x[i] * c - x[i + 4] * s, want_b = x[i + 4] * c + x[i] * s;
@@ -72,7 +53,7 @@ TEST(ReferenceRope, HandComputedTinyCase) {
   {
     OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 1, 8, 8, 1, 1, rng);
     const HostTensor q =
-        run_append(rope_spec(1, 1, 8, RopeStyle::kGptJ, 0), qkv, nullptr, {3}, {0}, cache.view());
+        run_append_kv(rope_spec(1, 1, 8, RopeStyle::kGptJ, 0), qkv, {3}, {0}, cache.view());
     for (int i = 0; i < 4; ++i) {
       const double c = std::cos(angle[i]), s = std::sin(angle[i]);
       const double want_a = x[2 * i] * c - x[2 * i + 1] * s;
@@ -84,8 +65,8 @@ TEST(ReferenceRope, HandComputedTinyCase) {
   // rotary_dim 4 (NeoX): inv_freq = 1, 0.01 on pairs (0, 2), (1, 3); dims 4..7 pass through.
   {
     OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 1, 8, 8, 1, 1, rng);
-    const HostTensor q = run_append(rope_spec(1, 1, 8, RopeStyle::kGptNeox, 4), qkv, nullptr, {3},
-                                    {0}, cache.view());
+    const HostTensor q =
+        run_append_kv(rope_spec(1, 1, 8, RopeStyle::kGptNeox, 4), qkv, {3}, {0}, cache.view());
     const double a4[2] = {3.0, 0.03};
     for (int i = 0; i < 2; ++i) {
       const double c = std::cos(a4[i]), s = std::sin(a4[i]);
@@ -99,10 +80,10 @@ TEST(ReferenceRope, HandComputedTinyCase) {
   {
     OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 1, 8, 8, 1, 1, rng);
     AttentionSpec spec = rope_spec(1, 1, 8, RopeStyle::kGptNeox, 0);
-    const HostTensor plain = run_append(spec, qkv, nullptr, {3}, {0}, cache.view());
+    const HostTensor plain = run_append_kv(spec, qkv, {3}, {0}, cache.view());
     spec.rope.scaling = RopeScaling::kLinear;
     spec.rope.factor = 2.0;
-    const HostTensor scaled = run_append(spec, qkv, nullptr, {6}, {0}, cache.view());
+    const HostTensor scaled = run_append_kv(spec, qkv, {6}, {0}, cache.view());
     EXPECT_EQ(max_abs_diff(plain.to_double(), scaled.to_double()), 0.0);
   }
 }
@@ -174,7 +155,7 @@ TEST(ReferenceRope, MatchesIndependentFormulaForStylesScalingsAndRotaryDims) {
         for (int32_t t = 0; t < n; ++t) positions[t] = 500 * t + pick_pos(rng);
         // A contiguous f16 cache big enough for every position.
         OracleKvCache cache = OracleKvCache::contiguous(DType::kF16, hkv, d, 1, 3001);
-        const HostTensor q = run_append(spec, qkv, &bias, positions, rows, cache.view());
+        const HostTensor q = run_append_kv(spec, qkv, positions, rows, cache.view(), &bias);
         for (int32_t t = 0; t < n; ++t) {
           for (int32_t h = 0; h < hq + hkv; ++h) {
             std::vector<double> x(d);
@@ -246,7 +227,7 @@ TEST(ReferenceAppendKv, FusedEqualsSeparateInputsWithBias) {
   const std::vector<int32_t> positions = {0, 1, 2, 9, 4}, rows = {0, 0, 0, 1, 1};
   OracleKvCache fused_cache = OracleKvCache::paged(DType::kBF16, hkv, d, 8, 2, 2, rng);
   OracleKvCache separate_cache = fused_cache;
-  const HostTensor q_fused = run_append(spec, qkv, &bias, positions, rows, fused_cache.view());
+  const HostTensor q_fused = run_append_kv(spec, qkv, positions, rows, fused_cache.view(), &bias);
 
   HostTensor q_out(DType::kBF16, {n, hq, d});
   q_out.fill(NAN);
@@ -304,7 +285,7 @@ TEST(ReferenceAppendKv, QuantizedCachesStoreQuantizedValuesAndAttendOverThem) {
       }
       std::vector<int32_t> positions(n), rows(n, 0);
       for (int32_t t = 0; t < n; ++t) positions[t] = t;
-      const HostTensor q = run_append(spec, qkv, &bias, positions, rows, cache.view());
+      const HostTensor q = run_append_kv(spec, qkv, positions, rows, cache.view(), &bias);
       cache.set_seq_len(0, n);
       for (int32_t t = 0; t < n; ++t) {
         for (int32_t head = 0; head < h; ++head) {

@@ -49,24 +49,6 @@ std::vector<int32_t> iota_positions(int32_t begin, int32_t count) {
   return p;
 }
 
-HostTensor append(const AttentionSpec& spec, const HostTensor& qkv,
-                  const std::vector<int32_t>& positions, const std::vector<int32_t>& rows,
-                  const KvCacheView& cache, const HostTensor* bias = nullptr) {
-  const int64_t n = static_cast<int64_t>(positions.size());
-  HostTensor q_out(qkv.dtype(), {n, spec.num_q_heads, spec.head_dim});
-  q_out.fill(NAN);
-  HostTensor pos = int32_tensor(positions), row = int32_tensor(rows);
-  AppendKvArgs args;
-  args.qkv = qkv;
-  if (bias) args.qkv_bias = *bias;
-  args.positions = pos;
-  args.row_of_token = row;
-  args.kv_cache = cache;
-  args.q_out = q_out;
-  call::append_kv(spec, args);
-  return q_out;
-}
-
 struct Result {
   HostTensor out, lse;
 };
@@ -117,8 +99,8 @@ TEST(ReferenceChunkedContext, ChunksEqualTheWholePromptAndTheOracle) {
     qkv.fill_uniform(rng, -1, 1);
     // Unchunked: the whole prompt at once.
     OracleKvCache whole = OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 1, 5, rng);
-    const HostTensor q_all =
-        append(spec, qkv, iota_positions(0, len), std::vector<int32_t>(len, 0), whole.view());
+    const HostTensor q_all = run_append_kv(spec, qkv, iota_positions(0, len),
+                                           std::vector<int32_t>(len, 0), whole.view());
     whole.set_seq_len(0, len);
     const Result expected = prefill_over_cache(spec, q_all, {0, len}, whole.view());
     // Chunked: 16 + 16 + 5 tokens (all but the last a multiple of tokens_per_block).
@@ -126,8 +108,8 @@ TEST(ReferenceChunkedContext, ChunksEqualTheWholePromptAndTheOracle) {
     std::vector<double> out, lse;
     int32_t begin = 0;
     for (int32_t n : {16, 16, 5}) {
-      const HostTensor q = append(spec, copy_rows(qkv, begin, n), iota_positions(begin, n),
-                                  std::vector<int32_t>(n, 0), chunked.view());
+      const HostTensor q = run_append_kv(spec, copy_rows(qkv, begin, n), iota_positions(begin, n),
+                                         std::vector<int32_t>(n, 0), chunked.view());
       chunked.set_seq_len(0, begin + n);
       const Result r = prefill_over_cache(spec, q, {0, n}, chunked.view());
       const std::vector<double> o = r.out.to_double(), l = r.lse.to_double();
@@ -208,9 +190,9 @@ TEST(ReferenceCyclicCache, MatchesDenseMaskedWindow) {
       // Chunks of 8 tokens at 0 and 24 (prefill over the cyclic cache), otherwise decode.
       const int32_t n = (p == 0 || p == 24) ? 8 : 1;
       const HostTensor chunk = copy_rows(qkv, p, n);
-      const HostTensor q =
-          append(spec, chunk, iota_positions(p, n), std::vector<int32_t>(n, 0), cyclic.view());
-      append(spec, chunk, iota_positions(p, n), std::vector<int32_t>(n, 0), linear.view());
+      const HostTensor q = run_append_kv(spec, chunk, iota_positions(p, n),
+                                         std::vector<int32_t>(n, 0), cyclic.view());
+      run_append_kv(spec, chunk, iota_positions(p, n), std::vector<int32_t>(n, 0), linear.view());
       cyclic.set_seq_len(0, p + n);
       const Result r = n > 1 ? prefill_over_cache(spec, q, {0, n}, cyclic.view())
                              : decode_over_cache(spec, q, cyclic.view());
@@ -242,11 +224,11 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   }
   HostTensor pre(DType::kBF16, {static_cast<int64_t>(pre_positions.size()), width});
   pre.fill_uniform(rng, -1, 1);
-  append(spec, pre, pre_positions, pre_rows, cache.view());
+  run_append_kv(spec, pre, pre_positions, pre_rows, cache.view());
   // The same state in a contiguous cache (row r = block r).
   OracleKvCache contiguous = OracleKvCache::contiguous(DType::kFp8E4M3, hkv, d, 6, max_seq);
   contiguous.set_scales({0.004f, 0.006f}, {0.005f, 0.003f});
-  append(spec, pre, pre_positions, pre_rows, contiguous.view());
+  run_append_kv(spec, pre, pre_positions, pre_rows, contiguous.view());
 
   const std::vector<int32_t> cu = {0, 5, 14, 16, 18}, past = {8, 0, 11, 6};
   const std::vector<int32_t> after = {13, 9, 12, 12, 7, 7};
@@ -300,7 +282,7 @@ TEST(ReferenceForward, MixedBatchEqualsSeparateCalls) {
   for (int32_t t = 0; t < 9; ++t) positions.push_back(t), rows.push_back(1);
   for (int32_t r = 2; r < 6; ++r) positions.push_back(past_rows[r]), rows.push_back(r);
   const KvCacheView all = separate.view();
-  const HostTensor q = append(spec, qkv, positions, rows, all, &bias);
+  const HostTensor q = run_append_kv(spec, qkv, positions, rows, all, &bias);
   KvCacheView context = all;
   context.seq_lens = view_rows(all.seq_lens, 0, 2);
   context.block_table = view_rows(all.block_table, 0, 2);
