@@ -83,9 +83,6 @@ struct Problem {
   detail::KvLayout host_layout;
   int num_blocks = 0, max_blocks = 0;
 
-  double q_at(int b, int t, int h, int d) const {
-    return q.get((static_cast<int64_t>(cu_q[b] + t) * c.hq + h) * c.head_dim + d);
-  }
   double kv_at(bool is_v, int b, int j, int hk, int d) const {
     if (c.source == KvSource::kPacked) {
       const HostTensor& t = is_v ? v : k;
