@@ -11,7 +11,9 @@
 #   GPU_CHECK_ARCHS     CUDA architectures (default "80;90a": the full matrix)
 #   GPU_CHECK_STEPS     steps to run, space separated, in this order (default: all of
 #                       "info configure build gpu_tests cpu_tests check bench_decode bench_prefill
-#                        peers_decode")
+#                        bench_append peers")
+#   GPU_CHECK_PEERS_ARGS options of bench/peers.py in the peers step (default "--quick"; empty: the
+#                       full grids of every suite, several minutes)
 #   GPU_CHECK_FILTER    --gtest_filter for the gpu tests (default: all)
 #   GPU_CHECK_CPU_FILTER --gtest_filter for the cpu tests (default: all)
 #   GPU_CHECK_JOBS      parallel build jobs (default: nproc)
@@ -29,7 +31,7 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
 ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
-STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_append peers_decode}"
+STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_append peers}"
 JOBS="${GPU_CHECK_JOBS:-$(nproc)}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -124,13 +126,17 @@ fi
 if wants bench_append; then
   if cli_has bench append; then run_step bench_append "$CLI" bench append; else skip bench_append "attnkit bench append not implemented"; fi
 fi
-if wants peers_decode; then
-  if [ ! -f bench/peers_decode.py ]; then
-    skip peers_decode "bench/peers_decode.py not present"
+if wants peers; then
+  # attnkit and the peers (PyTorch SDPA, FlexAttention, FlashInfer when importable) on the same
+  # shapes: results.json, peers.md and the plots land in logs/peers/.
+  if [ ! -f bench/peers.py ]; then
+    skip peers "bench/peers.py not present"
   elif ! python3 -c "import torch" >/dev/null 2>&1; then
-    skip peers_decode "python3 has no torch"
+    skip peers "python3 has no torch"
   else
-    run_step peers_decode env ATTNKIT_CLI="$CLI" python3 bench/peers_decode.py
+    # shellcheck disable=SC2086
+    run_step peers python3 bench/peers.py ${GPU_CHECK_PEERS_ARGS---quick} --out "$LOGS/peers" \
+      --attnkit-cli "$CLI"
   fi
 fi
 

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -86,6 +88,7 @@ struct AppendCase {
   bool per_head_scales;
   enum Layout { kPaged, kContiguous, kCyclic } layout;
   int32_t hq, hkv, d, tpb;
+  int64_t max_position = 5000;  // cyclic caches: positions up to this (RoPE at far positions)
 };
 
 AttentionSpec spec_of(const AppendCase& c) {
@@ -133,7 +136,8 @@ void run_append_case(const AppendCase& c, Backend backend, std::mt19937_64& rng)
   const std::vector<int32_t> per_row = {5, 1, 13};
   std::vector<int32_t> positions, row_of;
   for (int32_t r = 0; r < rows; ++r) {
-    const int64_t max_start = c.layout == AppendCase::kCyclic ? 5000 : capacity - per_row[r];
+    const int64_t max_start =
+        c.layout == AppendCase::kCyclic ? c.max_position - per_row[r] : capacity - per_row[r];
     std::uniform_int_distribution<int64_t> start_of(c.layout == AppendCase::kCyclic ? 100 : 0,
                                                     max_start);
     const int64_t start = start_of(rng);
@@ -249,6 +253,14 @@ const AppendCase kCases[] = {
      RopeScaling::kNone, true, true, false, AppendCase::kCyclic, 4, 2, 80, 8},
     {"neox rd24 (vanilla-only) bf16", DType::kBF16, DType::kBF16, RopeStyle::kGptNeox, 24,
      RopeScaling::kNone, false, true, false, AppendCase::kPaged, 2, 2, 64, 16},
+    // 168 heads: more head passes per thread than loads in flight (the fused kernel's chunk loop).
+    {"neox 120/24 heads fp8/head bias", DType::kBF16, DType::kFp8E4M3, RopeStyle::kGptNeox, 0,
+     RopeScaling::kNone, true, true, true, AppendCase::kPaged, 120, 24, 128, 32},
+    // Positions near 2^20: the angle and its reduction must stay exact far out.
+    {"gptj far positions int8 cyclic", DType::kBF16, DType::kInt8, RopeStyle::kGptJ, 0,
+     RopeScaling::kNone, true, true, false, AppendCase::kCyclic, 4, 2, 128, 16, 1 << 20},
+    {"neox far positions bf16 cyclic", DType::kBF16, DType::kBF16, RopeStyle::kGptNeox, 0,
+     RopeScaling::kLinear, false, true, false, AppendCase::kCyclic, 8, 1, 64, 32, 1 << 20},
 };
 
 TEST(AppendKv, FusedMatchesReference) {
@@ -279,6 +291,7 @@ TEST(AppendKv, AutoServesWhatFusedCannot) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() + 2);
   const AppendCase& c = kCases[8];  // NeoX with rotary_dim 24: not a multiple of 16
+  ASSERT_EQ(c.rotary_dim, 24);
   run_append_case(c, Backend::kAuto, rng);
   // The support query names the reason, and backend=fused raises with it.
   AttentionSpec spec = spec_of(c);
@@ -326,6 +339,179 @@ TEST(AppendKv, RejectsBadInputWithoutWriting) {
 }
 
 // Bandwidth of the fused kernel at large token counts (bytes read + written / time) against a
-// device-to-device copy of similar size; inputs rotate over enough sets to defeat the L2.
+// device-to-device copy of the same bytes; inputs rotate over two sets past the L2. Not a
+// correctness test (DISABLED_: the GPU round runs it with --gtest_also_run_disabled_tests).
+// ATTNKIT_APPEND_BENCH="tokens,hq,hkv;..." picks the shapes, ATTNKIT_APPEND_BENCH_VARIANTS the
+// values of ATTNKIT_EXPERIMENT_APPEND to compare.
+__global__ void fill_bf16_kernel(uint16_t* data, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (static_cast<uint64_t>(i) + seed) * 0x9e3779b97f4a7c15ull;
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 32;
+    // Uniform in [-1, 1), never all zeros.
+    const float u = static_cast<float>(x & 0xffffff) * (2.0f / 16777216.0f) - 1.0f;
+    data[i] = numerics::float_to_bf16_bits(u);
+  }
+}
+
+struct BenchShape {
+  int64_t tokens;
+  int32_t hq, hkv;
+};
+
+std::vector<BenchShape> bench_shapes() {
+  const char* env = std::getenv("ATTNKIT_APPEND_BENCH");
+  std::string text = env ? env : "16384,32,8";
+  std::vector<BenchShape> shapes;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = std::min(text.find(';', begin), text.size());
+    BenchShape shape{};
+    if (std::sscanf(text.substr(begin, end - begin).c_str(), "%lld,%d,%d",
+                    reinterpret_cast<long long*>(&shape.tokens), &shape.hq, &shape.hkv) == 3) {
+      shapes.push_back(shape);
+    }
+    begin = end + 1;
+  }
+  return shapes;
+}
+
+std::vector<std::string> bench_variants() {
+  const char* env = std::getenv("ATTNKIT_APPEND_BENCH_VARIANTS");
+  std::vector<std::string> out;
+  std::string text = env ? env : "";
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    out.push_back(text.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  if (out.empty()) out.push_back("");
+  return out;
+}
+
+TEST(AppendKvBench, DISABLED_FusedBandwidth) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  constexpr int kSets = 2, kWarmup = 3, kRuns = 21, kBatch = 4;
+  constexpr int32_t kDim = 128, kPage = 64;
+  for (const BenchShape& shape : bench_shapes()) {
+    const int64_t tokens = shape.tokens;
+    const int32_t hq = shape.hq, hkv = shape.hkv;
+    const int64_t width = int64_t{hq + 2 * hkv} * kDim;
+    const int32_t rows = static_cast<int32_t>(std::max<int64_t>(1, tokens / 1024));
+    const int64_t per_row = tokens / rows;
+    const int32_t blocks_per_row = static_cast<int32_t>((per_row + kPage - 1) / kPage);
+    std::vector<int32_t> positions(tokens), row_of(tokens), table(int64_t{rows} * blocks_per_row);
+    for (int64_t t = 0; t < tokens; ++t) {
+      positions[t] = static_cast<int32_t>(t % per_row);
+      row_of[t] = static_cast<int32_t>(t / per_row);
+    }
+    std::iota(table.begin(), table.end(), 0);
+    std::mt19937_64 rng(test_seed());
+    std::shuffle(table.begin(), table.end(), rng);
+    DeviceTensor dpos(int32_tensor(positions)), drow(int32_tensor(row_of));
+    HostTensor htable(DType::kInt32, {rows, blocks_per_row});
+    for (size_t i = 0; i < table.size(); ++i) htable.set(static_cast<int64_t>(i), table[i]);
+    DeviceTensor dtable(htable);
+    HostTensor hscale(DType::kF32, {1});
+    hscale.set(0, 0.05f);
+    DeviceTensor dscale(hscale);
+    for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
+      const int64_t elt = static_cast<int64_t>(dtype_size(kv));
+      const int64_t block_bytes = 2 * int64_t{hkv} * kPage * kDim * elt;
+      const int64_t blocks = static_cast<int64_t>(table.size());
+      std::vector<void*> qkv(kSets), q_out(kSets), pools(kSets);
+      for (int s = 0; s < kSets; ++s) {
+        ATTNKIT_CUDA_OK(cudaMalloc(&qkv[s], tokens * width * 2));
+        ATTNKIT_CUDA_OK(cudaMalloc(&q_out[s], tokens * hq * kDim * 2));
+        ATTNKIT_CUDA_OK(cudaMalloc(&pools[s], blocks * block_bytes));
+        fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(qkv[s]), tokens * width, s + 1);
+      }
+      AttentionSpec spec;
+      spec.num_q_heads = hq;
+      spec.num_kv_heads = hkv;
+      spec.head_dim = kDim;
+      spec.rope.style = RopeStyle::kGptNeox;
+      spec.backend = Backend::kFused;
+      std::vector<AppendKvArgs> args(kSets);
+      for (int s = 0; s < kSets; ++s) {
+        AppendKvArgs& a = args[s];
+        a.qkv = TensorView(qkv[s], DType::kBF16, {tokens, width}, Device::cuda(0));
+        a.positions = dpos;
+        a.row_of_token = drow;
+        a.q_out = TensorView(q_out[s], DType::kBF16, {tokens, hq, kDim}, Device::cuda(0));
+        KvCacheView& v = a.kv_cache;
+        v.k_base = pools[s];
+        v.v_base = static_cast<uint8_t*>(pools[s]) + block_bytes / 2;
+        v.block_stride_bytes = block_bytes;
+        v.num_blocks = static_cast<int32_t>(blocks);
+        v.dtype = kv;
+        v.device = Device::cuda(0);
+        v.num_kv_heads = hkv;
+        v.tokens_per_block = kPage;
+        v.head_dim = kDim;
+        v.block_table = dtable;
+        if (kv != DType::kBF16) v.k_scale = v.v_scale = dscale;
+      }
+      const double bytes = static_cast<double>(tokens) *
+                           (width * 2 + int64_t{hq} * kDim * 2 + 2 * int64_t{hkv} * kDim * elt);
+      cudaEvent_t start, stop;
+      ATTNKIT_CUDA_OK(cudaEventCreate(&start));
+      ATTNKIT_CUDA_OK(cudaEventCreate(&stop));
+      auto median_ms = [&](auto&& launch) {
+        std::vector<float> times;
+        for (int i = 0; i < kWarmup + kRuns; ++i) {
+          cudaEventRecord(start);
+          for (int b = 0; b < kBatch; ++b) launch((i * kBatch + b) % kSets);
+          cudaEventRecord(stop);
+          cudaEventSynchronize(stop);
+          float ms = 0;
+          cudaEventElapsedTime(&ms, start, stop);
+          if (i >= kWarmup) times.push_back(ms / kBatch);
+        }
+        std::sort(times.begin(), times.end());
+        return static_cast<double>(times[times.size() / 2]);
+      };
+      const size_t copy_bytes = static_cast<size_t>(bytes / 2);
+      void *src = nullptr, *dst = nullptr;
+      ATTNKIT_CUDA_OK(cudaMalloc(&src, copy_bytes * kSets));
+      ATTNKIT_CUDA_OK(cudaMalloc(&dst, copy_bytes * kSets));
+      ATTNKIT_CUDA_OK(cudaMemset(src, 0x3c, copy_bytes * kSets));
+      const double copy_ms = median_ms([&](int s) {
+        cudaMemcpyAsync(static_cast<uint8_t*>(dst) + s * copy_bytes,
+                        static_cast<uint8_t*>(src) + s * copy_bytes, copy_bytes,
+                        cudaMemcpyDeviceToDevice);
+      });
+      for (const std::string& variant : bench_variants()) {
+        if (variant.empty()) {
+          unsetenv("ATTNKIT_EXPERIMENT_APPEND");
+        } else {
+          setenv("ATTNKIT_EXPERIMENT_APPEND", variant.c_str(), 1);
+        }
+        const double ms = median_ms([&](int s) { append_kv(spec, args[s]); });
+        ATTNKIT_CUDA_OK(cudaGetLastError());
+        const double tbs = bytes / (ms * 1e-3) / 1e12;
+        const double copy_tbs = bytes / (copy_ms * 1e-3) / 1e12;
+        std::printf(
+            "[append_bench] tokens=%lld Hq=%d Hkv=%d D=%d page=%d kv=%-8s variant=%-6s ms=%.4f "
+            "TB/s=%.3f copy_TB/s=%.3f fraction=%.3f\n",
+            static_cast<long long>(tokens), hq, hkv, kDim, kPage, dtype_name(kv),
+            variant.empty() ? "-" : variant.c_str(), ms, tbs, copy_tbs, tbs / copy_tbs);
+      }
+      unsetenv("ATTNKIT_EXPERIMENT_APPEND");
+      for (void* p : {src, dst}) cudaFree(p);
+      for (int s = 0; s < kSets; ++s) {
+        cudaFree(qkv[s]);
+        cudaFree(q_out[s]);
+        cudaFree(pools[s]);
+      }
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::test

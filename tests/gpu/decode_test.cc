@@ -383,6 +383,38 @@ TEST(DecodeFused, SplitKvForcedAndHeuristic) {
   }
 }
 
+TEST(DecodeFused, ManySplitsMostlyEmptyAndAlibiMqa) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  // 128 splits (the limit) over a few tiles: most splits are empty and the last CTA to arrive
+  // (often an empty one) merges; then MQA with ALiBi and soft-cap through two M blocks.
+  DecodeCase c;
+  c.hq = 8;
+  c.hkv = 2;
+  c.seq_lens = {1, 65, 300, 2049};
+  c.num_splits = 128;
+  run_case(c, 250);
+  c.dtype = c.kv_dtype = DType::kF16;
+  c.num_splits = 200;  // clamped to the limit
+  run_case(c, 251);
+  DecodeCase mqa;
+  mqa.hq = 32;
+  mqa.hkv = 1;
+  mqa.alibi = true;
+  mqa.softcap = 5.0;
+  mqa.q_range = 4.0f;
+  mqa.seq_lens = {7, 700};
+  for (int splits : {1, 3}) {
+    mqa.num_splits = splits;
+    run_case(mqa, 260 + splits);
+  }
+  mqa.kv_dtype = DType::kFp8E4M3;
+  mqa.alibi = false;
+  mqa.softcap = 0.0;
+  mqa.q_range = 1.0f;
+  mqa.num_splits = 4;
+  run_case(mqa, 270);
+}
+
 TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   // batch 1 x 8 KV heads on 132 SMs with 2 CTAs each: many splits; batch 64: none.
@@ -482,12 +514,15 @@ TEST(DecodeFused, CrossAttentionStaticEncoderCache) {
 TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   uint64_t salt = 800;
-  for (auto [hq, hkv] : {std::pair{32, 1}, std::pair{12, 2}, std::pair{40, 2}}) {
+  // Groups of 17..32 heads take two M blocks per CTA (K/V read once); 64 heads two head blocks of
+  // 32; 40 / 2 = 20 and 48 / 2 = 24 leave the second M block partly empty.
+  for (auto [hq, hkv] :
+       {std::pair{32, 1}, std::pair{12, 2}, std::pair{40, 2}, std::pair{48, 2}, std::pair{64, 1}}) {
     DecodeCase c;
     c.hq = hq;
     c.hkv = hkv;
     c.seq_lens = {1, 200, 513};
-    for (int splits : {1, 0}) {
+    for (int splits : {1, 0, 5}) {
       c.num_splits = splits;
       run_case(c, salt++);
     }

@@ -371,7 +371,7 @@ MaskSpec mask_of(MaskKind kind, int window = 0, int sinks = 0) {
 // ---- lengths around the tile sizes, every mask kind, every tile forced ----------------------
 TEST(PrefillLengths, TileBoundariesEveryTile) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  for (int d : {128, 64}) {
+  for (int d : {128, 64, 256}) {
     for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
       for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
         for (int n : {1, 2, 63, 64, 65, 127, 128, 129, 37, 191}) {
@@ -449,6 +449,40 @@ TEST(PrefillPaged, EveryPageSizeChunkedContext) {
     c.kv_lens = {64 + 2 * page, 50 + 3 * page + 5, 129, 300};
     run_and_check(c);
     if (HasFatalFailure()) return;
+  }
+}
+
+// Every tile forced over every K/V path: 16-bit pages smaller than, equal to and larger than the
+// 64-key tile (the block ids are read one tile ahead and shared across lanes), and 8-bit caches.
+TEST(PrefillPaged, EveryTileEveryPageForced) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  struct Path {
+    DType kv;
+    int page;
+  };
+  const Path paths[] = {{DType::kBF16, 8},     {DType::kBF16, 32},    {DType::kBF16, 64},
+                        {DType::kBF16, 128},   {DType::kFp8E4M3, 16}, {DType::kInt8, 64},
+                        {DType::kFp8E4M3, 128}};
+  for (int d : {64, 128, 256}) {
+    for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
+      for (const Path& path : paths) {
+        Case c;
+        c.head_dim = d;
+        c.source = KvSource::kPaged;
+        c.kv_dtype = path.kv;
+        c.page = path.page;
+        c.hq = 4;
+        c.hkv = 2;
+        c.per_head_scales = path.page == 64;
+        c.mask =
+            path.page == 32 ? mask_of(MaskKind::kSlidingWindow, 70, 5) : mask_of(MaskKind::kCausal);
+        c.q_lens = {130, 1, 64};
+        c.kv_lens = {130 + 75, 200, 64};
+        c.tile = tile;
+        run_and_check(c);
+        if (HasFatalFailure()) return;
+      }
+    }
   }
 }
 

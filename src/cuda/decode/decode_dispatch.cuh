@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <type_traits>
 
 #include "attnkit/types.h"
 #include "core/check.h"
@@ -70,22 +71,38 @@ DecodeKernelInfo info_traits() {
   return info;
 }
 
+// Calls f.template operator()<Traits>() for the tile configuration of `choice`.
+template <int kHeadDim, typename QTag, typename Kv, typename R, typename F>
+R with_config(DecodeKernelChoice choice, F&& f) {
+  if (choice.m_blocks == 2) return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 2>>();
+  if constexpr (kHeadDim == 128 && std::is_same_v<QTag, Bf16Tag>) {
+    // Tuning experiments (ATTNKIT_EXPERIMENT_DECODE, removed once measured).
+    switch (choice.variant) {
+      case 1:
+        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1, 1>>();
+      case 2:
+        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1, 2>>();
+      case 3:
+        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1, 3>>();
+      default:
+        break;
+    }
+  }
+  return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1>>();
+}
+
 // Calls f.template operator()<Traits>() for the (query type, cache type) pair.
 template <int kHeadDim, typename R, typename F>
-R with_traits(DType q_dtype, DType kv_dtype, F&& f) {
+R with_traits(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice, F&& f) {
   const bool native = kv_dtype == q_dtype;
   if (q_dtype == DType::kBF16) {
-    if (native) return f.template operator()<DecodeTraits<kHeadDim, Bf16Tag, KvNative>>();
-    if (kv_dtype == DType::kFp8E4M3)
-      return f.template operator()<DecodeTraits<kHeadDim, Bf16Tag, KvFp8E4M3>>();
-    if (kv_dtype == DType::kInt8)
-      return f.template operator()<DecodeTraits<kHeadDim, Bf16Tag, KvInt8>>();
+    if (native) return with_config<kHeadDim, Bf16Tag, KvNative, R>(choice, f);
+    if (kv_dtype == DType::kFp8E4M3) return with_config<kHeadDim, Bf16Tag, KvFp8E4M3, R>(choice, f);
+    if (kv_dtype == DType::kInt8) return with_config<kHeadDim, Bf16Tag, KvInt8, R>(choice, f);
   } else if (q_dtype == DType::kF16) {
-    if (native) return f.template operator()<DecodeTraits<kHeadDim, F16Tag, KvNative>>();
-    if (kv_dtype == DType::kFp8E4M3)
-      return f.template operator()<DecodeTraits<kHeadDim, F16Tag, KvFp8E4M3>>();
-    if (kv_dtype == DType::kInt8)
-      return f.template operator()<DecodeTraits<kHeadDim, F16Tag, KvInt8>>();
+    if (native) return with_config<kHeadDim, F16Tag, KvNative, R>(choice, f);
+    if (kv_dtype == DType::kFp8E4M3) return with_config<kHeadDim, F16Tag, KvFp8E4M3, R>(choice, f);
+    if (kv_dtype == DType::kInt8) return with_config<kHeadDim, F16Tag, KvInt8, R>(choice, f);
   }
   detail::fail("decode: no fused kernel for q dtype ", dtype_name(q_dtype), " with a ",
                dtype_name(kv_dtype), " cache");
@@ -114,19 +131,20 @@ struct InfoOp {
 
 template <int kHeadDim>
 void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
-                   cudaStream_t stream) {
+                   DecodeKernelChoice choice, cudaStream_t stream) {
   decode_detail::with_traits<kHeadDim, void>(
-      q_dtype, kv_dtype, decode_detail::LaunchOp{p, transformed_logits, stream});
+      q_dtype, kv_dtype, choice, decode_detail::LaunchOp{p, transformed_logits, stream});
 }
 
 template <int kHeadDim>
-DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype) {
-  return decode_detail::with_traits<kHeadDim, DecodeKernelInfo>(q_dtype, kv_dtype,
+DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice) {
+  return decode_detail::with_traits<kHeadDim, DecodeKernelInfo>(q_dtype, kv_dtype, choice,
                                                                 decode_detail::InfoOp{});
 }
 
-#define ATTNKIT_INSTANTIATE_DECODE(kHeadDim)                                                    \
-  template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, cudaStream_t); \
-  template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType);
+#define ATTNKIT_INSTANTIATE_DECODE(kHeadDim)                                     \
+  template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
+                                        DecodeKernelChoice, cudaStream_t);       \
+  template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType, DecodeKernelChoice);
 
 }  // namespace attnkit::cuda

@@ -3,14 +3,16 @@
 // head_block, y = KV head, z = row. Four warps; a tile of 64 keys is loaded into shared memory
 // by a multi-stage cp.async pipeline, each warp takes 16 keys of the tile and keeps its own
 // online-softmax state (m, l, O); the warps are merged at the end. QK^T and PV run on
-// mma.sync m16n8k16 with float accumulation. 8-bit caches are widened to the query type in
-// registers; their scales multiply the logits (K) and the output (V).
+// mma.sync m16n8k16 with float accumulation. 8-bit caches run their MMAs in f16 whatever the
+// query type (one cvt widens a pair of stored bytes; a bf16 q is rounded to f16 once, saturating
+// at +-65504); their scales multiply the logits (K) and the output (V).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -21,15 +23,19 @@
 
 namespace attnkit::cuda {
 
-// KV-cache element types: the cache's storage, and how two stored bytes widen to the MMA type.
+// KV-cache element types: the cache's storage, and how two stored bytes of a 32-bit word (byte
+// kLo, byte kHi) widen to a pair of MMA inputs (lo first).
 struct KvNative {  // the cache holds the query's own type: no conversion
   static constexpr int kBytes = 2;
 };
 struct KvFp8E4M3 {
   static constexpr int kBytes = 1;
-  template <typename Tag>
-  __device__ __forceinline__ static uint32_t widen_pair(uint16_t two) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  template <typename Tag, int kLo, int kHi>
+  __device__ __forceinline__ static uint32_t widen(uint32_t word) {
+    const uint32_t two = kLo == 0 && kHi == 1   ? word & 0xffffu
+                         : kLo == 2 && kHi == 3 ? word >> 16
+                                                : __byte_perm(word, 0, kLo | (kHi << 4));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<uint16_t>(two), __NV_E4M3);
     if constexpr (std::is_same_v<Tag, F16Tag>) {
       return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
     } else {
@@ -41,25 +47,55 @@ struct KvFp8E4M3 {
 };
 struct KvInt8 {
   static constexpr int kBytes = 1;
-  template <typename Tag>
-  __device__ __forceinline__ static uint32_t widen_pair(uint16_t two) {
-    // |x| <= 128 is exact in both f16 and bf16.
-    const float lo = static_cast<float>(static_cast<int8_t>(two & 0xff));
-    const float hi = static_cast<float>(static_cast<int8_t>(two >> 8));
-    return pack_pair<Tag>(lo, hi);
+  template <typename Tag, int kLo, int kHi>
+  __device__ __forceinline__ static uint32_t widen(uint32_t word) {
+    if constexpr (std::is_same_v<Tag, F16Tag>) {
+      // f16 0x64XX is 1024 + XX: bias the bytes to unsigned (the xor is shared by the word's two
+      // pairs), place them under 0x64 with one byte permute and subtract 1152 (0x6480) in one
+      // f16x2 op; exact for every int8.
+      const uint32_t biased =
+          __byte_perm(word ^ 0x80808080u, 0x64646464u, kLo | (4 << 4) | (kHi << 8) | (4 << 12));
+      const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased),
+                                __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480)));
+      return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      // |x| <= 128 is exact in bf16.
+      const float lo = static_cast<float>(static_cast<int8_t>((word >> (8 * kLo)) & 0xff));
+      const float hi = static_cast<float>(static_cast<int8_t>((word >> (8 * kHi)) & 0xff));
+      return pack_pair<Tag>(lo, hi);
+    }
   }
 };
 
-template <int kHeadDim_, typename QTag_, typename Kv_>
+// Shared memory of sm_90 (H100/H200): 228 KB per SM, at most 227 KB per CTA, 1 KB reserved per
+// CTA. The tile configuration sizes its pipeline for one or two CTAs per SM from these.
+constexpr int kDecodeSmemPerSm = 228 * 1024;
+constexpr int kDecodeSmemPerCtaMax = 227 * 1024;
+
+// Compile-time configuration. kMBlocks: 16-row M blocks per CTA (2 serves GQA groups of up to
+// 32 query heads, e.g. MQA 32/1, with one read of K/V); the warps form kMBlocks groups of four
+// that share every tile. kVariant: tuning bits (kDecodeVariant*).
+template <int kHeadDim_, typename QTag_, typename Kv_, int kMBlocks_ = 1, int kVariant_ = 0>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
   using Kv = Kv_;
-  static constexpr int kWarps = 4;
+  static constexpr int kMBlocks = kMBlocks_;
+  static constexpr int kVariant = kVariant_;
+  static constexpr bool kOneCtaPerSm = (kVariant & kDecodeVariantOneCtaPerSm) != 0;
+  static constexpr bool kL2Prefetch = (kVariant & kDecodeVariantL2Prefetch) != 0;
+  static constexpr int kM = kMBlocks * kDecodeHeadsPerCta;  // query heads (rows) per CTA
+  static constexpr int kKeyWarps = 4;
+  static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeysPerWarp = 16;
-  static constexpr int kTileN = kWarps * kKeysPerWarp;
+  static constexpr int kTileN = kKeyWarps * kKeysPerWarp;
+  // Keys whose 16-byte copies one warp issues (every warp shares the loads).
+  static constexpr int kCopyKeysPerWarp = kTileN / kWarps;
   static constexpr bool k8Bit = Kv::kBytes == 1;
+  // The MMA input type: the query's own, or f16 for 8-bit caches (e4m3 and int8 widen to f16 in
+  // one or two ops per pair; to bf16 they would need four).
+  using MmaTag = std::conditional_t<k8Bit, F16Tag, QTag>;
   // 8-bit caches feed the MMAs from the stored bytes: ldmatrix on byte rows, widened to the
   // query type in registers (no widening pass through shared memory).
   static constexpr bool kDirect = k8Bit;
@@ -71,22 +107,30 @@ struct DecodeTraits {
   static constexpr int kRowStride = kHeadDim + 8;
   static constexpr int kRowBytes = kRowStride * 2;
   static constexpr int kChunksPerToken = kHeadDim * Kv::kBytes / 16;  // 16-byte copies per row
-  static constexpr int kQBytes = kDecodeHeadsPerCta * kRowBytes;
+  static constexpr int kQBytes = kM * kRowBytes;
   // One pipeline stage: K and V of kTileN keys, stored (8-bit: unpadded) or ready for ldmatrix.
   static constexpr int kStageHalfBytes =
       k8Bit ? kTileN * kRawRowBytes : kTileN * kRowBytes;  // K (or V) of one stage
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
-  // ~104 KB per CTA leaves room for two CTAs per SM on sm_90 (228 KB).
-  static constexpr int kBudget = 104 * 1024;
-  static constexpr int kStagesFit = kBudget / kStageBytes;
-  static constexpr int kStages = kStagesFit < 2 ? 2 : (kStagesFit > 6 ? 6 : kStagesFit);
-  static constexpr int kPipelineBytes = kStages * kStageBytes;
-  // The warp merge reuses the pipeline memory: O, m and l of every warp.
+  // As many stages as fit next to a second CTA on the SM (or alone on it), so that the loads in
+  // flight cover the memory latency.
+  static constexpr int kCtaBudget =
+      kOneCtaPerSm ? kDecodeSmemPerCtaMax : kDecodeSmemPerSm / 2 - 1024;
+  static constexpr int kStagesFit = (kCtaBudget - kQBytes) / kStageBytes;
+  static constexpr int kMaxStages = kOneCtaPerSm ? 8 : 6;
+  static constexpr int kStages =
+      kStagesFit < 2 ? 2 : (kStagesFit > kMaxStages ? kMaxStages : kStagesFit);
+  // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
+  // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
       kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) * static_cast<int>(sizeof(float));
-  static_assert(kMergeBytes <= kPipelineBytes);
+  static constexpr int kCombineBytes = kM * kDecodeMaxSplits * static_cast<int>(sizeof(float));
+  static constexpr int kPipelineBytes =
+      std::max({kStages * kStageBytes, kMergeBytes, kCombineBytes});
   static constexpr int kSmemBytes = kQBytes + kPipelineBytes;
+  static constexpr int kMinCtasPerSm = 2 * (kSmemBytes + 1024) <= kDecodeSmemPerSm ? 2 : 1;
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
+  static_assert(kTileN % kWarps == 0 && 32 % kCopyKeysPerWarp == 0);
 };
 
 // Logit transforms as a compile-time policy: kPlain is q.k * scale; kTransformed applies the
@@ -122,21 +166,128 @@ struct DecodeKeyRange {
   }
 };
 
+// cp.async of 16 bytes (zero-filled when !valid), optionally asking the L2 for the whole 256-byte
+// line so that DRAM serves it in one burst.
+template <bool kL2Prefetch>
+__device__ __forceinline__ void decode_cp_async_16(uint32_t smem_addr, const void* src,
+                                                   bool valid) {
+  if constexpr (kL2Prefetch) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
+                 "l"(src), "r"(valid ? 16 : 0));
+  } else {
+    cp_async_16(smem_addr, src, valid);
+  }
+}
+
+// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
+// output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
+// m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
+// CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
+template <typename Traits>
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
+                                                           int kv_head, int head_block,
+                                                           int first_head, int heads_here,
+                                                           float* scratch) {
+  using QT = typename Traits::QTag::Storage;
+  constexpr int kD = Traits::kHeadDim;
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.split_counters +
+                       (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
+                       head_block;
+    is_last = atomicAdd(counter, 1) == p.num_splits - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int num_splits = p.num_splits;
+  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
+  const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
+  float* weight = scratch;  // [kM][num_splits]
+  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
+  for (int r = warp; r < heads_here; r += Traits::kWarps) {
+    float lse[kLsePerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      lse[i] =
+          s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+      m = fmaxf(m, lse[i]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      // Empty splits have LSE -inf (and wrote zeros): weight 0.
+      lse[i] = lse[i] == -INFINITY ? 0.0f : __expf(lse[i] - m);
+      sum += lse[i];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      if (s < num_splits) weight[r * num_splits + s] = lse[i] * inv_sum;
+    }
+    if (lane == 0 && p.lse != nullptr) {
+      p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
+          sum > 0.0f ? m + logf(sum) : -INFINITY;
+    }
+  }
+  __syncthreads();
+  constexpr int kVecs = kD / 4;
+  const int64_t split_stride_vecs = split_stride * kVecs;
+  for (int i = threadIdx.x; i < heads_here * kVecs; i += Traits::kThreads) {
+    const int r = i / kVecs, c = i % kVecs;
+    const float4* src =
+        reinterpret_cast<const float4*>(p.partial_out) + (first_item + r) * kVecs + c;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // Unrolled so that many independent L2 reads are in flight.
+#pragma unroll 16
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = weight[r * num_splits + s];
+      const float4 v = __ldcg(src + s * split_stride_vecs);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
+              (first_head + r) * p.out_head_stride + 4 * c;
+    out[0] = QT(acc.x);
+    out[1] = QT(acc.y);
+    out[2] = QT(acc.z);
+    out[3] = QT(acc.w);
+  }
+}
+
 template <typename Traits, DecodeLogits kLogits>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     decode_kernel(const __grid_constant__ DecodeParams p) {
   using QTag = typename Traits::QTag;
   using QT = typename QTag::Storage;
+  using MmaTag = typename Traits::MmaTag;
+  using MT = typename MmaTag::Storage;
   using Kv = typename Traits::Kv;
   constexpr int kD = Traits::kHeadDim;
   constexpr int kTileN = Traits::kTileN;
   constexpr int kStages = Traits::kStages;
   constexpr int kRowStride = Traits::kRowStride;
-  constexpr int kM = kDecodeHeadsPerCta;
+  constexpr int kM = Traits::kM;
+  constexpr int kMB = kDecodeHeadsPerCta;  // rows of one M block
+  constexpr int kCopyKeys = Traits::kCopyKeysPerWarp;
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) uint8_t smem[];
-  QT* q_smem = reinterpret_cast<QT*>(smem);
+  MT* q_smem = reinterpret_cast<MT*>(smem);
   uint8_t* pipe_smem = smem + Traits::kQBytes;
 
   const int head_block = blockIdx.x % p.head_blocks;
@@ -145,6 +296,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  // Warp w takes keys 16 (w % 4) .. +15 of every tile for the M block w / 4.
+  const int key_warp = warp % Traits::kKeyWarps;
+  const int m_block = warp / Traits::kKeyWarps;
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
@@ -154,16 +308,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int32_t keys_per_split =
       ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
   const int32_t key_begin = split * keys_per_split;
+  // An empty split (key_begin >= key_end) runs no tile and writes zeros with LSE -inf.
   const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
-
-  if (p.num_splits > 1 && key_begin >= key_end) {
-    // Nothing to attend in this split: the combine skips partial results with LSE -inf.
-    for (int h = threadIdx.x; h < heads_here; h += Traits::kThreads) {
-      p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head +
-                    h] = -INFINITY;
-    }
-    return;
-  }
 
   // Query rows of this head block (rows past the group are zero).
   {
@@ -177,21 +323,29 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int x = d % 16;
         src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
       }
-      q_smem[r * kRowStride + d] =
-          r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
+      if constexpr (std::is_same_v<MmaTag, QTag>) {
+        q_smem[r * kRowStride + d] =
+            r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
+      } else {
+        // bf16 q for f16 MMAs: exact within f16's range, saturated beyond it (NaN stays NaN).
+        float v =
+            r < heads_here ? static_cast<float>(q[(first_head + r) * p.q_head_stride + src]) : 0.0f;
+        if (fabsf(v) > 65504.0f) v = copysignf(65504.0f, v);
+        q_smem[r * kRowStride + d] = MT(v);
+      }
     }
   }
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;
-  // Stage loader, in two steps. key_offset(): lane t < 16 of warp w computes the byte offset of
-  // key 16w + t of a tile (block table, cyclic slot, beam indirection: all through KvLayout), or
-  // -1 past the split. copy_tile(): the copy lanes fetch the offsets by shuffle so that
-  // consecutive lanes copy consecutive 16 bytes. The main loop computes the offsets one tile
-  // ahead, so that the block-table latency overlaps the math.
+  // Stage loader, in two steps. key_offset(): lane t < kCopyKeys of warp w computes the byte
+  // offset of key kCopyKeys * w + t of a tile (block table, cyclic slot, beam indirection: all
+  // through KvLayout), or -1 past the split. copy_tile(): the copy lanes fetch the offsets by
+  // shuffle so that consecutive lanes copy consecutive 16 bytes. The main loop computes the
+  // offsets one tile ahead, so that the block-table latency overlaps the math.
   auto key_offset = [&](int tile) -> int64_t {
-    const int32_t key = key_begin + tile * kTileN + warp * Traits::kKeysPerWarp + lane;
-    if (lane >= Traits::kKeysPerWarp || key >= key_end) return -1;
+    const int32_t key = key_begin + tile * kTileN + warp * kCopyKeys + lane;
+    if (lane >= kCopyKeys || key >= key_end) return -1;
     const int32_t pos = keys.position(key);
     int64_t src_row = row;
     if (p.cache_indirection != nullptr) {
@@ -206,20 +360,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
     uint8_t* k_dst = pipe_smem + stage * Traits::kStageBytes;
     uint8_t* v_dst = k_dst + Traits::kStageHalfBytes;
     constexpr int kDstRowBytes = Traits::k8Bit ? Traits::kRawRowBytes : Traits::kRowBytes;
-    constexpr int kChunks = Traits::kKeysPerWarp * Traits::kChunksPerToken;
+    constexpr int kChunks = kCopyKeys * Traits::kChunksPerToken;
     // Every lane runs every iteration: the shuffles need the whole warp.
 #pragma unroll
     for (int base = 0; base < kChunks; base += 32) {
       const int c = base + lane;
-      const int token = min(c / Traits::kChunksPerToken, Traits::kKeysPerWarp - 1);
+      const int token = min(c / Traits::kChunksPerToken, kCopyKeys - 1);
       const int part = c % Traits::kChunksPerToken;
       const int64_t key_offset = __shfl_sync(0xffffffffu, my_offset, token);
       const bool valid = key_offset >= 0;
       const int64_t offset = key_offset + part * 16;
       if (c < kChunks) {
-        const int dst = (warp * Traits::kKeysPerWarp + token) * kDstRowBytes + part * 16;
-        cp_async_16(smem_u32(k_dst + dst), valid ? p.kv.k_base + offset : p.kv.k_base, valid);
-        cp_async_16(smem_u32(v_dst + dst), valid ? p.kv.v_base + offset : p.kv.v_base, valid);
+        const int dst = (warp * kCopyKeys + token) * kDstRowBytes + part * 16;
+        decode_cp_async_16<Traits::kL2Prefetch>(smem_u32(k_dst + dst),
+                                                valid ? p.kv.k_base + offset : p.kv.k_base, valid);
+        decode_cp_async_16<Traits::kL2Prefetch>(smem_u32(v_dst + dst),
+                                                valid ? p.kv.v_base + offset : p.kv.v_base, valid);
       }
     }
   };
@@ -228,10 +384,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
   const float qk_scale = p.softmax_scale * k_scale;
   const int g = lane / 4, t = lane % 4;
+  // This warp's two rows (g, g + 8 of its M block) as heads of the CTA.
+  const int warp_row0 = m_block * kMB + g;
   float slope[2] = {0.0f, 0.0f};
   if constexpr (kLogits == DecodeLogits::kTransformed) {
-    slope[0] = g < heads_here ? p.alibi_slopes[first_head + g] : 0.0f;
-    slope[1] = g + 8 < heads_here ? p.alibi_slopes[first_head + g + 8] : 0.0f;
+    slope[0] = warp_row0 < heads_here ? p.alibi_slopes[first_head + warp_row0] : 0.0f;
+    slope[1] = warp_row0 + 8 < heads_here ? p.alibi_slopes[first_head + warp_row0 + 8] : 0.0f;
   }
 
   float o[kD / 8][4];
@@ -240,7 +398,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float m_run[2] = {-INFINITY, -INFINITY};  // log2 domain
   float l_run[2] = {0.0f, 0.0f};            // this thread's share of the row sums
 
-  const int num_tiles = (key_end - key_begin + kTileN - 1) / kTileN;
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kTileN - 1) / kTileN : 0;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) copy_tile(key_offset(s), s);
@@ -264,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     float s[2][4] = {};
     if constexpr (Traits::kDirect) {
       const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
-                              warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+                              key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
 #pragma unroll
       for (int kk = 0; kk < kD / 16; kk += 2) {
         // Matrices: keys 0-7 / 8-15 of steps kk and kk + 1 (for D = 80 the last step's second
@@ -276,34 +434,35 @@ __global__ void __launch_bounds__(Traits::kThreads)
         for (int step = 0; step < 2; ++step) {
           if (kk + step < kD / 16) {
             uint32_t a[4];
-            ldmatrix_x4(a, smem_u32(q_smem + (lane % 16) * kRowStride + (kk + step) * 16 +
-                                    (lane / 16) * 8));
+            ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride +
+                                    (kk + step) * 16 + (lane / 16) * 8));
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
               const uint32_t word = b[2 * step + n];
-              const uint32_t bn[2] = {Kv::template widen_pair<QTag>(word & 0xffff),
-                                      Kv::template widen_pair<QTag>(word >> 16)};
-              mma_m16n8k16<QTag>(s[n], a, bn);
+              const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
+                                      Kv::template widen<MmaTag, 2, 3>(word)};
+              mma_m16n8k16<MmaTag>(s[n], a, bn);
             }
           }
         }
       }
     } else {
       const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
-                         warp * Traits::kKeysPerWarp * kRowStride;
+                         key_warp * Traits::kKeysPerWarp * kRowStride;
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         uint32_t a[4], b[4];
-        ldmatrix_x4(a, smem_u32(q_smem + (lane % 16) * kRowStride + kk * 16 + (lane / 16) * 8));
+        ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride + kk * 16 +
+                                (lane / 16) * 8));
         ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kRowStride + kk * 16 +
                                 ((lane / 8) % 2) * 8));
         const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_m16n8k16<QTag>(s[0], a, b0);
-        mma_m16n8k16<QTag>(s[1], a, b1);
+        mma_m16n8k16<MmaTag>(s[0], a, b0);
+        mma_m16n8k16<MmaTag>(s[1], a, b1);
       }
     }
 
-    const int32_t warp_key0 = key_begin + tile * kTileN + warp * Traits::kKeysPerWarp;
+    const int32_t warp_key0 = key_begin + tile * kTileN + key_warp * Traits::kKeysPerWarp;
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -339,15 +498,19 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const float p2 = exp2f(s[n][2] - m_use[1]), p3 = exp2f(s[n][3] - m_use[1]);
       l_run[0] += p0 + p1;
       l_run[1] += p2 + p3;
-      pa[2 * n] = pack_pair<QTag>(p0, p1);
-      pa[2 * n + 1] = pack_pair<QTag>(p2, p3);
+      pa[2 * n] = pack_pair<MmaTag>(p0, p1);
+      pa[2 * n + 1] = pack_pair<MmaTag>(p2, p3);
     }
+    // Once the running maxima settle, alpha is 1 for every row of the warp: skip the kD / 2
+    // multiplies per thread (a warp-uniform branch; the result is bit-identical).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
+      for (int n = 0; n < kD / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
     }
     // O += P V: V rows are k-major, so the B fragments come from ldmatrix.trans.
     if constexpr (Traits::kDirect) {
@@ -355,7 +518,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       // V[2t+1][2g], V[2t+1][2g+1] of a 16-d chunk: bytes 0,2 feed the n8 tile of the even d's,
       // bytes 1,3 the tile of the odd d's (the epilogue undoes this column order).
       const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
-                              warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+                              key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
 #pragma unroll
       for (int cc = 0; cc < kD / 16; cc += 2) {
         uint32_t b[4];
@@ -366,45 +529,43 @@ __global__ void __launch_bounds__(Traits::kThreads)
         for (int step = 0; step < 2; ++step) {
           if (cc + step < kD / 16) {
             const uint32_t lo = b[2 * step], hi = b[2 * step + 1];  // keys 0-7, keys 8-15
-            const uint32_t even[2] = {
-                Kv::template widen_pair<QTag>(__byte_perm(lo, 0, 0x0020) & 0xffff),
-                Kv::template widen_pair<QTag>(__byte_perm(hi, 0, 0x0020) & 0xffff)};
-            const uint32_t odd[2] = {
-                Kv::template widen_pair<QTag>(__byte_perm(lo, 0, 0x0031) & 0xffff),
-                Kv::template widen_pair<QTag>(__byte_perm(hi, 0, 0x0031) & 0xffff)};
-            mma_m16n8k16<QTag>(o[2 * (cc + step)], pa, even);
-            mma_m16n8k16<QTag>(o[2 * (cc + step) + 1], pa, odd);
+            const uint32_t even[2] = {Kv::template widen<MmaTag, 0, 2>(lo),
+                                      Kv::template widen<MmaTag, 0, 2>(hi)};
+            const uint32_t odd[2] = {Kv::template widen<MmaTag, 1, 3>(lo),
+                                     Kv::template widen<MmaTag, 1, 3>(hi)};
+            mma_m16n8k16<MmaTag>(o[2 * (cc + step)], pa, even);
+            mma_m16n8k16<MmaTag>(o[2 * (cc + step) + 1], pa, odd);
           }
         }
       }
     } else {
       const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
                                                      Traits::kStageHalfBytes) +
-                         warp * Traits::kKeysPerWarp * kRowStride;
+                         key_warp * Traits::kKeysPerWarp * kRowStride;
 #pragma unroll
       for (int dd = 0; dd < kD / 16; ++dd) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kRowStride +
                                       dd * 16 + (lane / 16) * 8));
         const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_m16n8k16<QTag>(o[2 * dd], pa, b0);
-        mma_m16n8k16<QTag>(o[2 * dd + 1], pa, b1);
+        mma_m16n8k16<MmaTag>(o[2 * dd], pa, b0);
+        mma_m16n8k16<MmaTag>(o[2 * dd + 1], pa, b1);
       }
     }
   }
 
-  // Merge the four warps' states through shared memory (the pipeline is drained first).
+  // Merge the warps' states through shared memory (the pipeline is drained first).
   cp_async_wait<0>();
   __syncthreads();
-  float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kM][kD]
-  float* merge_m = merge_o + Traits::kWarps * kM * kD;   // [warp][kM]
-  float* merge_l = merge_m + Traits::kWarps * kM;        // [warp][kM]
+  float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
+  float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
+  float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = warp_sum_quad(l_run[r]);
     if (t == 0) {
-      merge_m[warp * kM + g + 8 * r] = m_run[r];
-      merge_l[warp * kM + g + 8 * r] = l;
+      merge_m[warp * kMB + g + 8 * r] = m_run[r];
+      merge_l[warp * kMB + g + 8 * r] = l;
     }
   }
 #pragma unroll
@@ -414,23 +575,25 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int col = 2 * t + (e & 1);
       // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
       const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
-      merge_o[(warp * kM + g + 8 * (e / 2)) * kD + d] = o[n][e];
+      merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
     }
   }
   __syncthreads();
 
   for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
     const int r = i / kD, d = i % kD;
+    // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
+    const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
     float m_all = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < Traits::kWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kM + r]);
+    for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kMB + rr]);
     float l_all = 0.0f, o_all = 0.0f;
     if (m_all != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < Traits::kWarps; ++w) {
-        const float weight = exp2f(merge_m[w * kM + r] - m_all);
-        l_all += weight * merge_l[w * kM + r];
-        o_all += weight * merge_o[(w * kM + r) * kD + d];
+      for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) {
+        const float weight = exp2f(merge_m[w * kMB + rr] - m_all);
+        l_all += weight * merge_l[w * kMB + rr];
+        o_all += weight * merge_o[(w * kMB + rr) * kD + d];
       }
     }
     const bool empty = l_all == 0.0f;
@@ -448,6 +611,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       p.partial_out[slot * kD + d] = value;
       if (d == 0) p.partial_lse[slot] = lse;
     }
+  }
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
+    // The merge buffers are dead after this barrier: the combine reuses them.
+    __syncthreads();
+    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
+                                       reinterpret_cast<float*>(pipe_smem));
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -32,50 +33,50 @@ bool head_dim_known(int32_t head_dim) {
   return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
 }
 
-DecodeKernelInfo kernel_info(int32_t head_dim, DType q, DType kv) {
+DecodeKernelInfo kernel_info(int32_t head_dim, DType q, DType kv, DecodeKernelChoice choice) {
   switch (head_dim) {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 64:
-      return decode_kernel_info<64>(q, kv);
+      return decode_kernel_info<64>(q, kv, choice);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 80:
-      return decode_kernel_info<80>(q, kv);
+      return decode_kernel_info<80>(q, kv, choice);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 96:
-      return decode_kernel_info<96>(q, kv);
+      return decode_kernel_info<96>(q, kv, choice);
 #endif
     case 128:
-      return decode_kernel_info<128>(q, kv);
+      return decode_kernel_info<128>(q, kv, choice);
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 256:
-      return decode_kernel_info<256>(q, kv);
+      return decode_kernel_info<256>(q, kv, choice);
 #endif
   }
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
 }
 
 void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType kv,
-                   bool transformed, cudaStream_t stream) {
+                   bool transformed, DecodeKernelChoice choice, cudaStream_t stream) {
   switch (head_dim) {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 64:
-      return launch_decode<64>(params, q, kv, transformed, stream);
+      return launch_decode<64>(params, q, kv, transformed, choice, stream);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 80:
-      return launch_decode<80>(params, q, kv, transformed, stream);
+      return launch_decode<80>(params, q, kv, transformed, choice, stream);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 96:
-      return launch_decode<96>(params, q, kv, transformed, stream);
+      return launch_decode<96>(params, q, kv, transformed, choice, stream);
 #endif
     case 128:
-      return launch_decode<128>(params, q, kv, transformed, stream);
+      return launch_decode<128>(params, q, kv, transformed, choice, stream);
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 256:
-      return launch_decode<256>(params, q, kv, transformed, stream);
+      return launch_decode<256>(params, q, kv, transformed, choice, stream);
 #endif
   }
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
@@ -137,6 +138,28 @@ __global__ void __launch_bounds__(128)
 int device_attribute(cudaDeviceAttr attr, int device) {
   int value = 0;
   check_cuda(cudaDeviceGetAttribute(&value, attr, device), "decode: cudaDeviceGetAttribute");
+  return value;
+}
+
+// Round-1 tuning experiments, read once per process from ATTNKIT_EXPERIMENT_DECODE (a list of
+// tokens): "v<N>" DecodeTraits variant N for head_dim 128 bf16 q, "sep" the separate combine
+// kernel instead of the last-CTA merge, "m1" one M block per CTA for groups > 16 heads.
+struct DecodeExperiment {
+  int variant = 0;
+  bool separate_combine = false;
+  bool one_m_block = false;
+};
+const DecodeExperiment& experiment() {
+  static const DecodeExperiment value = [] {
+    DecodeExperiment e;
+    const char* env = std::getenv("ATTNKIT_EXPERIMENT_DECODE");
+    const std::string text = env ? env : "";
+    if (const size_t at = text.find('v'); at != std::string::npos && at + 1 < text.size())
+      e.variant = text[at + 1] - '0';
+    e.separate_combine = text.find("sep") != std::string::npos;
+    e.one_m_block = text.find("m1") != std::string::npos;
+    return e;
+  }();
   return value;
 }
 
@@ -240,7 +263,12 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   params.num_q_heads = spec.num_q_heads;
   params.num_kv_heads = spec.num_kv_heads;
   params.group_size = spec.group_size();
-  params.head_blocks = (params.group_size + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
+  // Groups beyond 16 heads take two M blocks per CTA, so that K/V is read once per 32 heads.
+  DecodeKernelChoice choice;
+  choice.m_blocks = params.group_size > kDecodeHeadsPerCta && !experiment().one_m_block ? 2 : 1;
+  choice.variant = experiment().variant;
+  const int heads_per_cta = choice.m_blocks * kDecodeHeadsPerCta;
+  params.head_blocks = (params.group_size + heads_per_cta - 1) / heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
   params.softcap = static_cast<float>(spec.logit_softcap);
@@ -263,7 +291,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
-    const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype);
+    const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
     int64_t max_keys = p.max_seq_len;
     if (params.window > 0) {
       max_keys =
@@ -276,27 +304,40 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   }
 
   if (params.num_splits == 1) {
-    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, stream);
+    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);
     return;
   }
-  // Stream-ordered workspace: no host synchronization, and capturable in a CUDA graph.
+  // Stream-ordered workspace: no host synchronization, and capturable in a CUDA graph. Layout:
+  // partial outputs, partial LSEs, then the arrival counters of the last-CTA merge.
   const size_t partial_values =
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
+  const size_t counters =
+      static_cast<size_t>(p.num_rows) * spec.num_kv_heads * static_cast<size_t>(params.head_blocks);
+  const bool fused_combine = !experiment().separate_combine;
   void* workspace = nullptr;
-  check_cuda(
-      cudaMallocAsync(&workspace, partial_values * (spec.head_dim + 1) * sizeof(float), stream),
-      "decode: cudaMallocAsync(split-KV workspace)");
+  check_cuda(cudaMallocAsync(&workspace,
+                             partial_values * (spec.head_dim + 1) * sizeof(float) +
+                                 (fused_combine ? counters * sizeof(int32_t) : 0),
+                             stream),
+             "decode: cudaMallocAsync(split-KV workspace)");
   params.partial_out = static_cast<float*>(workspace);
   params.partial_lse = params.partial_out + partial_values * spec.head_dim;
   try {
-    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, stream);
-    const dim3 grid(static_cast<unsigned>(p.num_rows * spec.num_q_heads));
-    if (p.dtype == DType::kBF16) {
-      decode_combine_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(params);
-    } else {
-      decode_combine_kernel<__half><<<grid, 128, 0, stream>>>(params);
+    if (fused_combine) {
+      params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
+      check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
+                 "decode: cudaMemsetAsync(split counters)");
     }
-    check_launch("decode_combine_kernel");
+    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);
+    if (!fused_combine) {
+      const dim3 grid(static_cast<unsigned>(p.num_rows * spec.num_q_heads));
+      if (p.dtype == DType::kBF16) {
+        decode_combine_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(params);
+      } else {
+        decode_combine_kernel<__half><<<grid, 128, 0, stream>>>(params);
+      }
+      check_launch("decode_combine_kernel");
+    }
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;

@@ -13,13 +13,20 @@ struct DecodeKernelInfo {
   int tile_n = 64;      // keys per pipeline tile (splits are whole tiles)
 };
 
+// Which tile configuration serves a call: m_blocks = 16-head M blocks per CTA (1 or 2; 2 for GQA
+// groups beyond 16 heads), variant = DecodeTraits tuning bits (kDecodeVariant*).
+struct DecodeKernelChoice {
+  int m_blocks = 1;
+  int variant = 0;
+};
+
 // Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits
 // policy is kTransformed when soft-cap or ALiBi is on.
 template <int kHeadDim>
 void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
-                   cudaStream_t stream);
+                   DecodeKernelChoice choice, cudaStream_t stream);
 template <int kHeadDim>
-DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype);
+DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice);
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range.
@@ -28,8 +35,8 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
 
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
-                                               cudaStream_t);                           \
-  extern template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType);
+                                               DecodeKernelChoice, cudaStream_t);       \
+  extern template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType, DecodeKernelChoice);
 ATTNKIT_DECLARE_DECODE(64)
 ATTNKIT_DECLARE_DECODE(80)
 ATTNKIT_DECLARE_DECODE(96)

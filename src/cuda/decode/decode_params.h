@@ -12,8 +12,13 @@ namespace attnkit::cuda {
 // ALiBi slopes travel in the parameter block; more query heads than this with ALiBi is
 // reported unsupported by fused_decode_unsupported().
 constexpr int kDecodeMaxAlibiHeads = 256;
-// Query heads of one KV-head group that one CTA serves: the 16 rows of an m16n8k16 MMA.
+// Query heads of one M block: the 16 rows of an m16n8k16 MMA. A CTA serves one or two M blocks
+// of one KV-head group (DecodeTraits::kMBlocks).
 constexpr int kDecodeHeadsPerCta = 16;
+// Tuning bits of DecodeTraits::kVariant: size the pipeline for one CTA per SM instead of two; ask
+// the L2 to fetch 256-byte lines for the cp.async loads.
+constexpr int kDecodeVariantOneCtaPerSm = 1;
+constexpr int kDecodeVariantL2Prefetch = 2;
 // Split-KV count limit (the combine kernel keeps one weight per split in shared memory); a larger
 // DecodeArgs::num_splits is clamped to it.
 constexpr int kDecodeMaxSplits = 128;
@@ -33,6 +38,9 @@ struct DecodeParams {
   // the V scale) and its LSE; the combine kernel merges them into out / lse.
   float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
+  // One arrival counter per (row, KV head, head block), zeroed before the launch: the last split
+  // CTA to finish merges the splits (no combine kernel). nullptr: decode_combine_kernel merges.
+  int32_t* split_counters = nullptr;  // [num_rows, Hkv, head_blocks]
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
@@ -52,7 +60,7 @@ struct DecodeParams {
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t group_size = 0;   // Hq / Hkv
-  int32_t head_blocks = 1;  // ceil(group_size / kDecodeHeadsPerCta)
+  int32_t head_blocks = 1;  // ceil(group_size / heads per CTA)
   int32_t num_splits = 1;
   int32_t head_dim = 0;
 

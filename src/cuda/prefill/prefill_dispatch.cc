@@ -164,14 +164,15 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
     return concat("compute capability ", dev.cc_major, ".", dev.cc_minor,
                   ": the fused prefill needs sm80 or newer");
   }
+  // At least one tile must fit the device (sm80: 163 KB); pick_tile uses only the ones that do.
+  int least = 0;
   for (PrefillTile tile : tiles) {
     const int need = prefill_smem_bytes(c.head_dim, tile, quant_kv);
-    if (need > dev.smem_optin) {
-      return concat("head_dim ", c.head_dim, " tile ", prefill_tile_name(tile), " needs ", need,
-                    " bytes of shared memory per block; the device allows ", dev.smem_optin);
-    }
+    if (need <= dev.smem_optin) return "";
+    least = least == 0 ? need : std::min(least, need);
   }
-  return "";
+  return concat("head_dim ", c.head_dim, ": the smallest prefill tile needs ", least,
+                " bytes of shared memory per block; the device allows ", dev.smem_optin);
 }
 
 // 128-row tiles read each K/V tile from memory once for twice the rows, and the 4-warp 128-row
@@ -199,18 +200,23 @@ std::optional<PrefillTile> tile_from_env() {
 
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
                       int32_t max_seqlen_q, int32_t heads) {
-  const std::vector<PrefillTile> tiles = compiled_tiles(c.head_dim, c.dtype);
+  const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
+  const DeviceLimits dev = device_limits(c.device);
+  std::vector<PrefillTile> tiles;
+  for (PrefillTile t : compiled_tiles(c.head_dim, c.dtype)) {
+    if (prefill_smem_bytes(c.head_dim, t, quant_kv) <= dev.smem_optin) tiles.push_back(t);
+  }
   if (forced) {
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
-                  dtype_name(c.dtype));
+                  dtype_name(c.dtype), ", or does not fit this device's shared memory");
     return *forced;
   }
   if (const std::optional<PrefillTile> env = tile_from_env()) {
     if (std::find(tiles.begin(), tiles.end(), *env) != tiles.end()) return *env;
   }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
-  return choose_tile(tiles, ctas, device_limits(c.device).sm_count);
+  return choose_tile(tiles, ctas, dev.sm_count);
 }
 
 // The kernel moves 16-byte chunks: rows must start 16-byte aligned and the last dim be dense.
@@ -227,6 +233,7 @@ void check_rows_16b(const TensorView& t, const char* name) {
 }
 
 void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
+  if (const char* e = std::getenv("ATTNKIT_EXPERIMENT_PREFILL")) prm.experiment = std::atoi(e);
   prm.softmax_scale = static_cast<float>(spec.effective_scale());
   prm.softcap = static_cast<float>(spec.logit_softcap);
   prm.alibi = spec.alibi;
@@ -240,7 +247,7 @@ void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
 }  // namespace
 
 int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM64 ? 64 : 128; }
-int prefill_block_n(int head_dim) { return head_dim >= 256 ? 32 : 64; }
+int prefill_block_n(int /*head_dim*/) { return 64; }
 
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
   switch (head_dim) {

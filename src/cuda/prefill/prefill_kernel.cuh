@@ -1,9 +1,12 @@
 // The portable context FMHA kernel (FlashAttention-2 style, mma.sync m16n8k16, sm80+).
 //
-// One CTA computes kBlockM query rows of one (sequence, query head); every warp owns 16 rows and
-// keeps its S tile, its O accumulator and (D <= 128) its Q fragments in registers. K/V tiles of
-// kBlockN keys stream through a kStages-deep cp.async ring; the online softmax runs in the log2
-// domain. Included only by the prefill_inst_*.cu files, which instantiate launch_prefill.
+// One CTA computes kBlockM query rows of one (sequence, query head); every warp owns kMAtoms x 16
+// rows and keeps its S tile, its O accumulator and (where they fit) its Q fragments in registers.
+// K/V tiles of kBlockN keys stream through cp.async: a kStages ring of K+V (head_dim <= 128), one
+// K and one V buffer overlapped FA2-style (head_dim 256), or one raw 8-bit stage widened through a
+// LUT (fp8/int8 caches). The online softmax runs in the log2 domain with the scale folded into
+// the exponent's FFMA. Included only by the prefill_inst_*.cu files, which instantiate
+// launch_prefill.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -143,21 +146,125 @@ __device__ __forceinline__ bool attends(const PrefillParams& p, int32_t pos, int
   return true;
 }
 
+// Where the K/V rows of one key block come from: packed / dense tensors or the paged cache. The
+// block-table entries of a tile are read one tile ahead (lookup) so that the dependent global
+// load never stalls the cp.async issue; inside a page, offsets are 32-bit.
+template <class T>
+struct KvSource {
+  const uint8_t* k_packed;  // packed: K of (sequence, kv head), token 0
+  const uint8_t* v_packed;
+  int64_t k_tok_bytes, v_tok_bytes;
+  int32_t kv_len, batch, kv_head;
+  // Paged fast path (a block table, no cyclic window): lane l holds the block id of page
+  // (key0 >> page_shift) + l % pages_per_tile of the tile.
+  bool fast_pages;
+  int32_t page_shift;
+
+  __device__ int32_t lookup(const PrefillParams& p, int32_t n_block) const {
+    if (!p.paged || !fast_pages) return 0;
+    const int32_t key0 = n_block * T::kBlockN;
+    const int32_t pages_per_tile = max(1, T::kBlockN >> page_shift);
+    const int32_t page =
+        (key0 >> page_shift) + static_cast<int32_t>(threadIdx.x % 32) % pages_per_tile;
+    if ((page << page_shift) >= kv_len) return -1;  // past the sequence: never dereferenced
+    return p.kv.block_table[work_row_offset(p) + page];
+  }
+  __device__ int64_t work_row_offset(const PrefillParams& p) const {
+    return static_cast<int64_t>(batch) * p.kv.block_table_row_stride;
+  }
+  // Byte offset from the cache base of 16-byte chunk `ch` of row r of the tile at key0; `entry`
+  // is the row's block id (fast path).
+  template <int kElemBytes>
+  __device__ int64_t paged_offset(const PrefillParams& p, int32_t entry, int32_t key0, int32_t r,
+                                  int ch) const {
+    constexpr int kRowBytes = T::kHeadDim * kElemBytes;
+    const int32_t key = key0 + r;
+    if (fast_pages) {
+      const int32_t block = entry;
+      const int32_t token = key & ((1 << page_shift) - 1);
+      const int32_t in_block = ((kv_head << page_shift) + token) * kRowBytes + ch * 16;
+      return static_cast<int64_t>(block) * p.kv.block_stride_bytes + in_block;
+    }
+    return p.kv.byte_offset_shift(batch, p.kv.slot_of(key), kv_head, ch * (16 / kElemBytes),
+                                  page_shift);
+  }
+};
+
+// Issues the cp.async copies of the kBlockN rows of key block `n_block` into smem rows of
+// kDstRowBytes: from the packed tensor `packed` (tok_bytes apart) or from the cache bases. Rows
+// past kv_len are zero-filled. kElemBytes = 2 (16-bit K/V) or 1 (raw 8-bit cache).
+template <class T, int kElemBytes, int kDstRowBytes, bool kTwo>
+__device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource<T>& src,
+                                          int32_t n_block, int32_t entry, const uint8_t* packed0,
+                                          int64_t tok_bytes0, const uint8_t* cache0, uint8_t* dst0,
+                                          const uint8_t* packed1, int64_t tok_bytes1,
+                                          const uint8_t* cache1, uint8_t* dst1) {
+  constexpr int kChunksPerRow = T::kHeadDim * kElemBytes / 16;
+  constexpr int kChunks = T::kBlockN * kChunksPerRow;
+  constexpr int kIters = (kChunks + T::kThreads - 1) / T::kThreads;
+  const int32_t key0 = n_block * T::kBlockN;
+  const int tid = threadIdx.x;
+  if (p.paged) {
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = tid + i * T::kThreads;
+      if (kChunks % T::kThreads == 0 || c < kChunks) {
+        const int r = c / kChunksPerRow;
+        const int ch = c % kChunksPerRow;
+        const bool valid = key0 + r < src.kv_len;
+        // Pages smaller than the tile: the row's block id comes from the lane that read it
+        // (outside the `valid` branch: every lane of the warp takes part).
+        int32_t block = entry;
+        if (src.fast_pages && (T::kBlockN >> src.page_shift) > 1) {
+          block = __shfl_sync(0xffffffffu, entry, r >> src.page_shift);
+        }
+        const int64_t off =
+            valid ? src.template paged_offset<kElemBytes>(p, block, key0, r, ch) : 0;
+        cp_async_16(smem_u32(dst0 + r * kDstRowBytes + ch * 16), cache0 + off, valid);
+        if constexpr (kTwo)
+          cp_async_16(smem_u32(dst1 + r * kDstRowBytes + ch * 16), cache1 + off, valid);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = tid + i * T::kThreads;
+      if (kChunks % T::kThreads == 0 || c < kChunks) {
+        const int r = c / kChunksPerRow;
+        const int ch = c % kChunksPerRow;
+        const int32_t key = key0 + r;
+        const bool valid = key < src.kv_len;
+        const int64_t tok = valid ? key : 0;
+        cp_async_16(smem_u32(dst0 + r * kDstRowBytes + ch * 16),
+                    packed0 + tok * tok_bytes0 + ch * 16, valid);
+        if constexpr (kTwo) {
+          cp_async_16(smem_u32(dst1 + r * kDstRowBytes + ch * 16),
+                      packed1 + tok * tok_bytes1 + ch * 16, valid);
+        }
+      }
+    }
+  }
+}
+
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
-                                  kTile == PrefillTile::kM128 ? 1 : 2)
+                                  PrefillTraits<kHeadDim, kTile>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   using T = PrefillTraits<kHeadDim, kTile>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
+  // Pipelines: kQuantKv: one raw 8-bit stage, widened into one K and one V tile; kOverlapKv: one
+  // K and one V buffer (FA2); else a kStages ring of K+V tiles.
+  constexpr bool kOverlap = !kQuantKv && T::kOverlapKv;
+  constexpr bool kRing = !kQuantKv && !T::kOverlapKv;
+  constexpr int kKvBufs = kRing ? T::kStages : 1;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
-  // 16-bit K/V tiles: kStages ring (or the one widened tile of an 8-bit cache).
   uint8_t* s_k = smem + T::kQBytes;
-  uint8_t* s_v = s_k + (kQuantKv ? 1 : T::kStages) * T::kKvTileBytes;
-  uint8_t* s_raw_k = s_v + (kQuantKv ? 1 : T::kStages) * T::kKvTileBytes;  // 8-bit ring
-  uint8_t* s_raw_v = s_raw_k + T::kStages * T::kRawTileBytes;
-  uint16_t* s_lut = reinterpret_cast<uint16_t*>(s_raw_v + T::kStages * T::kRawTileBytes);
+  uint8_t* s_v = s_k + kKvBufs * T::kKvTileBytes;
+  uint8_t* s_raw_k = s_v + kKvBufs * T::kKvTileBytes;
+  uint8_t* s_raw_v = s_raw_k + T::kRawTileBytes;
+  uint16_t* s_lut = reinterpret_cast<uint16_t*>(s_raw_v + T::kRawTileBytes);
 
   const PrefillWorkTile work = LongestFirstScheduler::get(p);
   const SequenceInfo seq = sequence_info(p, work.batch);
@@ -188,7 +295,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       const Elem* src = q + (valid ? (m0 + r) * p.q_tok_stride : 0) + ch * 8;
       cp_async_16(smem_u32(s_q + r * T::kRowBytes + ch * 16), src, valid);
     }
-    cp_async_commit();
   }
 
   if constexpr (kQuantKv) {
@@ -201,66 +307,56 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
     }
   }
 
-  // Issues the cp.async copies of K and V for key block `n_block` into ring stage `stage`.
-  auto load_kv = [&](int32_t n_block, int stage) {
-    const int32_t key0 = n_block * T::kBlockN;
-    if constexpr (!kQuantKv) {
-      uint8_t* dk = s_k + stage * T::kKvTileBytes;
-      uint8_t* dv = s_v + stage * T::kKvTileBytes;
-      for (int c = tid; c < T::kBlockN * T::kChunksPerRow; c += T::kThreads) {
-        const int r = c / T::kChunksPerRow;
-        const int ch = c % T::kChunksPerRow;
-        const int32_t key = key0 + r;
-        const bool valid = key < seq.kv_len;
-        const uint8_t* src_k;
-        const uint8_t* src_v;
-        if (p.paged) {
-          const int64_t off = valid ? p.kv.byte_offset_shift(work.batch, p.kv.slot_of(key), kv_head,
-                                                             ch * 8, p.kv_page_shift)
-                                    : 0;
-          src_k = p.kv.k_base + off;
-          src_v = p.kv.v_base + off;
-        } else {
-          const int64_t tok = valid ? key : 0;
-          src_k = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + seq.k_offset +
-                                                   tok * p.k_tok_stride +
-                                                   kv_head * p.k_head_stride + ch * 8);
-          src_v = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.v) + seq.v_offset +
-                                                   tok * p.v_tok_stride +
-                                                   kv_head * p.v_head_stride + ch * 8);
-        }
-        cp_async_16(smem_u32(dk + r * T::kRowBytes + ch * 16), src_k, valid);
-        cp_async_16(smem_u32(dv + r * T::kRowBytes + ch * 16), src_v, valid);
-      }
+  KvSource<T> src;
+  src.kv_len = seq.kv_len;
+  src.batch = work.batch;
+  src.kv_head = kv_head;
+  src.page_shift = p.kv_page_shift;
+  src.fast_pages = p.paged && p.kv.block_table != nullptr && p.kv.window_slots == 0;
+  src.k_packed = nullptr;
+  src.v_packed = nullptr;
+  src.k_tok_bytes = p.k_tok_stride * 2;
+  src.v_tok_bytes = p.v_tok_stride * 2;
+  if (!p.paged) {
+    src.k_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + seq.k_offset +
+                                                    kv_head * p.k_head_stride);
+    src.v_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.v) + seq.v_offset +
+                                                    kv_head * p.v_head_stride);
+  }
+  // Issues tile t's K (and V) copies; the block-table entries were read one tile earlier.
+  auto load_k = [&](int32_t t, int32_t entry, int buf) {
+    load_rows<T, 2, T::kRowBytes, false>(p, src, range.block(t), entry, src.k_packed,
+                                         src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
+                                         nullptr, 0, nullptr, nullptr);
+  };
+  auto load_v = [&](int32_t t, int32_t entry) {
+    load_rows<T, 2, T::kRowBytes, false>(p, src, range.block(t), entry, src.v_packed,
+                                         src.v_tok_bytes, p.kv.v_base, s_v, nullptr, 0, nullptr,
+                                         nullptr);
+  };
+  auto load_kv = [&](int32_t t, int32_t entry, int buf) {
+    if constexpr (kQuantKv) {
+      load_rows<T, 1, T::kHeadDim, true>(p, src, range.block(t), entry, nullptr, 0, p.kv.k_base,
+                                         s_raw_k, nullptr, 0, p.kv.v_base, s_raw_v);
     } else {
-      constexpr int kRawChunks = T::kHeadDim / 16;  // 16 one-byte elements per chunk
-      uint8_t* dk = s_raw_k + stage * T::kRawTileBytes;
-      uint8_t* dv = s_raw_v + stage * T::kRawTileBytes;
-      for (int c = tid; c < T::kBlockN * kRawChunks; c += T::kThreads) {
-        const int r = c / kRawChunks;
-        const int ch = c % kRawChunks;
-        const int32_t key = key0 + r;
-        const bool valid = key < seq.kv_len;
-        const int64_t off = valid ? p.kv.byte_offset_shift(work.batch, p.kv.slot_of(key), kv_head,
-                                                           ch * 16, p.kv_page_shift)
-                                  : 0;
-        const uint8_t* src_k = p.kv.k_base + off;
-        const uint8_t* src_v = p.kv.v_base + off;
-        cp_async_16(smem_u32(dk + r * T::kHeadDim + ch * 16), src_k, valid);
-        cp_async_16(smem_u32(dv + r * T::kHeadDim + ch * 16), src_v, valid);
-      }
+      load_rows<T, 2, T::kRowBytes, true>(p, src, range.block(t), entry, src.k_packed,
+                                          src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
+                                          src.v_packed, src.v_tok_bytes, p.kv.v_base,
+                                          s_v + buf * T::kKvTileBytes);
     }
   };
+  auto lookup = [&](int32_t t) { return t < num_tiles ? src.lookup(p, range.block(t)) : 0; };
 
-  // Widens the raw 8-bit K/V of `stage` into the 16-bit tiles through the LUT (exact).
-  auto widen_kv = [&](int stage) {
+  // Widens the raw 8-bit K/V into the 16-bit tiles through the LUT (exact).
+  auto widen_kv = [&]() {
     constexpr int kUnits = T::kBlockN * T::kHeadDim / 8;  // 8 elements each
+#pragma unroll 4
     for (int u = tid; u < 2 * kUnits; u += T::kThreads) {
       const bool is_v = u >= kUnits;
       const int rem = is_v ? u - kUnits : u;
       const int r = rem / (T::kHeadDim / 8);
       const int c8 = rem % (T::kHeadDim / 8);
-      const uint8_t* raw = (is_v ? s_raw_v : s_raw_k) + stage * T::kRawTileBytes;
+      const uint8_t* raw = is_v ? s_raw_v : s_raw_k;
       const uint2 bytes = *reinterpret_cast<const uint2*>(raw + r * T::kHeadDim + c8 * 8);
       uint4 out;
       out.x = s_lut[bytes.x & 0xff] | (uint32_t(s_lut[(bytes.x >> 8) & 0xff]) << 16);
@@ -271,28 +367,50 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
     }
   };
 
-  for (int s = 0; s < T::kStages - 1; ++s) {
-    if (s < num_tiles) load_kv(range.block(s), s);
+  // Prologue: Q and the first tile(s) in flight. `entry` holds the block-table entries of the
+  // next tile to load (K's, in the overlapped pipeline; V reuses them as `entry_v`).
+  int32_t entry = lookup(0);
+  int32_t entry_v = 0;
+  if constexpr (kRing) {
+#pragma unroll
+    for (int s = 0; s < T::kStages - 1; ++s) {
+      if (s < num_tiles) load_kv(s, entry, s);
+      entry = lookup(s + 1);
+      cp_async_commit();
+    }
+  } else {
+    if (num_tiles > 0) {
+      if constexpr (kQuantKv) {
+        load_kv(0, entry, 0);
+      } else {
+        load_k(0, entry, 0);
+      }
+    }
+    entry_v = entry;
+    entry = lookup(1);
     cp_async_commit();
   }
 
-  // Scales: the cache's K scale folds into the logit scale, its V scale into the epilogue.
+  // Scales: the cache's K scale folds into the logit scale, its V scale into the epilogue. Without
+  // logit modifiers the scale (in log2 units) folds into the exponent's FFMA; with them the
+  // logits are modified in natural units first.
   const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.f;
   const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.f;
   const float logit_scale = p.softmax_scale * k_scale;
-  const float scale_log2 = logit_scale * kLog2e;
-  const bool has_mods = p.softcap > 0.f || p.alibi;
+  // A non-positive scale would not commute with the row max: it takes the modifier path.
+  const bool has_mods = p.softcap > 0.f || p.alibi || !(logit_scale > 0.f);
+  const float exp_scale = has_mods ? kLog2e : logit_scale * kLog2e;
   const float alibi_slope = p.alibi ? p.alibi_slopes[head] : 0.f;
 
   constexpr int kA = T::kMAtoms;
-  uint32_t q_frag[T::kQInRegs ? T::kKSteps : 1][4];
+  uint32_t q_frag[T::kQInRegs ? T::kKSteps : 1][kA][4];
   float o_acc[kA][T::kDTiles][4];
 #pragma unroll
   for (int a = 0; a < kA; ++a)
 #pragma unroll
     for (int i = 0; i < T::kDTiles; ++i)
       o_acc[a][i][0] = o_acc[a][i][1] = o_acc[a][i][2] = o_acc[a][i][3] = 0.f;
-  float row_max[kA][2];  // log2 units
+  float row_max[kA][2];  // log2 units (scaled)
   float row_sum[kA][2];  // this thread's partial sums
   const int warp_row = warp * T::kRowsPerWarp;
   // Query position of this thread's row i (g, g + 8) of row block a; recomputed, not kept live.
@@ -307,26 +425,42 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       smem_u32(s_q + (warp_row + (lane % 16)) * T::kRowBytes + (lane / 16) * 16);
 
   for (int32_t it = 0; it < num_tiles; ++it) {
-    {
+    int buf = 0;
+    if constexpr (kRing) {
+      // One barrier per tile: past it, tile `it` has landed and every warp is done with tile
+      // it - 1, whose stage the next load refills.
+      cp_async_wait<T::kStages - 2>();
+      __syncthreads();
       const int32_t ahead = it + T::kStages - 1;
-      if (ahead < num_tiles) load_kv(range.block(ahead), ahead % T::kStages);
+      if (ahead < num_tiles) load_kv(ahead, entry, ahead % T::kStages);
+      entry = lookup(ahead + 1);
+      cp_async_commit();
+      buf = it % T::kStages;
+    } else if constexpr (kOverlap) {
+      cp_async_wait<0>();
+      __syncthreads();  // K(it) landed; every warp is done with V(it - 1)
+      load_v(it, entry_v);
+      cp_async_commit();
+    } else {
+      cp_async_wait<0>();
+      __syncthreads();  // raw(it) landed; every warp is done with the widened tiles of it - 1
+      widen_kv();
+      __syncthreads();
+      if (it + 1 < num_tiles) load_kv(it + 1, entry, 0);
+      entry = lookup(it + 2);
       cp_async_commit();
     }
-    cp_async_wait<T::kStages - 1>();
-    __syncthreads();
     if constexpr (T::kQInRegs) {
       if (it == 0) {
 #pragma unroll
-        for (int ks = 0; ks < T::kKSteps; ++ks) ldmatrix_x4(q_frag[ks], q_lane_addr + ks * 32);
+        for (int ks = 0; ks < T::kKSteps; ++ks)
+#pragma unroll
+          for (int a = 0; a < kA; ++a)
+            ldmatrix_x4(q_frag[ks][a], q_lane_addr + a * 16 * T::kRowBytes + ks * 32);
       }
     }
-    const int stage = kQuantKv ? 0 : it % T::kStages;
-    if constexpr (kQuantKv) {
-      widen_kv(it % T::kStages);
-      __syncthreads();
-    }
-    const uint8_t* tile_k = s_k + stage * T::kKvTileBytes;
-    const uint8_t* tile_v = s_v + stage * T::kKvTileBytes;
+    const uint8_t* tile_k = s_k + buf * T::kKvTileBytes;
+    const uint8_t* tile_v = s_v + buf * T::kKvTileBytes;
     const int32_t n_block = range.block(it);
     const int32_t key0 = n_block * T::kBlockN;
 
@@ -345,10 +479,10 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
 #pragma unroll
       for (int a = 0; a < kA; ++a) {
         if constexpr (T::kQInRegs) {
-          qa[a][0] = q_frag[ks][0];
-          qa[a][1] = q_frag[ks][1];
-          qa[a][2] = q_frag[ks][2];
-          qa[a][3] = q_frag[ks][3];
+          qa[a][0] = q_frag[ks][a][0];
+          qa[a][1] = q_frag[ks][a][1];
+          qa[a][2] = q_frag[ks][a][2];
+          qa[a][3] = q_frag[ks][a][3];
         } else {
           ldmatrix_x4(qa[a], q_lane_addr + a * 16 * T::kRowBytes + ks * 32);
         }
@@ -367,7 +501,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       }
     }
 
-    // ---- logits in log2 units: scale, soft-cap, ALiBi, mask ----
+    // ---- logit modifiers (natural units): scale, soft-cap, ALiBi; then the mask ----
     if (has_mods) {
 #pragma unroll
       for (int a = 0; a < kA; ++a)
@@ -379,16 +513,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
             if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
             const int32_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
             x += alibi_slope * static_cast<float>(key - pos_row(a, e / 2));
-            s_acc[a][nt][e] = x * kLog2e;
+            s_acc[a][nt][e] = x;
           }
         }
-    } else {
-#pragma unroll
-      for (int a = 0; a < kA; ++a)
-#pragma unroll
-        for (int nt = 0; nt < T::kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s_acc[a][nt][e] *= scale_log2;
     }
     bool needs_mask = key0 + T::kBlockN > seq.kv_len;
     if constexpr (kMasked) {
@@ -409,35 +536,52 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
           }
     }
 
-    // ---- online softmax ----
+    // ---- online softmax: p = exp2(s * exp_scale - max), one FFMA + one MUFU per element ----
 #pragma unroll
     for (int a = 0; a < kA; ++a) {
+      float corr[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float mx = row_max[a][i];
+        float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < T::kNTiles; ++nt)
           mx = fmaxf(mx, fmaxf(s_acc[a][nt][2 * i], s_acc[a][nt][2 * i + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[a][i], mx * exp_scale);
         // A row with no key so far keeps max -inf; 0 stands in so that exp2 gives 0, not NaN.
-        const float m_use = mx == -INFINITY ? 0.f : mx;
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
         const float correction = fast_exp2(row_max[a][i] - m_use);
-        row_max[a][i] = mx;
+        row_max[a][i] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < T::kNTiles; ++nt) {
-          s_acc[a][nt][2 * i] = fast_exp2(s_acc[a][nt][2 * i] - m_use);
-          s_acc[a][nt][2 * i + 1] = fast_exp2(s_acc[a][nt][2 * i + 1] - m_use);
+          s_acc[a][nt][2 * i] = fast_exp2(fmaf(s_acc[a][nt][2 * i], exp_scale, -m_use));
+          s_acc[a][nt][2 * i + 1] = fast_exp2(fmaf(s_acc[a][nt][2 * i + 1], exp_scale, -m_use));
           sum += s_acc[a][nt][2 * i] + s_acc[a][nt][2 * i + 1];
         }
         row_sum[a][i] = row_sum[a][i] * correction + sum;
+        corr[i] = correction;
+      }
+      // EXPERIMENT bit 0: skip the rescale of O when no row of the warp's block changed its max.
+      if (!(p.experiment & 1) || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
         for (int dt = 0; dt < T::kDTiles; ++dt) {
-          o_acc[a][dt][2 * i] *= correction;
-          o_acc[a][dt][2 * i + 1] *= correction;
+          o_acc[a][dt][0] *= corr[0];
+          o_acc[a][dt][1] *= corr[0];
+          o_acc[a][dt][2] *= corr[1];
+          o_acc[a][dt][3] *= corr[1];
         }
       }
+    }
+
+    if constexpr (kOverlap) {
+      cp_async_wait<0>();
+      __syncthreads();  // V(it) landed; every warp is done with K(it)
+      if (it + 1 < num_tiles) load_k(it + 1, entry, 0);
+      entry_v = entry;
+      entry = lookup(it + 2);
+      cp_async_commit();
     }
 
     // ---- O += P V; each V fragment feeds kA row blocks ----
@@ -466,7 +610,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
         }
       }
     }
-    __syncthreads();  // the stage read here is refilled by the next iteration's load
   }
   cp_async_wait<0>();
   __syncthreads();

@@ -71,6 +71,7 @@ struct PrefillParams {
   float softcap = 0.f;  // 0: off
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
+  int32_t experiment = 0;  // EXPERIMENT (A/B in one GPU round; removed before commit)
 };
 
 }  // namespace attnkit::cuda::prefill

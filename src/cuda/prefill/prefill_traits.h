@@ -16,8 +16,8 @@ constexpr bool tile_exists(int head_dim, PrefillTile tile) {
     case 96:
       return tile == PrefillTile::kM128;
     case 256:
-      // 64 rows keep O (128 floats per thread) and the smem within an sm80 CTA.
-      return tile == PrefillTile::kM64;
+      // 16 rows per warp keep O at 128 floats per thread; kM128 (8 warps) is FA2's H100 tile.
+      return tile == PrefillTile::kM64 || tile == PrefillTile::kM128;
     default:
       return false;
   }
@@ -33,27 +33,34 @@ struct PrefillTraits {
   static constexpr int kRowsPerWarp = 16 * kMAtoms;
   static constexpr int kWarps = kBlockM / kRowsPerWarp;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = kHeadDim >= 256 ? 32 : 64;
-  static constexpr int kStages = kHeadDim <= 64 ? 3 : 2;
-  // Q stays in registers (one ldmatrix per CTA) up to D = 128; D = 256 re-reads it from smem.
-  static constexpr bool kQInRegs = kHeadDim <= 128 && kMAtoms == 1;
+  static constexpr int kBlockN = 64;
+  // head_dim 256 holds one K and one V buffer, overlapped as in FA2: V(j) loads under
+  // S = Q K(j)^T and K(j+1) under O += P V(j). That fits 64 keys (and 2 CTAs of kM64 per sm90 SM);
+  // smaller head dims keep a kStages ring of K+V that hides a whole iteration.
+  static constexpr bool kOverlapKv = kHeadDim >= 256;
+  static constexpr int kStages = kOverlapKv ? 1 : (kHeadDim <= 64 ? 3 : 2);
+  static constexpr int kMinBlocksPerSm = kTile == PrefillTile::kM128 ? 1 : 2;
+  static constexpr int kNTiles = kBlockN / 8;    // n8 tiles of S
+  static constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O
+  static constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
+  // Q stays in registers (one ldmatrix per CTA) when its fragments take at most 32 registers;
+  // else (D = 256, or 32 rows per warp at D = 128) it is re-read from smem every tile.
+  static constexpr bool kQInRegs = kKSteps * 4 * kMAtoms <= 32;
   // Shared-memory rows are padded by 16 bytes: 8 consecutive rows then start in 8 different
   // 16-byte bank groups, so ldmatrix is conflict-free for every head_dim (80 and 96 included,
   // which an XOR swizzle over 8 chunks does not cover).
   static constexpr int kRowBytes = kHeadDim * 2 + 16;
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of 16-bit elements
-  static constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S
-  static constexpr int kDTiles = kHeadDim / 8;        // n8 tiles of O
-  static constexpr int kKSteps = kHeadDim / 16;       // k16 steps of Q K^T
 
   static constexpr int kQBytes = kBlockM * kRowBytes;
   static constexpr int kKvTileBytes = kBlockN * kRowBytes;  // one K (or V) tile
-  // 8-bit caches land raw (kBlockN x D bytes) and are widened into one K and one V tile.
+  // 8-bit caches land raw (kBlockN x D bytes, one stage: the next tile loads while this one is
+  // computed) and are widened into one K and one V tile.
   static constexpr int kRawTileBytes = kBlockN * kHeadDim;
   static constexpr int kLutBytes = 256 * 2;
 
   static constexpr int smem_bytes(bool quant_kv) {
-    return quant_kv ? kQBytes + 2 * kStages * kRawTileBytes + 2 * kKvTileBytes + kLutBytes
+    return quant_kv ? kQBytes + 2 * kKvTileBytes + 2 * kRawTileBytes + kLutBytes
                     : kQBytes + 2 * kStages * kKvTileBytes;
   }
 };

@@ -1,8 +1,11 @@
-// The fused append_kv kernel: one thread block per token. The block first tabulates the token's
-// RoPE cos/sin in shared memory (once for all its heads), then each thread moves "units" of
-// 16-byte vectors (8 elements): bias, rotation, rounding, and one vector store to q_out or the
-// cache. A GPT-NeoX unit is a pair of vectors (dims d and d + rotary_dim / 2) so the rotation
-// never leaves registers; GPT-J pairs (2i, 2i + 1) sit inside one vector.
+// The fused append_kv kernel. A CTA serves plan.tokens_per_cta tokens; thread (w, y, z) owns
+// vector unit w of heads y, y + heads_per_pass, ... of its token, so its RoPE cos/sin values are
+// the same for every head it moves and no index is ever divided at run time. A unit is one
+// 16-byte vector (8 elements), or for GPT-NeoX a pair of vectors (dims d and d + rotary_dim / 2)
+// so that the rotation never leaves registers; GPT-J pairs (2i, 2i + 1) sit inside one vector.
+// All loads of a thread (up to kMaxSteps units) go out before the token's cos/sin table is built,
+// so that the table's math and the page-table lookup hide under their latency (Little's law:
+// ~30-40 KB in flight per SM at ~4 TB/s).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,13 +19,18 @@
 namespace attnkit::cuda {
 
 struct AppendKvTraits {
-  static constexpr int kThreads = 128;
-  static constexpr int kVec = 8;              // elements per 16-byte input vector
-  static constexpr int kMaxRotaryHalf = 256;  // rotary_dim / 2 for head_dim <= 512
-  static constexpr int kUnitsInFlight = 2;    // units whose loads a thread issues together
-  static constexpr int kTokensPerBlock = 4;   // amortizes the cos/sin table and the block start
-  static constexpr int kMinBlocksPerSm = 5;   // <= 102 registers: 640 threads per SM
+  static constexpr int kVec = 8;  // elements per 16-byte input vector
+  static constexpr int kMaxThreads = 512;
 };
+
+// Compile-time tuning of the fused kernel: units whose loads one thread issues together, and
+// whether the streamed input and outputs use evict-first (.cs) accesses.
+template <int kSteps_, bool kStreaming_>
+struct AppendKvTuning {
+  static constexpr int kSteps = kSteps_;
+  static constexpr bool kStreaming = kStreaming_;
+};
+using AppendKvDefaultTuning = AppendKvTuning<4, false>;
 
 template <DType kIn>
 __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
@@ -41,266 +49,347 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
   }
 }
 
+// Two floats rounded to nearest even into one 32-bit word (one cvt.rn.{bf16,f16}x2.f32), the
+// first in the low half; bit-exact with numerics::float_to_{bf16,f16}_bits.
 template <DType kOut>
-__device__ __forceinline__ uint16_t round16(float x) {
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
   if constexpr (kOut == DType::kBF16) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
   } else {
-    return __half_as_ushort(__float2half_rn(x));
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
   }
 }
 
 template <DType kOut>
 __device__ __forceinline__ uint4 pack8(const float* x) {
-  uint32_t words[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    words[i] = static_cast<uint32_t>(round16<kOut>(x[2 * i])) |
-               (static_cast<uint32_t>(round16<kOut>(x[2 * i + 1])) << 16);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
+  return make_uint4(pack2<kOut>(x[0], x[1]), pack2<kOut>(x[2], x[3]), pack2<kOut>(x[4], x[5]),
+                    pack2<kOut>(x[6], x[7]));
+}
+
+// numerics::float_to_int8_sat: round half to even, saturate, NaN -> 0 (cvt.rni.s32 gives 0).
+__device__ __forceinline__ uint32_t int8_bits(float x) {
+  const int32_t r = min(max(__float2int_rn(x), -128), 127);
+  return static_cast<uint32_t>(r) & 0xffu;
 }
 
 // Stores 8 values (already divided by the scale) in the cache dtype: 16 bytes for bf16 / f16,
 // 8 bytes for fp8 / int8.
-template <DType kKv>
+template <bool kStreaming>
+__device__ __forceinline__ void store16(void* dst, const uint4& value) {
+  if constexpr (kStreaming) {
+    __stcs(reinterpret_cast<uint4*>(dst), value);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = value;
+  }
+}
+
+template <DType kKv, bool kStreaming>
 __device__ __forceinline__ void store_cache8(uint8_t* dst, const float* x) {
   if constexpr (kKv == DType::kBF16 || kKv == DType::kF16) {
-    *reinterpret_cast<uint4*>(dst) = pack8<kKv>(x);
+    store16<kStreaming>(dst, pack8<kKv>(x));
   } else {
-    uint32_t words[2] = {0, 0};
+    uint32_t words[2];
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      uint32_t pair;
+    for (int half = 0; half < 2; ++half) {
+      const float* y = x + 4 * half;
       if constexpr (kKv == DType::kFp8E4M3) {
-        // The hardware conversion (sm_89+; emulated on sm_80) rounds and saturates like
-        // numerics::float_to_fp8_e4m3_bits.
-        pair = __nv_cvt_float2_to_fp8x2(make_float2(x[i], x[i + 1]), __NV_SATFINITE, __NV_E4M3);
+        // cvt.rn.satfinite.e4m3x2.f32 (sm_89+): rounds and saturates like
+        // numerics::float_to_fp8_e4m3_bits; the first element lands in the low byte.
+        const uint32_t lo =
+            __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi =
+            __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
+        words[half] = lo | (hi << 16);
       } else {
-        pair = static_cast<uint8_t>(numerics::float_to_int8_sat(x[i])) |
-               (static_cast<uint32_t>(static_cast<uint8_t>(numerics::float_to_int8_sat(x[i + 1])))
-                << 8);
+        words[half] = int8_bits(y[0]) | (int8_bits(y[1]) << 8) | (int8_bits(y[2]) << 16) |
+                      (int8_bits(y[3]) << 24);
       }
-      words[i / 4] |= pair << (8 * (i % 4));
     }
-    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+    if constexpr (kStreaming) {
+      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(words[0], words[1]));
+    } else {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+    }
   }
 }
 
-// Where one unit lives: which head (Q, K or V), its input offset and its first dims.
-struct AppendKvUnit {
-  int64_t token;  // global token
-  int32_t slot;   // token inside the block (its cos/sin table, position and row)
-  int32_t head;   // 0 .. Hq + 2 Hkv - 1
-  int32_t local;  // head index inside Q, K or V
-  bool is_q, is_k, paired, valid;
-  int32_t d0, d1;  // first dim of the vector and of its partner (paired units)
-  int64_t in_offset;
-};
+// x / scale, correctly rounded like the reference's float division: with r = RN(1 / scale),
+// q = RN(x r) is within an ulp and one FMA residual step (Markstein) rounds the quotient
+// correctly; three instructions instead of a full division per element.
+__device__ __forceinline__ float divide_by_scale(float x, float scale, float reciprocal) {
+  const float q = x * reciprocal;
+  return fmaf(fmaf(-q, scale, x), reciprocal, q);
+}
 
-// The raw 16-byte vectors of a unit, loaded before anything is computed so that several units'
-// loads are in flight per thread.
+// cos and sin of position * inv_freq, as accurate as the reference's double math rounded to
+// float: the angle and its reduction to [-pi, pi] in double (exact enough at positions of 10^6;
+// the reduction keeps sincos on its fast path), then a double sincos. Float sincosf of the
+// reduced angle looked cheaper but its 2e-7 rad error turned one-unit f16 agreement into up to
+// six units on near-cancelling outputs. Only rotary_dim / 2 values per token: off the critical
+// path, under the latency of the loads.
+__device__ __forceinline__ float2 rope_cos_sin_of(int32_t position, double inv_freq) {
+  constexpr double kTwoPi = 6.283185307179586476925;
+  constexpr double kInvTwoPi = 0.15915494309189533577;
+  const double angle = static_cast<double>(position) * inv_freq;
+  const double reduced = fma(-rint(angle * kInvTwoPi), kTwoPi, angle);
+  double s, c;
+  sincos(reduced, &s, &c);
+  return make_float2(static_cast<float>(c), static_cast<float>(s));
+}
+
+// The raw 16-byte input vectors of one unit and the cache scale of its head (1 for Q), loaded
+// before anything is computed so that all of a thread's units are in flight together.
 struct AppendKvRaw {
-  uint4 lo, hi, bias_lo, bias_hi;
+  uint4 lo, hi;
+  float scale;
 };
 
-template <RopeStyle kStyle>
-__device__ __forceinline__ AppendKvUnit locate_unit(const AppendKvParams& params,
-                                                    int64_t first_token, int32_t unit,
-                                                    int32_t units_per_token, int32_t units_per_head,
-                                                    int32_t paired_units, int32_t total_units) {
-  constexpr int kVec = AppendKvTraits::kVec;
-  AppendKvUnit u{};
-  u.valid = unit < total_units;
-  if (!u.valid) return u;
+// Which of Q, K or V a head index (0 .. Hq + 2 Hkv - 1) belongs to, and its index inside it.
+struct AppendKvHead {
+  int32_t local;
+  bool is_q, is_k;
+};
+
+__device__ __forceinline__ AppendKvHead classify_head(const AppendKvParams& params, int32_t head) {
+  AppendKvHead h;
   const int32_t hq = params.num_q_heads, hkv = params.num_kv_heads;
-  const int32_t rotary_half = params.rope.rotary_dim / 2;
-  u.slot = unit / units_per_token;
-  const int64_t token = first_token + u.slot;
-  u.token = token;
-  const int32_t in_token = unit % units_per_token;
-  u.head = in_token / units_per_head;
-  const int32_t w = in_token % units_per_head;
-  u.is_q = u.head < hq;
-  u.is_k = !u.is_q && u.head < hq + hkv;
-  u.local = u.is_q ? u.head : (u.is_k ? u.head - hq : u.head - hq - hkv);
-  u.in_offset = u.is_q ? token * params.q_stride_token + u.local * params.q_stride_head
-                       : (u.is_k ? token * params.k_stride_token + u.local * params.k_stride_head
-                                 : token * params.v_stride_token + u.local * params.v_stride_head);
-  u.paired = w < paired_units;
-  if (u.paired) {
-    u.d0 = w * kVec;
-  } else if constexpr (kStyle == RopeStyle::kGptNeox) {
-    u.d0 = 2 * rotary_half + (w - paired_units) * kVec;
-  } else {
-    u.d0 = w * kVec;
-  }
-  u.d1 = u.d0 + rotary_half;
-  return u;
+  h.is_q = head < hq;
+  h.is_k = !h.is_q && head < hq + hkv;
+  h.local = h.is_q ? head : (h.is_k ? head - hq : head - hq - hkv);
+  return h;
 }
 
+template <bool kStreaming = false>
 __device__ __forceinline__ uint4 load16(const void* base, int64_t offset) {
-  return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + offset));
-}
-
-__device__ __forceinline__ void load_unit(const AppendKvParams& params, const AppendKvUnit& u,
-                                          AppendKvRaw& raw) {
-  if (!u.valid) return;
-  const void* in = u.is_q ? params.q_in : (u.is_k ? params.k_in : params.v_in);
-  const int64_t bias_offset = static_cast<int64_t>(u.head) * params.head_dim;
-  raw.lo = load16(in, u.in_offset + u.d0);
-  if (u.paired) raw.hi = load16(in, u.in_offset + u.d1);
-  if (params.bias != nullptr) {
-    raw.bias_lo = load16(params.bias, bias_offset + u.d0);
-    if (u.paired) raw.bias_hi = load16(params.bias, bias_offset + u.d1);
+  const uint4* ptr = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + offset);
+  if constexpr (kStreaming) {
+    return __ldcs(ptr);
+  } else {
+    return __ldg(ptr);
   }
 }
 
-// Bias, rotation, rounding and the stores of one unit.
-template <DType kIn, DType kKv, RopeStyle kStyle>
-__device__ __forceinline__ void finish_unit(const AppendKvParams& params, const AppendKvUnit& u,
-                                            const AppendKvRaw& raw, const float2* cos_sin_table,
-                                            const int64_t* positions, const int64_t* rows) {
+// Issues the loads of the units of heads first, first + heads_per_pass, ... (up to kSteps).
+template <typename Tuning>
+__device__ __forceinline__ void load_units(const AppendKvParams& params, int64_t token,
+                                           int32_t first, bool paired, int32_t d0, int32_t d1,
+                                           AppendKvRaw* raw) {
+  const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
+#pragma unroll
+  for (int k = 0; k < Tuning::kSteps; ++k) {
+    const int32_t head = first + k * params.plan.heads_per_pass;
+    if (head >= total_heads) break;
+    const AppendKvHead h = classify_head(params, head);
+    const void* in;
+    int64_t offset;
+    if (h.is_q) {
+      in = params.q_in;
+      offset = token * params.q_stride_token + h.local * params.q_stride_head;
+    } else if (h.is_k) {
+      in = params.k_in;
+      offset = token * params.k_stride_token + h.local * params.k_stride_head;
+    } else {
+      in = params.v_in;
+      offset = token * params.v_stride_token + h.local * params.v_stride_head;
+    }
+    raw[k].lo = load16<Tuning::kStreaming>(in, offset + d0);
+    if (paired) raw[k].hi = load16<Tuning::kStreaming>(in, offset + d1);
+    raw[k].scale = h.is_q
+                       ? 1.0f
+                       : (h.is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, h.local)
+                                 : kv_scale_of(params.v_scale, params.v_scale_per_head, h.local));
+  }
+}
+
+// Per-thread RoPE factors of its unit: NeoX pairs d0 + i (i < 8), GPT-J pairs d0 / 2 + i (i < 4).
+struct AppendKvRotation {
+  float cos[AppendKvTraits::kVec], sin[AppendKvTraits::kVec];
+};
+
+// Bias, rotation, rounding and the stores of the units loaded by load_units.
+template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
+__device__ __forceinline__ void finish_units(const AppendKvParams& params, int64_t token,
+                                             int32_t first, bool paired, int32_t d0, int32_t d1,
+                                             const AppendKvRaw* raw, const AppendKvRotation& rot,
+                                             int64_t cache_offset) {
   constexpr int kVec = AppendKvTraits::kVec;
-  if (!u.valid) return;
-  const float2* cos_sin = cos_sin_table + u.slot * AppendKvTraits::kMaxRotaryHalf;
-  const int64_t token = u.token;
-  const int64_t position = positions[u.slot];
-  const int64_t row = rows[u.slot];
-  float lo[kVec], hi[kVec];
-  unpack8<kIn>(raw.lo, lo);
-  if (u.paired) unpack8<kIn>(raw.hi, hi);
-  if (params.bias != nullptr) {
-    float b[kVec];
-    unpack8<kIn>(raw.bias_lo, b);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) lo[i] += b[i];
-    if (u.paired) {
-      unpack8<kIn>(raw.bias_hi, b);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) hi[i] += b[i];
-    }
-  }
-  if (u.is_q || u.is_k) {
-    if constexpr (kStyle == RopeStyle::kGptNeox) {
-      if (u.paired) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float2 cs = cos_sin[u.d0 + i];
-          const float a = lo[i], b = hi[i];
-          lo[i] = a * cs.x - b * cs.y;
-          hi[i] = b * cs.x + a * cs.y;
-        }
-      }
-    } else if constexpr (kStyle == RopeStyle::kGptJ) {
-      const int32_t rotary_dim = params.rope.rotary_dim;
-#pragma unroll
-      for (int i = 0; i < kVec; i += 2) {
-        if (u.d0 + i < rotary_dim) {
-          const float2 cs = cos_sin[(u.d0 + i) / 2];
-          const float a = lo[i], b = lo[i + 1];
-          lo[i] = a * cs.x - b * cs.y;
-          lo[i + 1] = b * cs.x + a * cs.y;
-        }
-      }
-    }
-  }
-  if (u.is_q) {
-    uint16_t* out = static_cast<uint16_t*>(params.q_out) + token * params.q_out_stride_token +
-                    u.local * params.q_out_stride_head;
-    *reinterpret_cast<uint4*>(out + u.d0) = pack8<kIn>(lo);
-    if (u.paired) *reinterpret_cast<uint4*>(out + u.d1) = pack8<kIn>(hi);
-    return;
-  }
-  const float scale = u.is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, u.local)
-                             : kv_scale_of(params.v_scale, params.v_scale_per_head, u.local);
-  // Division, not a reciprocal multiply: stored = round(x / scale) exactly as numerics.h
-  // (x / 1 == x, so an unscaled cache skips it).
-  if (scale != 1.0f) {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      lo[i] = lo[i] / scale;
-      hi[i] = hi[i] / scale;
-    }
-  }
-  uint8_t* dst = u.is_k ? params.layout.k_ptr(row, position, u.local)
-                        : params.layout.v_ptr(row, position, u.local);
+  const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
   const int32_t elt = params.layout.element_bytes;
-  store_cache8<kKv>(dst + static_cast<int64_t>(u.d0) * elt, lo);
-  if (u.paired) store_cache8<kKv>(dst + static_cast<int64_t>(u.d1) * elt, hi);
+  const int64_t head_bytes =
+      static_cast<int64_t>(params.layout.tokens_per_block) * params.head_dim * elt;
+#pragma unroll
+  for (int k = 0; k < Tuning::kSteps; ++k) {
+    const int32_t head = first + k * params.plan.heads_per_pass;
+    if (head >= total_heads) break;
+    const AppendKvHead h = classify_head(params, head);
+    float lo[kVec], hi[kVec];
+    unpack8<kIn>(raw[k].lo, lo);
+    if (paired) unpack8<kIn>(raw[k].hi, hi);
+    if (params.bias != nullptr) {
+      // The bias is a few KB that every token reads: L1 / L2 hits, loaded late to keep the
+      // registers for the streamed input.
+      const int64_t bias_offset = static_cast<int64_t>(head) * params.head_dim;
+      float b[kVec];
+      unpack8<kIn>(load16(params.bias, bias_offset + d0), b);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) lo[i] += b[i];
+      if (paired) {
+        unpack8<kIn>(load16(params.bias, bias_offset + d1), b);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) hi[i] += b[i];
+      }
+    }
+    if (h.is_q || h.is_k) {
+      if constexpr (kStyle == RopeStyle::kGptNeox) {
+        if (paired) {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            const float a = lo[i], b = hi[i];
+            lo[i] = a * rot.cos[i] - b * rot.sin[i];
+            hi[i] = b * rot.cos[i] + a * rot.sin[i];
+          }
+        }
+      } else if constexpr (kStyle == RopeStyle::kGptJ) {
+        const int32_t rotary_half = params.rope.rotary_dim / 2;
+#pragma unroll
+        for (int i = 0; i < kVec; i += 2) {
+          if (d0 / 2 + i / 2 < rotary_half) {
+            const float a = lo[i], b = lo[i + 1];
+            lo[i] = a * rot.cos[i / 2] - b * rot.sin[i / 2];
+            lo[i + 1] = b * rot.cos[i / 2] + a * rot.sin[i / 2];
+          }
+        }
+      }
+    }
+    if (h.is_q) {
+      uint16_t* out = static_cast<uint16_t*>(params.q_out) + token * params.q_out_stride_token +
+                      h.local * params.q_out_stride_head;
+      store16<Tuning::kStreaming>(out + d0, pack8<kIn>(lo));
+      if (paired) store16<Tuning::kStreaming>(out + d1, pack8<kIn>(hi));
+      continue;
+    }
+    const float scale = raw[k].scale;
+    // x / 1 == x: an unscaled cache skips the division.
+    if (scale != 1.0f) {
+      const float reciprocal = __frcp_rn(scale);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        lo[i] = divide_by_scale(lo[i], scale, reciprocal);
+        if (paired) hi[i] = divide_by_scale(hi[i], scale, reciprocal);
+      }
+    }
+    uint8_t* dst = (h.is_k ? params.layout.k_base : params.layout.v_base) + cache_offset +
+                   h.local * head_bytes;
+    store_cache8<kKv, Tuning::kStreaming>(dst + static_cast<int64_t>(d0) * elt, lo);
+    if (paired) store_cache8<kKv, Tuning::kStreaming>(dst + static_cast<int64_t>(d1) * elt, hi);
+  }
 }
 
-template <DType kIn, DType kKv, RopeStyle kStyle>
-__global__ void __launch_bounds__(AppendKvTraits::kThreads, AppendKvTraits::kMinBlocksPerSm)
+// Byte offset (from k_base or v_base) of element 0 of KV head 0 at `position` of block-table row
+// `row`: 32-bit slot math and a shift for the page, once per thread and token.
+__device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& params, int32_t row,
+                                                      int32_t position) {
+  const detail::KvLayout& layout = params.layout;
+  int32_t slot = position;
+  if (layout.window_slots != 0 && position >= layout.sink_tokens) {
+    slot = layout.sink_tokens +
+           static_cast<int32_t>(static_cast<uint32_t>(position - layout.sink_tokens) %
+                                static_cast<uint32_t>(layout.window_slots));
+  }
+  int64_t block = row;
+  int32_t in_block = slot;
+  if (layout.block_table != nullptr) {
+    const int32_t shift = params.plan.page_shift;
+    block = layout.block_table[row * layout.block_table_row_stride + (slot >> shift)];
+    in_block = slot & ((1 << shift) - 1);
+  }
+  return block * layout.block_stride_bytes +
+         static_cast<int64_t>(in_block) * params.head_dim * layout.element_bytes;
+}
+
+template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
+__global__ void __launch_bounds__(AppendKvTraits::kMaxThreads)
     fused_append_kv_kernel(const __grid_constant__ AppendKvParams params) {
-  using Traits = AppendKvTraits;
-  constexpr int kVec = Traits::kVec;
-  constexpr int kUnroll = Traits::kUnitsInFlight;
-  constexpr int kTokens = Traits::kTokensPerBlock;
-  __shared__ float2 cos_sin[kStyle == RopeStyle::kNone ? 1 : kTokens * Traits::kMaxRotaryHalf];
-  __shared__ int64_t positions[kTokens], rows[kTokens];
-
-  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokens;
-  const int32_t tokens_here = static_cast<int32_t>(
-      params.num_tokens - first_token < kTokens ? params.num_tokens - first_token : kTokens);
+  constexpr int kVec = AppendKvTraits::kVec;
+  extern __shared__ float2 cos_sin_table[];
+  const FusedAppendKvPlan& plan = params.plan;
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * plan.tokens_per_cta + threadIdx.z;
+  const bool token_valid = token < params.num_tokens;
   const int32_t rotary_half = params.rope.rotary_dim / 2;
-  const int32_t dim = params.head_dim;
-  // NeoX: rotary_half / 8 paired units, then the pass-through vectors; else one vector per unit.
-  const int32_t paired_units = kStyle == RopeStyle::kGptNeox ? rotary_half / kVec : 0;
-  const int32_t units_per_head =
-      kStyle == RopeStyle::kGptNeox ? paired_units + (dim - 2 * rotary_half) / kVec : dim / kVec;
-  const int32_t units_per_token = (params.num_q_heads + 2 * params.num_kv_heads) * units_per_head;
-  const int32_t total_units = tokens_here * units_per_token;
+  // This thread's dims: a NeoX paired unit w covers d0 = 8w and d1 = d0 + rotary_half, a NeoX
+  // pass-through unit the (w - paired_units)-th vector after the rotary dims, any other unit
+  // d0 = 8w. `paired` is uniform per thread, and false at compile time for other styles.
+  const int32_t w = threadIdx.x;
+  const bool paired = kStyle == RopeStyle::kGptNeox && w < plan.paired_units;
+  int32_t d0 = w * kVec;
+  if (kStyle == RopeStyle::kGptNeox && !paired) {
+    d0 = 2 * rotary_half + (w - plan.paired_units) * kVec;
+  }
+  const int32_t d1 = d0 + rotary_half;
 
-  // The first units' loads go out before the cos/sin table is built, so that the table's math
-  // hides under their latency.
-  AppendKvUnit unit[kUnroll];
-  AppendKvRaw raw[kUnroll];
-  int32_t base = threadIdx.x;
-#pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    unit[k] = locate_unit<kStyle>(params, first_token, base + k * Traits::kThreads, units_per_token,
-                                  units_per_head, paired_units, total_units);
-    load_unit(params, unit[k], raw[k]);
+  AppendKvRaw raw[Tuning::kSteps];
+  const int32_t first = threadIdx.y;
+  if (token_valid) load_units<Tuning>(params, token, first, paired, d0, d1, raw);
+  int32_t position = 0;
+  int64_t cache_offset = 0;
+  if (token_valid) {
+    position = params.positions[token];
+    cache_offset = cache_token_offset(params, params.row_of_token[token], position);
   }
-  if (threadIdx.x < tokens_here) {
-    positions[threadIdx.x] = params.positions[first_token + threadIdx.x];
-    rows[threadIdx.x] = params.row_of_token[first_token + threadIdx.x];
-  }
-  __syncthreads();
+  AppendKvRotation rot;
   if constexpr (kStyle != RopeStyle::kNone) {
-    for (int idx = threadIdx.x; idx < tokens_here * rotary_half; idx += Traits::kThreads) {
-      const int t = idx / rotary_half, i = idx % rotary_half;
-      // The angle in double (once per token and pair, off the critical path): float angles lose
-      // ~position * 1e-7 rad, several bf16 units at positions of a few thousand.
-      double c, s;
-      detail::rope_cos_sin<double>(params.rope, positions[t], i, &c, &s);
-      cos_sin[t * Traits::kMaxRotaryHalf + i] =
-          make_float2(static_cast<float>(c), static_cast<float>(s));
+    // The token's table: rotary_half (cos, sin) pairs, shared by all its Q and K heads.
+    float2* token_table = cos_sin_table + threadIdx.z * rotary_half;
+    if (token_valid) {
+      const int32_t threads_per_token = blockDim.x * blockDim.y;
+      for (int32_t i = threadIdx.x + threadIdx.y * blockDim.x; i < rotary_half;
+           i += threads_per_token) {
+        token_table[i] = rope_cos_sin_of(position, params.inv_freq[i]);
+      }
     }
     __syncthreads();
+    if constexpr (kStyle == RopeStyle::kGptNeox) {
+      if (paired) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float2 cs = token_table[d0 + i];
+          rot.cos[i] = cs.x;
+          rot.sin[i] = cs.y;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i) {
+        const int32_t pair = d0 / 2 + i;
+        const float2 cs = token_table[pair < rotary_half ? pair : 0];
+        rot.cos[i] = cs.x;
+        rot.sin[i] = cs.y;
+      }
+    }
   }
-  while (base < total_units) {
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      finish_unit<kIn, kKv, kStyle>(params, unit[k], raw[k], cos_sin, positions, rows);
-    }
-    base += kUnroll * Traits::kThreads;
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      unit[k] = locate_unit<kStyle>(params, first_token, base + k * Traits::kThreads,
-                                    units_per_token, units_per_head, paired_units, total_units);
-      load_unit(params, unit[k], raw[k]);
-    }
+  if (!token_valid) return;
+  const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
+  for (int32_t head = first;;) {
+    finish_units<kIn, kKv, kStyle, Tuning>(params, token, head, paired, d0, d1, raw, rot,
+                                           cache_offset);
+    head += Tuning::kSteps * plan.heads_per_pass;
+    if (head >= total_heads) break;
+    load_units<Tuning>(params, token, head, paired, d0, d1, raw);
   }
 }
 
-template <DType kIn, DType kKv, RopeStyle kStyle>
+template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning = AppendKvDefaultTuning>
 void launch_fused_append_kv_typed(const AppendKvParams& params, cudaStream_t stream) {
-  const int64_t blocks =
-      (params.num_tokens + AppendKvTraits::kTokensPerBlock - 1) / AppendKvTraits::kTokensPerBlock;
-  fused_append_kv_kernel<kIn, kKv, kStyle>
-      <<<static_cast<unsigned>(blocks), AppendKvTraits::kThreads, 0, stream>>>(params);
+  const FusedAppendKvPlan& plan = params.plan;
+  const int64_t blocks = (params.num_tokens + plan.tokens_per_cta - 1) / plan.tokens_per_cta;
+  const dim3 threads(plan.units_per_head, plan.heads_per_pass, plan.tokens_per_cta);
+  const size_t table_bytes = kStyle == RopeStyle::kNone ? 0
+                                                        : sizeof(float2) * plan.tokens_per_cta *
+                                                              (params.rope.rotary_dim / 2);
+  fused_append_kv_kernel<kIn, kKv, kStyle, Tuning>
+      <<<static_cast<unsigned>(blocks), threads, table_bytes, stream>>>(params);
   check_launch("fused_append_kv_kernel");
 }
 
@@ -316,10 +405,45 @@ void launch_fused_append_kv_style(const AppendKvParams& params, cudaStream_t str
   }
 }
 
+// GPU-round A/B only (removed before the merge): NeoX kernels with other tunings.
+template <DType kIn, DType kKv>
+bool launch_fused_append_kv_experiment(const AppendKvParams& params, cudaStream_t stream) {
+  if (params.rope.style != RopeStyle::kGptNeox) return false;
+  constexpr RopeStyle kNeox = RopeStyle::kGptNeox;
+  switch (params.plan.experiment) {
+    case 2:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<2, false>>(params, stream);
+      return true;
+    case 3:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<3, false>>(params, stream);
+      return true;
+    case 6:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, false>>(params, stream);
+      return true;
+    case 102:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<2, true>>(params, stream);
+      return true;
+    case 104:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<4, true>>(params, stream);
+      return true;
+    default:
+      return false;
+  }
+}
+
 // The one place where the runtime cache dtype and RoPE style become template arguments.
 template <DType kIn>
 void launch_fused_append_kv(const AppendKvParams& params, cudaStream_t stream) {
   if (params.num_tokens == 0) return;
+  if (kIn == DType::kBF16 && params.plan.experiment != 0) {
+    bool done = false;
+    if (params.kv_dtype == kIn) done = launch_fused_append_kv_experiment<kIn, kIn>(params, stream);
+    if (params.kv_dtype == DType::kFp8E4M3)
+      done = launch_fused_append_kv_experiment<kIn, DType::kFp8E4M3>(params, stream);
+    if (params.kv_dtype == DType::kInt8)
+      done = launch_fused_append_kv_experiment<kIn, DType::kInt8>(params, stream);
+    if (done) return;
+  }
   // An unquantized cache has the dtype of the input (validate_append_kv), so three cache types
   // per input dtype.
   if (params.kv_dtype == kIn) return launch_fused_append_kv_style<kIn, kIn>(params, stream);

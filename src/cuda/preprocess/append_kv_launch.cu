@@ -1,4 +1,6 @@
 // append_kv on CUDA: the support query of the fused kernel, its launch, and the vanilla launch.
+#include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "core/check.h"
@@ -82,7 +84,44 @@ AppendKvParams make_append_kv_params(const AttentionSpec& spec, const AppendKvAr
   params.num_kv_heads = spec.num_kv_heads;
   params.head_dim = spec.head_dim;
   params.rope = detail::make_rope_params(spec);
+  if (params.rope.style != RopeStyle::kNone) {
+    const int32_t rotary_half = std::min(params.rope.rotary_dim / 2, kAppendKvMaxRotaryHalf);
+    for (int32_t i = 0; i < rotary_half; ++i) {
+      params.inv_freq[i] = detail::rope_inv_freq<double>(params.rope, i);
+    }
+  }
   return params;
+}
+
+void plan_fused_append_kv(AppendKvParams& params, int32_t target_threads) {
+  constexpr int32_t kVec = 8;
+  constexpr int32_t kMaxTableBytes = 16 * 1024;
+  FusedAppendKvPlan& plan = params.plan;
+  const bool neox = params.rope.style == RopeStyle::kGptNeox;
+  const int32_t rotary_half =
+      params.rope.style == RopeStyle::kNone ? 0 : params.rope.rotary_dim / 2;
+  plan.paired_units = neox ? rotary_half / kVec : 0;
+  plan.units_per_head = neox ? plan.paired_units + (params.head_dim - 2 * rotary_half) / kVec
+                             : params.head_dim / kVec;
+  // Heads per pass: as many as fit target_threads, then evened out over the passes so that no
+  // pass runs with idle threads (48 heads of 8 units at 256 threads: 2 passes of 24 heads).
+  const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
+  const int32_t fit = std::clamp(target_threads / plan.units_per_head, 1, total_heads);
+  const int32_t passes = (total_heads + fit - 1) / fit;
+  plan.heads_per_pass = (total_heads + passes - 1) / passes;
+  // Small tokens (few heads) share a CTA, each with its own cos/sin table.
+  const int32_t per_token = plan.units_per_head * plan.heads_per_pass;
+  int32_t tokens = std::max(1, target_threads / per_token);
+  if (rotary_half > 0) {
+    tokens =
+        std::min(tokens, kMaxTableBytes / (rotary_half * static_cast<int32_t>(sizeof(float2))));
+  }
+  tokens = std::min<int64_t>({tokens, 64, std::max<int64_t>(params.num_tokens, 1)});
+  plan.tokens_per_cta = std::max(tokens, 1);
+  plan.page_shift = 0;
+  if (params.layout.block_table != nullptr) {
+    while ((1 << plan.page_shift) < params.layout.tokens_per_block) ++plan.page_shift;
+  }
 }
 
 std::string fused_append_kv_unsupported(const AttentionSpec& spec,
@@ -122,11 +161,29 @@ void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
                   "append_kv: backend 'fused' cannot serve this call: ", misaligned);
     return launch_vanilla_append_kv(params, as_cuda_stream(stream));
   }
+  AppendKvParams planned = params;
+  int32_t target_threads = 256;
+  // A/B switch for the GPU round only (removed before the merge).
+  // "<threads>[x<steps>][s]": CTA target, loads in flight per thread, evict-first accesses.
+  int32_t experiment_code = 0;
+  if (const char* experiment = std::getenv("ATTNKIT_EXPERIMENT_APPEND")) {
+    const std::string text = experiment;
+    target_threads = std::clamp(std::atoi(text.c_str()), 32, 512);
+    const size_t x = text.find('x');
+    const int32_t steps = x == std::string::npos ? 0 : std::atoi(text.c_str() + x + 1);
+    const bool streaming = !text.empty() && text.back() == 's';
+    if (streaming)
+      experiment_code = 100 + (steps == 0 ? 4 : steps);
+    else if (steps != 0 && steps != 4)
+      experiment_code = steps;
+  }
+  plan_fused_append_kv(planned, target_threads);
+  planned.plan.experiment = experiment_code;
   if (p.dtype == DType::kBF16)
-    return launch_fused_append_kv<DType::kBF16>(params, as_cuda_stream(stream));
+    return launch_fused_append_kv<DType::kBF16>(planned, as_cuda_stream(stream));
 #if !defined(ATTNKIT_KERNEL_SUBSET)
   if (p.dtype == DType::kF16)
-    return launch_fused_append_kv<DType::kF16>(params, as_cuda_stream(stream));
+    return launch_fused_append_kv<DType::kF16>(planned, as_cuda_stream(stream));
 #endif
   detail::fail("append_kv: backend 'fused' cannot serve this call: ",
                fused_append_kv_unsupported(spec, p));

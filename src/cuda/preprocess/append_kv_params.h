@@ -13,6 +13,21 @@
 
 namespace attnkit::cuda {
 
+// rotary_dim / 2 for head_dim <= 512: the size of the inverse-frequency table.
+inline constexpr int kAppendKvMaxRotaryHalf = 256;
+
+// Launch shape of the fused kernel (plan_fused_append_kv): a CTA is units_per_head x
+// heads_per_pass x tokens_per_cta threads; thread (w, y, z) moves vector unit w of heads
+// y, y + heads_per_pass, ... of token blockIdx.x * tokens_per_cta + z.
+struct FusedAppendKvPlan {
+  int32_t units_per_head = 0;  // NeoX: paired units, then pass-through vectors; else D / 8
+  int32_t paired_units = 0;    // NeoX: rotary_dim / 16 units of two vectors (d, d + rotary/2)
+  int32_t heads_per_pass = 0;
+  int32_t tokens_per_cta = 0;
+  int32_t page_shift = 0;  // paged cache: tokens_per_block == 1 << page_shift
+  int32_t experiment = 0;  // GPU-round A/B only: another tuning of the NeoX kernel
+};
+
 struct AppendKvParams {
   // Inputs, element offset token * stride_token + head * stride_head + d. With a fused qkv
   // tensor the three point into it (K after Hq heads, V after Hq + Hkv heads).
@@ -40,10 +55,17 @@ struct AppendKvParams {
   int64_t num_tokens;
   int32_t num_q_heads, num_kv_heads, head_dim;
   detail::RopeParams rope;
+  // Scaled inverse frequencies of the rotary pairs, computed on the host in double exactly like
+  // the reference (rope_inv_freq<double>), so the kernel never evaluates pow.
+  double inv_freq[kAppendKvMaxRotaryHalf];
+  FusedAppendKvPlan plan;
 };
 
 AppendKvParams make_append_kv_params(const AttentionSpec& spec, const AppendKvArgs& args,
                                      const detail::AppendKvProblem& p);
+
+// Fills params.plan for the fused kernel; target_threads is the CTA size it aims at.
+void plan_fused_append_kv(AppendKvParams& params, int32_t target_threads);
 
 void launch_vanilla_append_kv(const AppendKvParams& params, cudaStream_t stream);
 
