@@ -49,8 +49,8 @@ SUITE_INFO = {
     "decode": dict(
         keys=("batch", "context", "q_heads", "kv_heads", "head_dim", "page", "kv_dtype"),
         titles=("batch", "context", "Hq", "Hkv", "D", "page", "kv"),
-        metric="tbps", unit="TB/s", panel=("head_dim",), x=("batch", "context", "kv_heads",
-                                                            "kv_dtype", "page"),
+        metric="tbps", unit="TB/s", panel=("head_dim",), plot="bar",
+        x=("batch", "context", "kv_heads", "kv_dtype", "page"),
         what="paged decode: KV bytes read / time (peers on dense KV of the same shape, bf16)"),
     "prefill": dict(
         keys=("head_dim", "seqlen", "batch", "q_heads", "kv_heads", "causal", "page", "kv_dtype"),
@@ -66,7 +66,7 @@ SUITE_INFO = {
     "append": dict(
         keys=("tokens", "q_heads", "kv_heads", "head_dim", "page", "kv_dtype"),
         titles=("tokens", "Hq", "Hkv", "D", "page", "kv"),
-        metric="tbps", unit="TB/s", panel=("head_dim",), x=("tokens", "kv_dtype"),
+        metric="tbps", unit="TB/s", panel=("head_dim",), x=("tokens", "kv_dtype"), plot="bar",
         what="append_kv: QKV read + rotated Q written + K/V written (cache dtype) / time; the "
              "peer copies the same bytes"),
 }
@@ -275,6 +275,13 @@ def cli_shape_args(suite: str, shape: dict, quick: bool = False) -> list:
     return args
 
 
+def _first_error_line(text: str) -> str:
+    """The line of a failed run that says why (CLI11 ends with "Run with --help ...")."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Run with --help")] or lines
+    return lines[0][:200] if lines else "no output"
+
+
 def run_attnkit(cli: str, suite: str, extra: list, timeout: float = 600) -> dict:
     """Runs `attnkit bench <suite> <extra> --json FILE` (then the old `--json` flag) and returns
     load_attnkit_json's dict, or {"rows": [], "error": why}."""
@@ -300,9 +307,8 @@ def run_attnkit(cli: str, suite: str, extra: list, timeout: float = 600) -> dict
                 except (OSError, ValueError) as error:
                     errors.append(f"{shlex.join(cmd)}: unreadable JSON ({error})")
                     continue
-            tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
             errors.append(f"{shlex.join(cmd)}: rc={proc.returncode}: "
-                          f"{tail[-1] if tail else 'no output'}")
+                          f"{_first_error_line(proc.stderr or proc.stdout)}")
         return dict(rows=[], error=" | ".join(errors))
 
 
@@ -328,8 +334,10 @@ def attnkit_rows(cli: str, suite: str, shapes: list, quick: bool = False, log=pr
         meta = {k: v for k, v in result.items() if k != "rows"} or meta
         got = [r for r in result["rows"] if same_shape(suite, shape, r)] or result["rows"]
         rows += got
-        log(f"  attnkit {suite} {shape_label(suite, shape)}: "
-            + ", ".join(f"{r.get(SUITE_INFO[suite]['metric'])}" for r in got))
+        metric = SUITE_INFO[suite]["metric"]
+        log(f"  {'attnkit':<15} {shape_label(suite, shape)}: " + ", ".join(
+            f"{r['impl']} {r[metric]:.3f}" if r.get(metric) is not None
+            else f"{r['impl']} {r.get('note', '-')}" for r in got))
     if failed and len(failed) == len(shapes):
         result = run_attnkit(cli, suite, [])
         if result.get("error"):
@@ -511,12 +519,20 @@ def write_plots(results: dict, out_dir: str, log=print) -> list:
         fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 4), squeeze=False)
         for ax, (panel, members) in zip(axes[0], panels.items()):
             labels = ["/".join(_cell(s.get(k)) for k in info["x"]) for s, _ in members]
+            series = []
             for impl in impls:
                 ys = [c[impl].get(info["metric"]) if impl in c else None for _, c in members]
                 ys = [float("nan") if y is None else y for y in ys]
-                if all(math.isnan(y) for y in ys):
-                    continue
-                ax.plot(range(len(labels)), ys, marker="o", label=impl)
+                if not all(math.isnan(y) for y in ys):
+                    series.append((impl, ys))
+            # Shapes without an order (decode, append) as grouped bars; S sweeps as lines.
+            width = 0.8 / max(1, len(series))
+            for n, (impl, ys) in enumerate(series):
+                if info.get("plot") == "bar":
+                    ax.bar([i - 0.4 + width * (n + 0.5) for i in range(len(labels))], ys, width,
+                           label=impl)
+                else:
+                    ax.plot(range(len(labels)), ys, marker="o", label=impl)
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
             ax.set_title(", ".join(f"{k}={_cell(v)}" for k, v in zip(info["panel"], panel)),
@@ -536,13 +552,14 @@ def write_plots(results: dict, out_dir: str, log=print) -> list:
     return written
 
 
-def write_outputs(results: dict, out_dir: str, log=print) -> None:
+def write_outputs(results: dict, out_dir: str, log=print, plots: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "peers.md"), "w") as f:
         f.write(render_markdown(results))
-    write_plots(results, out_dir, log=log)
+    if plots:
+        write_plots(results, out_dir, log=log)
 
 
 def merge_meta(results: dict, meta: dict) -> None:
@@ -709,9 +726,6 @@ class Peers:
                  + (f"{value:.3f} {SUITE_INFO[suite]['unit']}" if value is not None
                     else row.get("note", "")) + f"  ({time.monotonic() - began:.1f}s)")
         return row
-
-    def run_suite(self, suite: str, shapes: list) -> list:
-        return [row for shape in shapes for row in getattr(self, f"suite_{suite}")(shape)]
 
     def suite_decode(self, s: dict) -> list:
         torch = self.torch
@@ -895,8 +909,11 @@ def main(argv=None) -> int:
             merge_meta(results, meta)
             for note in notes:
                 print("  " + note, flush=True)
-        results["rows"] += peers.run_suite(suite, shapes)
-        write_outputs(results, args.out)  # after every suite: a timeout keeps what was measured
+        for shape in shapes:
+            results["rows"] += getattr(peers, f"suite_{suite}")(shape)
+            # A run stopped by a time limit keeps what it measured.
+            write_outputs(results, args.out, plots=False)
+        write_outputs(results, args.out)
     results["elapsed_s"] = round(time.monotonic() - start, 1)
     write_outputs(results, args.out)
     print(render_markdown(results))

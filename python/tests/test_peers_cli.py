@@ -286,3 +286,19 @@ def test_render_writes_markdown_without_torch(peers, tmp_path, rng):
     assert f"| {tflops:.0f} | {tflops * 2:.0f} | 0.50 (sdpa-cudnn) |" in md
     assert "(no dense rows)" in md
     assert json.loads((out / "results.json").read_text())["rows"][0]["tflops"] == tflops
+
+
+def test_plots_one_png_per_suite(peers, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(peers.decode_shape(64, 4096), suite="decode", impl="attnkit", tbps=3.9),
+            dict(peers.decode_shape(64, 4096), suite="decode", impl="sdpa-cudnn", page=None,
+                 tbps=4.4),
+            dict(peers.prefill_shape(128, 2048, True), suite="prefill", impl="attnkit",
+                 tflops=250.0),
+            dict(peers.prefill_shape(128, 8192, True), suite="prefill", impl="flex",
+                 note="compile failed")]
+    results = dict(suites=["decode", "prefill", "dense"], rows=rows, device={}, date="today")
+    written = peers.write_plots(results, str(tmp_path), log=lambda *a: None)
+    assert sorted(os.path.basename(p) for p in written) == ["decode.png", "prefill.png"]
+    for path in written:
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -253,9 +253,12 @@ const AppendCase kCases[] = {
      RopeScaling::kNone, true, true, false, AppendCase::kCyclic, 4, 2, 80, 8},
     {"neox rd24 (vanilla-only) bf16", DType::kBF16, DType::kBF16, RopeStyle::kGptNeox, 24,
      RopeScaling::kNone, false, true, false, AppendCase::kPaged, 2, 2, 64, 16},
-    // 168 heads: more head passes per thread than loads in flight (the fused kernel's chunk loop).
-    {"neox 120/24 heads fp8/head bias", DType::kBF16, DType::kFp8E4M3, RopeStyle::kGptNeox, 0,
-     RopeScaling::kNone, true, true, true, AppendCase::kPaged, 120, 24, 128, 32},
+    // 64 heads of 64 units: more head passes per thread than loads in flight (the fused
+    // kernel's second round of loads).
+    {"gptj d512 64 heads fp8/head bias", DType::kBF16, DType::kFp8E4M3, RopeStyle::kGptJ, 0,
+     RopeScaling::kNone, true, true, true, AppendCase::kPaged, 48, 8, 512, 16},
+    {"neox 120/24 heads int8/tensor", DType::kBF16, DType::kInt8, RopeStyle::kGptNeox, 0,
+     RopeScaling::kNone, false, true, false, AppendCase::kPaged, 120, 24, 128, 32},
     // Positions near 2^20: the angle and its reduction must stay exact far out.
     {"gptj far positions int8 cyclic", DType::kBF16, DType::kInt8, RopeStyle::kGptJ, 0,
      RopeScaling::kNone, true, true, false, AppendCase::kCyclic, 4, 2, 128, 16, 1 << 20},
@@ -336,6 +339,82 @@ TEST(AppendKv, RejectsBadInputWithoutWriting) {
   OracleKvCache after = cache;
   dcache.download_pool(after);
   for (double x : after.pool().to_double()) ASSERT_TRUE(std::isnan(x)) << "cache written";
+}
+
+// The fused kernel at a serving-size batch (4096 tokens, 32/8 heads, bias, every cache dtype with
+// per-head scales) against the vanilla GPU kernel, which computes like the reference: many CTAs,
+// every head pass and every page of the block table. bf16 only: its ulp floor (2^-21) keeps the
+// float rotation's ~1e-7 error within a unit even on near-cancelling outputs.
+TEST(AppendKv, FusedMatchesVanillaAtServingSize) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 4);
+  constexpr int32_t kHq = 32, kHkv = 8, kDim = 128, kPage = 64, kRows = 8, kBlocksPerRow = 8;
+  const int64_t per_row = int64_t{kBlocksPerRow} * kPage, n = kRows * per_row;
+  AttentionSpec spec;
+  spec.num_q_heads = kHq;
+  spec.num_kv_heads = kHkv;
+  spec.head_dim = kDim;
+  spec.rope.style = RopeStyle::kGptNeox;
+  spec.rope.scaling = RopeScaling::kLlama3;
+  spec.rope.base = 500000.0;
+  const int64_t width = int64_t{kHq + 2 * kHkv} * kDim;
+  HostTensor qkv(DType::kBF16, {n, width});
+  qkv.fill_uniform(rng, -2.0f, 2.0f);
+  HostTensor bias(DType::kBF16, {width});
+  bias.fill_uniform(rng, -0.5f, 0.5f);
+  std::vector<int32_t> positions, rows;
+  for (int32_t r = 0; r < kRows; ++r) {
+    for (int64_t i = 0; i < per_row; ++i) {
+      positions.push_back(static_cast<int32_t>(i));
+      rows.push_back(r);
+    }
+  }
+  std::vector<size_t> order(positions.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int32_t> pos_shuffled, row_shuffled;
+  for (size_t i : order) {
+    pos_shuffled.push_back(positions[i]);
+    row_shuffled.push_back(rows[i]);
+  }
+  DeviceTensor dqkv(qkv), dbias(bias), dpos(int32_tensor(pos_shuffled)),
+      drow(int32_tensor(row_shuffled));
+  const HostTensor q_poison = poisoned(DType::kBF16, {n, kHq, kDim});
+  for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
+    SCOPED_TRACE(dtype_name(kv));
+    OracleKvCache cache = OracleKvCache::paged(kv, kHkv, kDim, kPage, kRows, kBlocksPerRow, rng);
+    fill_cache_random(cache, kv, kHkv, /*per_head=*/kv != DType::kBF16, rng);
+    cache.pool().fill(kv == DType::kInt8 ? 127.0f : NAN);
+    HostTensor q_out[2];
+    OracleKvCache written[2] = {cache, cache};
+    const Backend backends[2] = {Backend::kFused, Backend::kVanilla};
+    for (int b = 0; b < 2; ++b) {
+      DeviceKvCache dcache(cache);
+      DeviceTensor dqout(q_poison);
+      AppendKvArgs args;
+      args.qkv = dqkv;
+      args.qkv_bias = dbias;
+      args.positions = dpos;
+      args.row_of_token = drow;
+      args.kv_cache = dcache.view();
+      args.q_out = dqout;
+      spec.backend = backends[b];
+      ASSERT_NO_THROW(append_kv(spec, args));
+      ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+      dcache.download_pool(written[b]);
+      q_out[b] = downloaded(dqout, q_poison);
+    }
+    const UnitsReport q_report = compare_bytes(DType::kBF16, q_out[0], q_out[1]);
+    const UnitsReport cache_report = compare_bytes(kv, written[0].pool(), written[1].pool());
+    EXPECT_LE(q_report.max_units, 1.0) << "rotated Q, fused vs vanilla";
+    EXPECT_LE(cache_report.max_units, 1.0) << "cache, fused vs vanilla";
+    EXPECT_FALSE(any_nan(q_out[0].to_double())) << "q_out not fully written";
+    std::printf("[append_kv] serving size %s: q_out %lld/%lld differ, cache %lld/%lld differ\n",
+                dtype_name(kv), static_cast<long long>(q_report.differing),
+                static_cast<long long>(q_report.total),
+                static_cast<long long>(cache_report.differing),
+                static_cast<long long>(cache_report.total));
+  }
 }
 
 // Bandwidth of the fused kernel at large token counts (bytes read + written / time) against a

@@ -74,21 +74,20 @@ DecodeKernelInfo info_traits() {
 // Calls f.template operator()<Traits>() for the tile configuration of `choice`.
 template <int kHeadDim, typename QTag, typename Kv, typename R, typename F>
 R with_config(DecodeKernelChoice choice, F&& f) {
-  if (choice.m_blocks == 2) return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 2>>();
   if constexpr (kHeadDim == 128 && std::is_same_v<QTag, Bf16Tag>) {
-    // Tuning experiments (ATTNKIT_EXPERIMENT_DECODE, removed once measured).
-    switch (choice.variant) {
-      case 1:
-        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1, 1>>();
-      case 2:
-        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1, 2>>();
-      case 3:
-        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1, 3>>();
-      default:
-        break;
+    // Tuning experiment (ATTNKIT_EXPERIMENT_DECODE, removed once measured).
+    if (choice.variant == kDecodeVariantThreeCtasPerSm) {
+      if (choice.heads_per_cta == 8)
+        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 8, 1>>();
+      if (choice.heads_per_cta == 16)
+        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 16, 1>>();
     }
   }
-  return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 1>>();
+  if (choice.heads_per_cta == 32)
+    return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 32>>();
+  if (choice.heads_per_cta == 8)
+    return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 8>>();
+  return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 16>>();
 }
 
 // Calls f.template operator()<Traits>() for the (query type, cache type) pair.

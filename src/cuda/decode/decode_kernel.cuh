@@ -67,24 +67,30 @@ struct KvInt8 {
   }
 };
 
-// Shared memory of sm_90 (H100/H200): 228 KB per SM, at most 227 KB per CTA, 1 KB reserved per
-// CTA. The tile configuration sizes its pipeline for one or two CTAs per SM from these.
+// Shared memory of sm_90 (H100/H200): 228 KB per SM, 1 KB reserved per CTA. The tile
+// configuration sizes its pipeline for two (or three) CTAs per SM from it.
 constexpr int kDecodeSmemPerSm = 228 * 1024;
-constexpr int kDecodeSmemPerCtaMax = 227 * 1024;
 
-// Compile-time configuration. kMBlocks: 16-row M blocks per CTA (2 serves GQA groups of up to
-// 32 query heads, e.g. MQA 32/1, with one read of K/V); the warps form kMBlocks groups of four
-// that share every tile. kVariant: tuning bits (kDecodeVariant*).
-template <int kHeadDim_, typename QTag_, typename Kv_, int kMBlocks_ = 1, int kVariant_ = 0>
+// Compile-time configuration. kHeadsPerCta: query heads of one KV-head group that a CTA serves.
+// 8: the keys are the MMA rows and the heads its n8 columns (S^T = K Q^T, O^T = V^T P^T), half
+// the MMAs of a 16-row tile for groups of up to 8 heads. 16: the heads are the 16 MMA rows. 32:
+// two 16-row M blocks (MQA 32/1 reads K/V once); the warps form two groups of four that share
+// every tile. kVariant: tuning bits (kDecodeVariant*).
+template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kVariant_ = 0>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
   using Kv = Kv_;
-  static constexpr int kMBlocks = kMBlocks_;
+  static constexpr int kM = kHeadsPerCta_;  // query heads (rows) per CTA
+  static_assert(kM == 8 || kM == 16 || kM == 32);
+  static constexpr bool kKeysAsRows = kM == 8;
+  static constexpr int kMBlocks = kM == 32 ? 2 : 1;
+  // Accumulator tiles of O per warp: n8 tiles of d (heads as rows) or m16 tiles of d.
+  static constexpr int kAccTiles = kKeysAsRows ? kHeadDim_ / 16 : kHeadDim_ / 8;
   static constexpr int kVariant = kVariant_;
-  static constexpr bool kOneCtaPerSm = (kVariant & kDecodeVariantOneCtaPerSm) != 0;
-  static constexpr bool kL2Prefetch = (kVariant & kDecodeVariantL2Prefetch) != 0;
-  static constexpr int kM = kMBlocks * kDecodeHeadsPerCta;  // query heads (rows) per CTA
+  // CTAs per SM that the pipeline is sized for: more CTAs hide more of each warp's latency, more
+  // stages keep more bytes in flight per CTA.
+  static constexpr int kTargetCtasPerSm = (kVariant & kDecodeVariantThreeCtasPerSm) ? 3 : 2;
   static constexpr int kKeyWarps = 4;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
@@ -112,12 +118,10 @@ struct DecodeTraits {
   static constexpr int kStageHalfBytes =
       k8Bit ? kTileN * kRawRowBytes : kTileN * kRowBytes;  // K (or V) of one stage
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
-  // As many stages as fit next to a second CTA on the SM (or alone on it), so that the loads in
-  // flight cover the memory latency.
-  static constexpr int kCtaBudget =
-      kOneCtaPerSm ? kDecodeSmemPerCtaMax : kDecodeSmemPerSm / 2 - 1024;
+  // As many stages as fit next to the other CTAs of the SM.
+  static constexpr int kCtaBudget = kDecodeSmemPerSm / kTargetCtasPerSm - 1024;
   static constexpr int kStagesFit = (kCtaBudget - kQBytes) / kStageBytes;
-  static constexpr int kMaxStages = kOneCtaPerSm ? 8 : 6;
+  static constexpr int kMaxStages = 6;
   static constexpr int kStages =
       kStagesFit < 2 ? 2 : (kStagesFit > kMaxStages ? kMaxStages : kStagesFit);
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
@@ -128,7 +132,9 @@ struct DecodeTraits {
   static constexpr int kPipelineBytes =
       std::max({kStages * kStageBytes, kMergeBytes, kCombineBytes});
   static constexpr int kSmemBytes = kQBytes + kPipelineBytes;
-  static constexpr int kMinCtasPerSm = 2 * (kSmemBytes + 1024) <= kDecodeSmemPerSm ? 2 : 1;
+  static constexpr int kMinCtasPerSm = 3 * (kSmemBytes + 1024) <= kDecodeSmemPerSm
+                                           ? 3
+                                           : (2 * (kSmemBytes + 1024) <= kDecodeSmemPerSm ? 2 : 1);
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
   static_assert(kTileN % kWarps == 0 && 32 % kCopyKeysPerWarp == 0);
 };
@@ -166,17 +172,17 @@ struct DecodeKeyRange {
   }
 };
 
-// cp.async of 16 bytes (zero-filled when !valid), optionally asking the L2 for the whole 256-byte
-// line so that DRAM serves it in one burst.
-template <bool kL2Prefetch>
-__device__ __forceinline__ void decode_cp_async_16(uint32_t smem_addr, const void* src,
-                                                   bool valid) {
-  if constexpr (kL2Prefetch) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
-                 "l"(src), "r"(valid ? 16 : 0));
-  } else {
-    cp_async_16(smem_addr, src, valid);
-  }
+// cp.async of 16 bytes that are all valid (no zero fill).
+__device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
+}
+
+// Transposes an 8x8 matrix of 16-bit elements held in the MMA accumulator layout (lane (g, t):
+// row g, columns 2t, 2t + 1), giving lane (g, t) row g of the transpose.
+__device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
@@ -244,28 +250,41 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   }
   __syncthreads();
   constexpr int kVecs = kD / 4;
+  // Each thread owns up to kItems (head, 4-d) outputs; the split loop reads them all at once so
+  // that many independent L2 reads are in flight.
+  constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
   const int64_t split_stride_vecs = split_stride * kVecs;
-  for (int i = threadIdx.x; i < heads_here * kVecs; i += Traits::kThreads) {
-    const int r = i / kVecs, c = i % kVecs;
-    const float4* src =
-        reinterpret_cast<const float4*>(p.partial_out) + (first_item + r) * kVecs + c;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // Unrolled so that many independent L2 reads are in flight.
-#pragma unroll 16
-    for (int s = 0; s < num_splits; ++s) {
-      const float w = weight[r * num_splits + s];
-      const float4 v = __ldcg(src + s * split_stride_vecs);
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
+  const float4* partial = reinterpret_cast<const float4*>(p.partial_out) + first_item * kVecs;
+  float4 acc[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 2
+  for (int s = 0; s < num_splits; ++s) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * Traits::kThreads;
+      if (i < heads_here * kVecs) {
+        const float w = weight[(i / kVecs) * num_splits + s];
+        const float4 v = __ldcg(partial + s * split_stride_vecs + i);
+        acc[j].x += w * v.x;
+        acc[j].y += w * v.y;
+        acc[j].z += w * v.z;
+        acc[j].w += w * v.w;
+      }
     }
-    QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
-              (first_head + r) * p.out_head_stride + 4 * c;
-    out[0] = QT(acc.x);
-    out[1] = QT(acc.y);
-    out[2] = QT(acc.z);
-    out[3] = QT(acc.w);
+  }
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int i = threadIdx.x + j * Traits::kThreads;
+    if (i < heads_here * kVecs) {
+      const int r = i / kVecs, c = i % kVecs;
+      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
+                (first_head + r) * p.out_head_stride + 4 * c;
+      out[0] = QT(acc[j].x);
+      out[1] = QT(acc[j].y);
+      out[2] = QT(acc[j].z);
+      out[3] = QT(acc[j].w);
+    }
   }
 }
 
@@ -343,10 +362,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // through KvLayout), or -1 past the split. copy_tile(): the copy lanes fetch the offsets by
   // shuffle so that consecutive lanes copy consecutive 16 bytes. The main loop computes the
   // offsets one tile ahead, so that the block-table latency overlaps the math.
+  // The common paged cache (no beams, not cyclic) takes a short path: one table read and one
+  // multiply per key, with the per-CTA terms hoisted.
+  const bool plain_paged =
+      p.kv.block_table != nullptr && p.cache_indirection == nullptr && p.kv.window_slots == 0;
+  const int32_t* table_row =
+      plain_paged ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
+  const int64_t head_bytes =
+      static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * (Traits::kChunksPerToken * 16);
+  const int32_t page_mask = (1 << p.page_shift) - 1;
   auto key_offset = [&](int tile) -> int64_t {
     const int32_t key = key_begin + tile * kTileN + warp * kCopyKeys + lane;
     if (lane >= kCopyKeys || key >= key_end) return -1;
     const int32_t pos = keys.position(key);
+    if (plain_paged) {
+      return static_cast<int64_t>(table_row[pos >> p.page_shift]) * p.kv.block_stride_bytes +
+             head_bytes + (pos & page_mask) * (Traits::kChunksPerToken * 16);
+    }
     int64_t src_row = row;
     if (p.cache_indirection != nullptr) {
       const int32_t src_beam =
@@ -361,6 +393,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     uint8_t* v_dst = k_dst + Traits::kStageHalfBytes;
     constexpr int kDstRowBytes = Traits::k8Bit ? Traits::kRawRowBytes : Traits::kRowBytes;
     constexpr int kChunks = kCopyKeys * Traits::kChunksPerToken;
+    constexpr int kTokenBytes = Traits::kChunksPerToken * 16;
+    // Fast path (warp-uniform): the warp's keys are consecutive tokens of one page run (the usual
+    // case), so its copy is one linear run of kChunks 16-byte pieces from the first key.
+    const int64_t first = __shfl_sync(0xffffffffu, my_offset, 0);
+    if (__all_sync(0xffffffffu, lane >= kCopyKeys ||
+                                    (my_offset >= 0 && my_offset == first + lane * kTokenBytes))) {
+      constexpr int kCpt = Traits::kChunksPerToken;
+      const uint8_t* k_src = p.kv.k_base + first + lane * 16;
+      const uint8_t* v_src = p.kv.v_base + first + lane * 16;
+      // This lane's destination for base = 0; the per-iteration part is a constant when the
+      // pieces of a token divide (or are a multiple of) the 32 lanes.
+      const uint32_t k_lane =
+          smem_u32(k_dst) + warp * kCopyKeys * kDstRowBytes +
+          (32 % kCpt == 0 ? (lane / kCpt) * kDstRowBytes + (lane % kCpt) * 16 : lane * 16);
+      const uint32_t v_lane = k_lane + Traits::kStageHalfBytes;
+#pragma unroll
+      for (int base = 0; base < kChunks; base += 32) {
+        const int c = base + lane;
+        if (c < kChunks) {
+          int dst;
+          if constexpr (32 % kCpt == 0) {
+            dst = (base / kCpt) * kDstRowBytes;
+          } else if constexpr (kCpt % 32 == 0) {
+            dst = (base / kCpt) * kDstRowBytes + (base % kCpt) * 16;
+          } else {
+            dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
+          }
+          decode_cp_async_16_full(k_lane + dst, k_src + base * 16);
+          decode_cp_async_16_full(v_lane + dst, v_src + base * 16);
+        }
+      }
+      return;
+    }
     // Every lane runs every iteration: the shuffles need the whole warp.
 #pragma unroll
     for (int base = 0; base < kChunks; base += 32) {
@@ -372,10 +437,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const int64_t offset = key_offset + part * 16;
       if (c < kChunks) {
         const int dst = (warp * kCopyKeys + token) * kDstRowBytes + part * 16;
-        decode_cp_async_16<Traits::kL2Prefetch>(smem_u32(k_dst + dst),
-                                                valid ? p.kv.k_base + offset : p.kv.k_base, valid);
-        decode_cp_async_16<Traits::kL2Prefetch>(smem_u32(v_dst + dst),
-                                                valid ? p.kv.v_base + offset : p.kv.v_base, valid);
+        cp_async_16(smem_u32(k_dst + dst), valid ? p.kv.k_base + offset : p.kv.k_base, valid);
+        cp_async_16(smem_u32(v_dst + dst), valid ? p.kv.v_base + offset : p.kv.v_base, valid);
       }
     }
   };
@@ -384,18 +447,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
   const float qk_scale = p.softmax_scale * k_scale;
   const int g = lane / 4, t = lane % 4;
-  // This warp's two rows (g, g + 8 of its M block) as heads of the CTA.
-  const int warp_row0 = m_block * kMB + g;
+  // This thread's two heads (as CTA rows): g and g + 8 of its M block, or 2t and 2t + 1 when the
+  // keys are the MMA rows.
+  const int head0 = Traits::kKeysAsRows ? 2 * t : m_block * kMB + g;
+  const int head1 = Traits::kKeysAsRows ? 2 * t + 1 : head0 + 8;
   float slope[2] = {0.0f, 0.0f};
   if constexpr (kLogits == DecodeLogits::kTransformed) {
-    slope[0] = warp_row0 < heads_here ? p.alibi_slopes[first_head + warp_row0] : 0.0f;
-    slope[1] = warp_row0 + 8 < heads_here ? p.alibi_slopes[first_head + warp_row0 + 8] : 0.0f;
+    slope[0] = head0 < heads_here ? p.alibi_slopes[first_head + head0] : 0.0f;
+    slope[1] = head1 < heads_here ? p.alibi_slopes[first_head + head1] : 0.0f;
+  }
+  // Keys as rows: Q is the B operand of every tile; its fragments stay in registers.
+  uint32_t q_frag[Traits::kKeysAsRows ? kD / 16 : 1][2];
+  if constexpr (Traits::kKeysAsRows) {
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; kk += 2) {
+      // Matrices: heads 0-7 x d 16kk..+7, +8..15, 16(kk+1).., +8.. (for D = 80 the last pair
+      // reads padding that is not used).
+      uint32_t r[4];
+      ldmatrix_x4(r, smem_u32(q_smem + (lane % 8) * kRowStride + (kk + lane / 16) * 16 +
+                              ((lane / 8) % 2) * 8));
+      q_frag[kk][0] = r[0];
+      q_frag[kk][1] = r[1];
+      if (kk + 1 < kD / 16) {
+        q_frag[kk + 1][0] = r[2];
+        q_frag[kk + 1][1] = r[3];
+      }
+    }
   }
 
-  float o[kD / 8][4];
+  float o[Traits::kAccTiles][4];
 #pragma unroll
-  for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // log2 domain
+  for (int n = 0; n < Traits::kAccTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // log2 domain, heads head0 / head1
   float l_run[2] = {0.0f, 0.0f};            // this thread's share of the row sums
 
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + kTileN - 1) / kTileN : 0;
@@ -418,138 +502,265 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       next_offset = key_offset(tile + kStages);
     }
     const int stage = tile % kStages;
-    // S = Q K^T for this warp's 16 keys: two n8 tiles.
-    float s[2][4] = {};
-    if constexpr (Traits::kDirect) {
-      const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
-                              key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+    if constexpr (Traits::kKeysAsRows) {
+      // S^T = K Q^T: lane (g, t) holds keys g, g + 8 x heads 2t, 2t + 1. Two accumulators halve
+      // the MMA dependency chain.
+      float s[4] = {}, s_odd[4] = {};
+      if constexpr (Traits::kDirect) {
+        const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
+                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; kk += 2) {
-        // Matrices: keys 0-7 / 8-15 of steps kk and kk + 1 (for D = 80 the last step's second
-        // half reads row padding and is not used).
-        uint32_t b[4];
-        ldmatrix_x4(b, smem_u32(k_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                                (kk + lane / 16) * 16));
+        for (int kk = 0; kk < kD / 16; kk += 2) {
+          uint32_t x[4];
+          ldmatrix_x4(x,
+                      smem_u32(k_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                               (kk + lane / 16) * 16));
 #pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          if (kk + step < kD / 16) {
-            uint32_t a[4];
-            ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride +
-                                    (kk + step) * 16 + (lane / 16) * 8));
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              const uint32_t word = b[2 * step + n];
-              const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
-                                      Kv::template widen<MmaTag, 2, 3>(word)};
-              mma_m16n8k16<MmaTag>(s[n], a, bn);
+          for (int step = 0; step < 2; ++step) {
+            if (kk + step < kD / 16) {
+              const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
+              const uint32_t a[4] = {
+                  Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
+                  Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
+              if (step == 0) {
+                mma_m16n8k16<MmaTag>(s, a, q_frag[kk + step]);
+              } else {
+                mma_m16n8k16<MmaTag>(s_odd, a, q_frag[kk + step]);
+              }
             }
           }
         }
-      }
-    } else {
-      const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
-                         key_warp * Traits::kKeysPerWarp * kRowStride;
+      } else {
+        const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
+                           key_warp * Traits::kKeysPerWarp * kRowStride;
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t a[4], b[4];
-        ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride + kk * 16 +
-                                (lane / 16) * 8));
-        ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kRowStride + kk * 16 +
-                                ((lane / 8) % 2) * 8));
-        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_m16n8k16<MmaTag>(s[0], a, b0);
-        mma_m16n8k16<MmaTag>(s[1], a, b1);
-      }
-    }
-
-    const int32_t warp_key0 = key_begin + tile * kTileN + key_warp * Traits::kKeysPerWarp;
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t key = warp_key0 + n * 8 + 2 * t + (e & 1);
-        float x;
-        if constexpr (kLogits == DecodeLogits::kPlain) {
-          x = s[n][e] * (qk_scale * kLog2e);
-        } else {
-          x = s[n][e] * qk_scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          x += slope[e / 2] * static_cast<float>(keys.position(key) - q_pos);
-          x *= kLog2e;
-        }
-        s[n][e] = key < key_end ? x : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-      }
-    }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m_run[r], warp_max_quad(tile_max[r]));
-      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row stays at zero
-      alpha[r] = exp2f(m_run[r] - m_use[r]);
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-    }
-    uint32_t pa[4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const float p0 = exp2f(s[n][0] - m_use[0]), p1 = exp2f(s[n][1] - m_use[0]);
-      const float p2 = exp2f(s[n][2] - m_use[1]), p3 = exp2f(s[n][3] - m_use[1]);
-      l_run[0] += p0 + p1;
-      l_run[1] += p2 + p3;
-      pa[2 * n] = pack_pair<MmaTag>(p0, p1);
-      pa[2 * n + 1] = pack_pair<MmaTag>(p2, p3);
-    }
-    // Once the running maxima settle, alpha is 1 for every row of the warp: skip the kD / 2
-    // multiplies per thread (a warp-uniform branch; the result is bit-identical).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        o[n][0] *= alpha[0];
-        o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1];
-        o[n][3] *= alpha[1];
-      }
-    }
-    // O += P V: V rows are k-major, so the B fragments come from ldmatrix.trans.
-    if constexpr (Traits::kDirect) {
-      // On byte rows, .trans gives lane (g, t) the stored bytes V[2t][2g], V[2t][2g+1],
-      // V[2t+1][2g], V[2t+1][2g+1] of a 16-d chunk: bytes 0,2 feed the n8 tile of the even d's,
-      // bytes 1,3 the tile of the odd d's (the epilogue undoes this column order).
-      const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
-                              key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
-#pragma unroll
-      for (int cc = 0; cc < kD / 16; cc += 2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(
-            b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                        (cc + lane / 16) * 16));
-#pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          if (cc + step < kD / 16) {
-            const uint32_t lo = b[2 * step], hi = b[2 * step + 1];  // keys 0-7, keys 8-15
-            const uint32_t even[2] = {Kv::template widen<MmaTag, 0, 2>(lo),
-                                      Kv::template widen<MmaTag, 0, 2>(hi)};
-            const uint32_t odd[2] = {Kv::template widen<MmaTag, 1, 3>(lo),
-                                     Kv::template widen<MmaTag, 1, 3>(hi)};
-            mma_m16n8k16<MmaTag>(o[2 * (cc + step)], pa, even);
-            mma_m16n8k16<MmaTag>(o[2 * (cc + step) + 1], pa, odd);
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4(a, smem_u32(k_rows + (lane % 16) * kRowStride + kk * 16 + (lane / 16) * 8));
+          if (kk % 2 == 0) {
+            mma_m16n8k16<MmaTag>(s, a, q_frag[kk]);
+          } else {
+            mma_m16n8k16<MmaTag>(s_odd, a, q_frag[kk]);
           }
         }
       }
-    } else {
-      const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
-                                                     Traits::kStageHalfBytes) +
-                         key_warp * Traits::kKeysPerWarp * kRowStride;
+      const int32_t warp_key0 = key_begin + tile * kTileN + key_warp * Traits::kKeysPerWarp;
+      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int dd = 0; dd < kD / 16; ++dd) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kRowStride +
-                                      dd * 16 + (lane / 16) * 8));
-        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_m16n8k16<MmaTag>(o[2 * dd], pa, b0);
-        mma_m16n8k16<MmaTag>(o[2 * dd + 1], pa, b1);
+      for (int e = 0; e < 4; ++e) {
+        const int32_t key = warp_key0 + g + 8 * (e / 2);
+        float x = s[e] + s_odd[e];
+        if constexpr (kLogits == DecodeLogits::kPlain) {
+          x *= qk_scale * kLog2e;
+        } else {
+          x *= qk_scale;
+          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+          x += slope[e & 1] * static_cast<float>(keys.position(key) - q_pos);
+          x *= kLog2e;
+        }
+        s[e] = key < key_end ? x : -INFINITY;
+        tile_max[e & 1] = fmaxf(tile_max[e & 1], s[e]);
+      }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m_tile = tile_max[h];
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2)
+          m_tile = fmaxf(m_tile, __shfl_xor_sync(0xffffffffu, m_tile, offset));
+        const float m_new = fmaxf(m_run[h], m_tile);
+        m_use[h] = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked head stays at zero
+        alpha[h] = exp2f(m_run[h] - m_use[h]);
+        m_run[h] = m_new;
+        l_run[h] *= alpha[h];
+      }
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[e] - m_use[e & 1]);
+      l_run[0] += pr[0] + pr[2];
+      l_run[1] += pr[1] + pr[3];
+      // P^T as the B operand (k = key, n = head): transpose the two 8x8 key blocks.
+      const uint32_t pb[2] = {decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1])),
+                              decode_movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]))};
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int c = 0; c < Traits::kAccTiles; ++c) {
+          o[c][0] *= alpha[0];
+          o[c][1] *= alpha[1];
+          o[c][2] *= alpha[0];
+          o[c][3] *= alpha[1];
+        }
+      }
+      // O^T += V^T P^T: 16 d's per MMA (A from ldmatrix.trans of the V rows).
+      if constexpr (Traits::kDirect) {
+        // Byte rows through .trans: lane (g, t) gets V[2t][2g], V[2t][2g+1], V[2t+1][2g],
+        // V[2t+1][2g+1] of a 16-d chunk; MMA row g is d = 2g, row g + 8 is d = 2g + 1.
+        const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
+                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+#pragma unroll
+        for (int cc = 0; cc < kD / 16; cc += 2) {
+          uint32_t x[4];
+          ldmatrix_x4_trans(
+              x, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                          (cc + lane / 16) * 16));
+#pragma unroll
+          for (int step = 0; step < 2; ++step) {
+            if (cc + step < kD / 16) {
+              const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
+              const uint32_t a[4] = {
+                  Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
+                  Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
+              mma_m16n8k16<MmaTag>(o[cc + step], a, pb);
+            }
+          }
+        }
+      } else {
+        const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
+                                                       Traits::kStageHalfBytes) +
+                           key_warp * Traits::kKeysPerWarp * kRowStride;
+#pragma unroll
+        for (int c = 0; c < kD / 16; ++c) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, smem_u32(v_rows + ((lane / 16) * 8 + lane % 8) * kRowStride +
+                                        c * 16 + ((lane / 8) % 2) * 8));
+          mma_m16n8k16<MmaTag>(o[c], a, pb);
+        }
+      }
+    } else {
+      // S = Q K^T for this warp's 16 keys: two n8 tiles.
+      float s[2][4] = {};
+      if constexpr (Traits::kDirect) {
+        const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
+                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; kk += 2) {
+          // Matrices: keys 0-7 / 8-15 of steps kk and kk + 1 (for D = 80 the last step's second
+          // half reads row padding and is not used).
+          uint32_t b[4];
+          ldmatrix_x4(b,
+                      smem_u32(k_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                               (kk + lane / 16) * 16));
+#pragma unroll
+          for (int step = 0; step < 2; ++step) {
+            if (kk + step < kD / 16) {
+              uint32_t a[4];
+              ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride +
+                                      (kk + step) * 16 + (lane / 16) * 8));
+#pragma unroll
+              for (int n = 0; n < 2; ++n) {
+                const uint32_t word = b[2 * step + n];
+                const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
+                                        Kv::template widen<MmaTag, 2, 3>(word)};
+                mma_m16n8k16<MmaTag>(s[n], a, bn);
+              }
+            }
+          }
+        }
+      } else {
+        const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
+                           key_warp * Traits::kKeysPerWarp * kRowStride;
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          uint32_t a[4], b[4];
+          ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride + kk * 16 +
+                                  (lane / 16) * 8));
+          ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kRowStride + kk * 16 +
+                                  ((lane / 8) % 2) * 8));
+          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          mma_m16n8k16<MmaTag>(s[0], a, b0);
+          mma_m16n8k16<MmaTag>(s[1], a, b1);
+        }
+      }
+
+      const int32_t warp_key0 = key_begin + tile * kTileN + key_warp * Traits::kKeysPerWarp;
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = warp_key0 + n * 8 + 2 * t + (e & 1);
+          float x;
+          if constexpr (kLogits == DecodeLogits::kPlain) {
+            x = s[n][e] * (qk_scale * kLog2e);
+          } else {
+            x = s[n][e] * qk_scale;
+            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+            x += slope[e / 2] * static_cast<float>(keys.position(key) - q_pos);
+            x *= kLog2e;
+          }
+          s[n][e] = key < key_end ? x : -INFINITY;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+        }
+      }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_run[r], warp_max_quad(tile_max[r]));
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row stays at zero
+        alpha[r] = exp2f(m_run[r] - m_use[r]);
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+      }
+      uint32_t pa[4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const float p0 = exp2f(s[n][0] - m_use[0]), p1 = exp2f(s[n][1] - m_use[0]);
+        const float p2 = exp2f(s[n][2] - m_use[1]), p3 = exp2f(s[n][3] - m_use[1]);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        pa[2 * n] = pack_pair<MmaTag>(p0, p1);
+        pa[2 * n + 1] = pack_pair<MmaTag>(p2, p3);
+      }
+      // Once the running maxima settle, alpha is 1 for every row of the warp: skip the kD / 2
+      // multiplies per thread (a warp-uniform branch; the result is bit-identical).
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          o[n][0] *= alpha[0];
+          o[n][1] *= alpha[0];
+          o[n][2] *= alpha[1];
+          o[n][3] *= alpha[1];
+        }
+      }
+      // O += P V: V rows are k-major, so the B fragments come from ldmatrix.trans.
+      if constexpr (Traits::kDirect) {
+        // On byte rows, .trans gives lane (g, t) the stored bytes V[2t][2g], V[2t][2g+1],
+        // V[2t+1][2g], V[2t+1][2g+1] of a 16-d chunk: bytes 0,2 feed the n8 tile of the even d's,
+        // bytes 1,3 the tile of the odd d's (the epilogue undoes this column order).
+        const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
+                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+#pragma unroll
+        for (int cc = 0; cc < kD / 16; cc += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(
+              b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
+                          (cc + lane / 16) * 16));
+#pragma unroll
+          for (int step = 0; step < 2; ++step) {
+            if (cc + step < kD / 16) {
+              const uint32_t lo = b[2 * step], hi = b[2 * step + 1];  // keys 0-7, keys 8-15
+              const uint32_t even[2] = {Kv::template widen<MmaTag, 0, 2>(lo),
+                                        Kv::template widen<MmaTag, 0, 2>(hi)};
+              const uint32_t odd[2] = {Kv::template widen<MmaTag, 1, 3>(lo),
+                                       Kv::template widen<MmaTag, 1, 3>(hi)};
+              mma_m16n8k16<MmaTag>(o[2 * (cc + step)], pa, even);
+              mma_m16n8k16<MmaTag>(o[2 * (cc + step) + 1], pa, odd);
+            }
+          }
+        }
+      } else {
+        const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
+                                                       Traits::kStageHalfBytes) +
+                           key_warp * Traits::kKeysPerWarp * kRowStride;
+#pragma unroll
+        for (int dd = 0; dd < kD / 16; ++dd) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kRowStride +
+                                        dd * 16 + (lane / 16) * 8));
+          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          mma_m16n8k16<MmaTag>(o[2 * dd], pa, b0);
+          mma_m16n8k16<MmaTag>(o[2 * dd + 1], pa, b1);
+        }
       }
     }
   }
@@ -560,22 +771,44 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
   float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
   float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
+  if constexpr (Traits::kKeysAsRows) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = warp_sum_quad(l_run[r]);
-    if (t == 0) {
-      merge_m[warp * kMB + g + 8 * r] = m_run[r];
-      merge_l[warp * kMB + g + 8 * r] = l;
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
+      if (g == 0) {
+        merge_m[warp * kMB + 2 * t + h] = m_run[h];
+        merge_l[warp * kMB + 2 * t + h] = l;
+      }
     }
-  }
 #pragma unroll
-  for (int n = 0; n < kD / 8; ++n) {
+    for (int c = 0; c < Traits::kAccTiles; ++c) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int col = 2 * t + (e & 1);
-      // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
-      const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
-      merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
+      for (int e = 0; e < 4; ++e) {
+        // Row g of tile c is d = 16c + g (8-bit caches: 16c + 2g), row g + 8 the next 8 (+ 1).
+        const int d = Traits::kDirect ? 16 * c + 2 * g + e / 2 : 16 * c + g + 8 * (e / 2);
+        merge_o[(warp * kMB + 2 * t + (e & 1)) * kD + d] = o[c][e];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = warp_sum_quad(l_run[r]);
+      if (t == 0) {
+        merge_m[warp * kMB + g + 8 * r] = m_run[r];
+        merge_l[warp * kMB + g + 8 * r] = l;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 2 * t + (e & 1);
+        // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
+        const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
+        merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
+      }
     }
   }
   __syncthreads();

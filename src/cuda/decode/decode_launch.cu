@@ -143,11 +143,13 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 
 // Round-1 tuning experiments, read once per process from ATTNKIT_EXPERIMENT_DECODE (a list of
 // tokens): "v<N>" DecodeTraits variant N for head_dim 128 bf16 q, "sep" the separate combine
-// kernel instead of the last-CTA merge, "m1" one M block per CTA for groups > 16 heads.
+// kernel instead of the last-CTA merge, "m1" one M block per CTA for groups > 16 heads, "h16" the
+// 16-row tile for groups <= 8.
 struct DecodeExperiment {
   int variant = 0;
   bool separate_combine = false;
   bool one_m_block = false;
+  bool heads16 = false;
 };
 const DecodeExperiment& experiment() {
   static const DecodeExperiment value = [] {
@@ -158,6 +160,7 @@ const DecodeExperiment& experiment() {
       e.variant = text[at + 1] - '0';
     e.separate_combine = text.find("sep") != std::string::npos;
     e.one_m_block = text.find("m1") != std::string::npos;
+    e.heads16 = text.find("h16") != std::string::npos;
     return e;
   }();
   return value;
@@ -263,12 +266,14 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   params.num_q_heads = spec.num_q_heads;
   params.num_kv_heads = spec.num_kv_heads;
   params.group_size = spec.group_size();
-  // Groups beyond 16 heads take two M blocks per CTA, so that K/V is read once per 32 heads.
+  // Groups of up to 8 heads take the keys-as-rows tile (half the MMAs); groups beyond 16 heads
+  // two M blocks per CTA, so that K/V is read once per 32 heads.
   DecodeKernelChoice choice;
-  choice.m_blocks = params.group_size > kDecodeHeadsPerCta && !experiment().one_m_block ? 2 : 1;
+  choice.heads_per_cta = params.group_size <= 8 ? 8 : (params.group_size <= 16 ? 16 : 32);
+  if (experiment().one_m_block) choice.heads_per_cta = std::min(choice.heads_per_cta, 16);
+  if (experiment().heads16 && choice.heads_per_cta == 8) choice.heads_per_cta = 16;
   choice.variant = experiment().variant;
-  const int heads_per_cta = choice.m_blocks * kDecodeHeadsPerCta;
-  params.head_blocks = (params.group_size + heads_per_cta - 1) / heads_per_cta;
+  params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
   params.softcap = static_cast<float>(spec.logit_softcap);

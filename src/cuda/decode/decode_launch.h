@@ -13,10 +13,10 @@ struct DecodeKernelInfo {
   int tile_n = 64;      // keys per pipeline tile (splits are whole tiles)
 };
 
-// Which tile configuration serves a call: m_blocks = 16-head M blocks per CTA (1 or 2; 2 for GQA
-// groups beyond 16 heads), variant = DecodeTraits tuning bits (kDecodeVariant*).
+// Which tile configuration serves a call: heads_per_cta = DecodeTraits::kM (8: keys as MMA rows,
+// groups <= 8; 16; 32: two M blocks, groups > 16), variant = tuning bits (kDecodeVariant*).
 struct DecodeKernelChoice {
-  int m_blocks = 1;
+  int heads_per_cta = 16;
   int variant = 0;
 };
 

@@ -15,10 +15,8 @@ constexpr int kDecodeMaxAlibiHeads = 256;
 // Query heads of one M block: the 16 rows of an m16n8k16 MMA. A CTA serves one or two M blocks
 // of one KV-head group (DecodeTraits::kMBlocks).
 constexpr int kDecodeHeadsPerCta = 16;
-// Tuning bits of DecodeTraits::kVariant: size the pipeline for one CTA per SM instead of two; ask
-// the L2 to fetch 256-byte lines for the cp.async loads.
-constexpr int kDecodeVariantOneCtaPerSm = 1;
-constexpr int kDecodeVariantL2Prefetch = 2;
+// Tuning bits of DecodeTraits::kVariant: size the pipeline for three CTAs per SM instead of two.
+constexpr int kDecodeVariantThreeCtasPerSm = 1;
 // Split-KV count limit (the combine kernel keeps one weight per split in shared memory); a larger
 // DecodeArgs::num_splits is clamped to it.
 constexpr int kDecodeMaxSplits = 128;

@@ -27,6 +27,10 @@ const char* prefill_tile_name(PrefillTile tile) {
       return "m64";
     case PrefillTile::kM128W4:
       return "m128w4";
+    case PrefillTile::kM128N128:
+      return "m128n128";
+    case PrefillTile::kM128W4N128:
+      return "m128w4n128";
   }
   return "?";
 }
@@ -60,6 +64,10 @@ Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv) {
       return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv);
     case PrefillTile::kM128W4:
       return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv);
+    case PrefillTile::kM128N128:
+      return launcher_for<D, PrefillTile::kM128N128, kDT>(masked, quant_kv);
+    case PrefillTile::kM128W4N128:
+      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv);
   }
   return nullptr;
 }
@@ -98,6 +106,10 @@ int smem_bytes_for(PrefillTile tile, bool quant_kv) {
       return PrefillTraits<D, PrefillTile::kM64>::smem_bytes(quant_kv);
     case PrefillTile::kM128W4:
       return PrefillTraits<D, PrefillTile::kM128W4>::smem_bytes(quant_kv);
+    case PrefillTile::kM128N128:
+      return PrefillTraits<D, PrefillTile::kM128N128>::smem_bytes(quant_kv);
+    case PrefillTile::kM128W4N128:
+      return PrefillTraits<D, PrefillTile::kM128W4N128>::smem_bytes(quant_kv);
   }
   return 0;
 }
@@ -192,7 +204,7 @@ PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128
 std::optional<PrefillTile> tile_from_env() {
   const char* env = std::getenv("ATTNKIT_PREFILL_TILE");
   if (env == nullptr) return std::nullopt;
-  for (PrefillTile t : {PrefillTile::kM128, PrefillTile::kM64, PrefillTile::kM128W4}) {
+  for (PrefillTile t : kAllPrefillTiles) {
     if (std::string(env) == prefill_tile_name(t)) return t;
   }
   return std::nullopt;
@@ -247,7 +259,9 @@ void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
 }  // namespace
 
 int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM64 ? 64 : 128; }
-int prefill_block_n(int /*head_dim*/) { return 64; }
+int prefill_block_n(PrefillTile tile) {
+  return tile == PrefillTile::kM128N128 || tile == PrefillTile::kM128W4N128 ? 128 : 64;
+}
 
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
   switch (head_dim) {
@@ -268,7 +282,7 @@ int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
 
 std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype) {
   std::vector<PrefillTile> tiles;
-  for (PrefillTile tile : {PrefillTile::kM128, PrefillTile::kM64, PrefillTile::kM128W4}) {
+  for (PrefillTile tile : kAllPrefillTiles) {
     if (find_launcher(head_dim, tile, dtype, false, false) != nullptr) tiles.push_back(tile);
   }
   return tiles;
@@ -382,7 +396,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   const int bm = prefill_block_m(tile);
   if (args.stats != nullptr) {
     // No tile is skipped on this path; the count uses the kernel's own tile sizes.
-    const int bn = prefill_block_n(spec.head_dim);
+    const int bn = prefill_block_n(tile);
     args.stats->tiles_total = static_cast<int64_t>(p.batch) * spec.num_q_heads *
                               ((p.seqlen_q + bm - 1) / bm) * ((p.seqlen_kv + bn - 1) / bn);
     args.stats->tiles_skipped = 0;

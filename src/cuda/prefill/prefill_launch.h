@@ -19,6 +19,7 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv);
 // Query rows per CTA.
 int prefill_block_m(PrefillTile tile);
-int prefill_block_n(int head_dim);
+// Keys per tile.
+int prefill_block_n(PrefillTile tile);
 
 }  // namespace attnkit::cuda::prefill

@@ -20,9 +20,17 @@ enum class PrefillTile : int32_t {
   // 128 query rows, 4 warps of 32 rows: each K/V fragment read from smem feeds two MMA row
   // blocks (half the smem traffic per MMA), Q re-read from smem; head_dim 64 and 128.
   kM128W4 = 2,
+  // 128-key variants of kM128 / kM128W4: half the per-tile overhead (barrier, row-max shuffles,
+  // O rescale) per key; they need the registers and smem of a twice wider S tile.
+  kM128N128 = 3,
+  kM128W4N128 = 4,
 };
-constexpr int kNumPrefillTiles = 3;
-const char* prefill_tile_name(PrefillTile tile);  // "m128", "m64", "m128w4"
+constexpr int kNumPrefillTiles = 5;
+constexpr PrefillTile kAllPrefillTiles[] = {PrefillTile::kM128, PrefillTile::kM64,
+                                            PrefillTile::kM128W4, PrefillTile::kM128N128,
+                                            PrefillTile::kM128W4N128};
+// "m128", "m64", "m128w4", "m128n128", "m128w4n128"
+const char* prefill_tile_name(PrefillTile tile);
 
 // One packed-varlen, paged or dense ([B, S, H, D]) attention launch. Element strides; "tok" is
 // the token dimension. Sequence b's queries start at cu_seqlens_q[b] tokens (or b * q_batch_stride

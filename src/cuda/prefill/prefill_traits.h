@@ -10,8 +10,10 @@ namespace attnkit::cuda::prefill {
 constexpr bool tile_exists(int head_dim, PrefillTile tile) {
   switch (head_dim) {
     case 64:
+      return true;  // every tile
     case 128:
-      return true;  // all three tiles
+      // 32 rows x 128 keys per warp would need 256 accumulator registers.
+      return tile != PrefillTile::kM128W4N128;
     case 80:
     case 96:
       return tile == PrefillTile::kM128;
@@ -29,23 +31,26 @@ struct PrefillTraits {
   static constexpr PrefillTile kTile = kTile_;
   static constexpr int kBlockM = kTile == PrefillTile::kM64 ? 64 : 128;
   // Every warp owns kMAtoms blocks of 16 query rows (MMA row blocks).
-  static constexpr int kMAtoms = kTile == PrefillTile::kM128W4 ? 2 : 1;
+  static constexpr int kMAtoms =
+      kTile == PrefillTile::kM128W4 || kTile == PrefillTile::kM128W4N128 ? 2 : 1;
   static constexpr int kRowsPerWarp = 16 * kMAtoms;
   static constexpr int kWarps = kBlockM / kRowsPerWarp;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = 64;
+  static constexpr int kBlockN =
+      kTile == PrefillTile::kM128N128 || kTile == PrefillTile::kM128W4N128 ? 128 : 64;
   // head_dim 256 holds one K and one V buffer, overlapped as in FA2: V(j) loads under
   // S = Q K(j)^T and K(j+1) under O += P V(j). That fits 64 keys (and 2 CTAs of kM64 per sm90 SM);
   // smaller head dims keep a kStages ring of K+V that hides a whole iteration.
   static constexpr bool kOverlapKv = kHeadDim >= 256;
-  static constexpr int kStages = kOverlapKv ? 1 : (kHeadDim <= 64 ? 3 : 2);
-  static constexpr int kMinBlocksPerSm = kTile == PrefillTile::kM128 ? 1 : 2;
+  static constexpr int kStages = kOverlapKv ? 1 : (kHeadDim <= 64 && kBlockN == 64 ? 3 : 2);
+  static constexpr int kMinBlocksPerSm = kWarps == 8 ? 1 : 2;
   static constexpr int kNTiles = kBlockN / 8;    // n8 tiles of S
   static constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O
   static constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
   // Q stays in registers (one ldmatrix per CTA) when its fragments take at most 32 registers;
   // else (D = 256, or 32 rows per warp at D = 128) it is re-read from smem every tile.
-  static constexpr bool kQInRegs = kKSteps * 4 * kMAtoms <= 32;
+  static constexpr bool kQInRegs =
+      kKSteps * 4 * kMAtoms <= 32 && (kNTiles + kDTiles) * 4 * kMAtoms <= 128;
   // Shared-memory rows are padded by 16 bytes: 8 consecutive rows then start in 8 different
   // 16-byte bank groups, so ldmatrix is conflict-free for every head_dim (80 and 96 included,
   // which an XOR swizzle over 8 chunks does not cover).

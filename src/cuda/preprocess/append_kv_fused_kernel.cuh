@@ -3,14 +3,18 @@
 // the same for every head it moves and no index is ever divided at run time. A unit is one
 // 16-byte vector (8 elements), or for GPT-NeoX a pair of vectors (dims d and d + rotary_dim / 2)
 // so that the rotation never leaves registers; GPT-J pairs (2i, 2i + 1) sit inside one vector.
-// All loads of a thread (up to kMaxSteps units) go out before the token's cos/sin table is built,
-// so that the table's math and the page-table lookup hide under their latency (Little's law:
-// ~30-40 KB in flight per SM at ~4 TB/s).
+// All loads of a thread (up to kSteps units) go out before the token's cos/sin table is built,
+// so that the table's math and the page-table lookup hide under their latency. The kernel is
+// bound by the reads in flight (Little's law): on the H200 the fraction of copy bandwidth grew
+// from 0.33 to 0.89 as the 16-byte loads in flight per SM grew from 12 KB to 98 KB, so the plan
+// favours few threads per CTA, several units per thread, and few registers.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include <algorithm>
 
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/element_io.cuh"
@@ -23,14 +27,17 @@ struct AppendKvTraits {
   static constexpr int kMaxThreads = 512;
 };
 
-// Compile-time tuning of the fused kernel: units whose loads one thread issues together, and
-// whether the streamed input and outputs use evict-first (.cs) accesses.
-template <int kSteps_, bool kStreaming_>
+// Compile-time tuning: units whose loads one thread issues together, whether the RoPE cos/sin
+// of a unit are read from shared memory at each use (fewer registers) or held in registers for
+// all units of the token, and the register cap (128: 512-thread CTAs fit; 96: five warps per
+// SM sub-partition instead of four).
+template <int kSteps_, bool kRotInSmem_, int kMaxRegs_ = 128>
 struct AppendKvTuning {
   static constexpr int kSteps = kSteps_;
-  static constexpr bool kStreaming = kStreaming_;
+  static constexpr bool kRotInSmem = kRotInSmem_;
+  static constexpr int kMaxRegs = kMaxRegs_;
 };
-using AppendKvDefaultTuning = AppendKvTuning<4, false>;
+using AppendKvDefaultTuning = AppendKvTuning<kAppendKvSteps, false>;
 
 template <DType kIn>
 __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
@@ -76,19 +83,10 @@ __device__ __forceinline__ uint32_t int8_bits(float x) {
 
 // Stores 8 values (already divided by the scale) in the cache dtype: 16 bytes for bf16 / f16,
 // 8 bytes for fp8 / int8.
-template <bool kStreaming>
-__device__ __forceinline__ void store16(void* dst, const uint4& value) {
-  if constexpr (kStreaming) {
-    __stcs(reinterpret_cast<uint4*>(dst), value);
-  } else {
-    *reinterpret_cast<uint4*>(dst) = value;
-  }
-}
-
-template <DType kKv, bool kStreaming>
+template <DType kKv>
 __device__ __forceinline__ void store_cache8(uint8_t* dst, const float* x) {
   if constexpr (kKv == DType::kBF16 || kKv == DType::kF16) {
-    store16<kStreaming>(dst, pack8<kKv>(x));
+    *reinterpret_cast<uint4*>(dst) = pack8<kKv>(x);
   } else {
     uint32_t words[2];
 #pragma unroll
@@ -107,11 +105,7 @@ __device__ __forceinline__ void store_cache8(uint8_t* dst, const float* x) {
                       (int8_bits(y[3]) << 24);
       }
     }
-    if constexpr (kStreaming) {
-      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(words[0], words[1]));
-    } else {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-    }
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
   }
 }
 
@@ -126,9 +120,8 @@ __device__ __forceinline__ float divide_by_scale(float x, float scale, float rec
 // cos and sin of position * inv_freq, as accurate as the reference's double math rounded to
 // float: the angle and its reduction to [-pi, pi] in double (exact enough at positions of 10^6;
 // the reduction keeps sincos on its fast path), then a double sincos. Float sincosf of the
-// reduced angle looked cheaper but its 2e-7 rad error turned one-unit f16 agreement into up to
-// six units on near-cancelling outputs. Only rotary_dim / 2 values per token: off the critical
-// path, under the latency of the loads.
+// reduced angle is cheaper, but its 2e-7 rad error turned one-unit f16 agreement into up to six
+// units on near-cancelling outputs. Only rotary_dim / 2 values per token, under the loads.
 __device__ __forceinline__ float2 rope_cos_sin_of(int32_t position, double inv_freq) {
   constexpr double kTwoPi = 6.283185307179586476925;
   constexpr double kInvTwoPi = 0.15915494309189533577;
@@ -139,11 +132,10 @@ __device__ __forceinline__ float2 rope_cos_sin_of(int32_t position, double inv_f
   return make_float2(static_cast<float>(c), static_cast<float>(s));
 }
 
-// The raw 16-byte input vectors of one unit and the cache scale of its head (1 for Q), loaded
-// before anything is computed so that all of a thread's units are in flight together.
+// The raw 16-byte input vectors of one unit, loaded before anything is computed so that all of a
+// thread's units are in flight together.
 struct AppendKvRaw {
   uint4 lo, hi;
-  float scale;
 };
 
 // Which of Q, K or V a head index (0 .. Hq + 2 Hkv - 1) belongs to, and its index inside it.
@@ -161,20 +153,37 @@ __device__ __forceinline__ AppendKvHead classify_head(const AppendKvParams& para
   return h;
 }
 
-template <bool kStreaming = false>
 __device__ __forceinline__ uint4 load16(const void* base, int64_t offset) {
-  const uint4* ptr = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + offset);
-  if constexpr (kStreaming) {
-    return __ldcs(ptr);
-  } else {
-    return __ldg(ptr);
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + offset));
+}
+
+// This thread's dims: a NeoX paired unit w covers d0 = 8w and d1 = d0 + rotary_dim / 2, a NeoX
+// pass-through unit the (w - paired_units)-th vector after the rotary dims, any other unit
+// d0 = 8w. `paired` is uniform per thread, and false at compile time for other styles.
+struct AppendKvThreadDims {
+  bool paired;
+  int32_t d0, d1;
+};
+
+template <RopeStyle kStyle>
+__device__ __forceinline__ AppendKvThreadDims thread_dims(const AppendKvParams& params) {
+  constexpr int kVec = AppendKvTraits::kVec;
+  const int32_t rotary_half = params.rope.rotary_dim / 2;
+  const int32_t w = threadIdx.x;
+  AppendKvThreadDims t;
+  t.paired = kStyle == RopeStyle::kGptNeox && w < params.plan.paired_units;
+  t.d0 = w * kVec;
+  if (kStyle == RopeStyle::kGptNeox && !t.paired) {
+    t.d0 = 2 * rotary_half + (w - params.plan.paired_units) * kVec;
   }
+  t.d1 = t.d0 + rotary_half;
+  return t;
 }
 
 // Issues the loads of the units of heads first, first + heads_per_pass, ... (up to kSteps).
 template <typename Tuning>
 __device__ __forceinline__ void load_units(const AppendKvParams& params, int64_t token,
-                                           int32_t first, bool paired, int32_t d0, int32_t d1,
+                                           int32_t first, const AppendKvThreadDims& t,
                                            AppendKvRaw* raw) {
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
 #pragma unroll
@@ -194,12 +203,8 @@ __device__ __forceinline__ void load_units(const AppendKvParams& params, int64_t
       in = params.v_in;
       offset = token * params.v_stride_token + h.local * params.v_stride_head;
     }
-    raw[k].lo = load16<Tuning::kStreaming>(in, offset + d0);
-    if (paired) raw[k].hi = load16<Tuning::kStreaming>(in, offset + d1);
-    raw[k].scale = h.is_q
-                       ? 1.0f
-                       : (h.is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, h.local)
-                                 : kv_scale_of(params.v_scale, params.v_scale_per_head, h.local));
+    raw[k].lo = load16(in, offset + t.d0);
+    if (t.paired) raw[k].hi = load16(in, offset + t.d1);
   }
 }
 
@@ -208,17 +213,57 @@ struct AppendKvRotation {
   float cos[AppendKvTraits::kVec], sin[AppendKvTraits::kVec];
 };
 
+template <RopeStyle kStyle>
+__device__ __forceinline__ void read_rotation(const AppendKvParams& params,
+                                              const float2* token_table,
+                                              const AppendKvThreadDims& t, AppendKvRotation& rot) {
+  constexpr int kVec = AppendKvTraits::kVec;
+  if constexpr (kStyle == RopeStyle::kGptNeox) {
+    if (t.paired) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float2 cs = token_table[t.d0 + i];
+        rot.cos[i] = cs.x;
+        rot.sin[i] = cs.y;
+      }
+    }
+  } else if constexpr (kStyle == RopeStyle::kGptJ) {
+    const int32_t rotary_half = params.rope.rotary_dim / 2;
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      const int32_t pair = t.d0 / 2 + i;
+      const float2 cs = token_table[pair < rotary_half ? pair : 0];
+      rot.cos[i] = cs.x;
+      rot.sin[i] = cs.y;
+    }
+  }
+}
+
+// The token's table: rotary_dim / 2 (cos, sin) pairs, shared by all its Q and K heads, filled by
+// the threads of the token.
+__device__ __forceinline__ void fill_rope_table(const AppendKvParams& params, float2* token_table,
+                                                int32_t position) {
+  const int32_t rotary_half = params.rope.rotary_dim / 2;
+  const int32_t threads_per_token = blockDim.x * blockDim.y;
+  for (int32_t i = threadIdx.x + threadIdx.y * blockDim.x; i < rotary_half;
+       i += threads_per_token) {
+    token_table[i] = rope_cos_sin_of(position, params.inv_freq[i]);
+  }
+}
+
 // Bias, rotation, rounding and the stores of the units loaded by load_units.
 template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
 __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64_t token,
-                                             int32_t first, bool paired, int32_t d0, int32_t d1,
-                                             const AppendKvRaw* raw, const AppendKvRotation& rot,
-                                             int64_t cache_offset) {
+                                             int32_t first, const AppendKvThreadDims& t,
+                                             const AppendKvRaw* raw, const AppendKvRotation& held,
+                                             const float2* token_table, int64_t cache_offset) {
   constexpr int kVec = AppendKvTraits::kVec;
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
   const int32_t elt = params.layout.element_bytes;
   const int64_t head_bytes =
       static_cast<int64_t>(params.layout.tokens_per_block) * params.head_dim * elt;
+  const bool paired = t.paired;
+  const int32_t d0 = t.d0, d1 = t.d1;
 #pragma unroll
   for (int k = 0; k < Tuning::kSteps; ++k) {
     const int32_t head = first + k * params.plan.heads_per_pass;
@@ -242,6 +287,12 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
       }
     }
     if (h.is_q || h.is_k) {
+      AppendKvRotation rot;
+      if constexpr (Tuning::kRotInSmem) {
+        read_rotation<kStyle>(params, token_table, t, rot);
+      } else {
+        rot = held;
+      }
       if constexpr (kStyle == RopeStyle::kGptNeox) {
         if (paired) {
 #pragma unroll
@@ -266,11 +317,13 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
     if (h.is_q) {
       uint16_t* out = static_cast<uint16_t*>(params.q_out) + token * params.q_out_stride_token +
                       h.local * params.q_out_stride_head;
-      store16<Tuning::kStreaming>(out + d0, pack8<kIn>(lo));
-      if (paired) store16<Tuning::kStreaming>(out + d1, pack8<kIn>(hi));
+      *reinterpret_cast<uint4*>(out + d0) = pack8<kIn>(lo);
+      if (paired) *reinterpret_cast<uint4*>(out + d1) = pack8<kIn>(hi);
       continue;
     }
-    const float scale = raw[k].scale;
+    // The scale is one float per tensor or KV head: an L1 hit, loaded here rather than held.
+    const float scale = h.is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, h.local)
+                               : kv_scale_of(params.v_scale, params.v_scale_per_head, h.local);
     // x / 1 == x: an unscaled cache skips the division.
     if (scale != 1.0f) {
       const float reciprocal = __frcp_rn(scale);
@@ -282,8 +335,8 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
     }
     uint8_t* dst = (h.is_k ? params.layout.k_base : params.layout.v_base) + cache_offset +
                    h.local * head_bytes;
-    store_cache8<kKv, Tuning::kStreaming>(dst + static_cast<int64_t>(d0) * elt, lo);
-    if (paired) store_cache8<kKv, Tuning::kStreaming>(dst + static_cast<int64_t>(d1) * elt, hi);
+    store_cache8<kKv>(dst + static_cast<int64_t>(d0) * elt, lo);
+    if (paired) store_cache8<kKv>(dst + static_cast<int64_t>(d1) * elt, hi);
   }
 }
 
@@ -310,73 +363,102 @@ __device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& para
 }
 
 template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
-__global__ void __launch_bounds__(AppendKvTraits::kMaxThreads)
+__global__ void __maxnreg__(Tuning::kMaxRegs)
     fused_append_kv_kernel(const __grid_constant__ AppendKvParams params) {
-  constexpr int kVec = AppendKvTraits::kVec;
   extern __shared__ float2 cos_sin_table[];
   const FusedAppendKvPlan& plan = params.plan;
   const int64_t token = static_cast<int64_t>(blockIdx.x) * plan.tokens_per_cta + threadIdx.z;
   const bool token_valid = token < params.num_tokens;
-  const int32_t rotary_half = params.rope.rotary_dim / 2;
-  // This thread's dims: a NeoX paired unit w covers d0 = 8w and d1 = d0 + rotary_half, a NeoX
-  // pass-through unit the (w - paired_units)-th vector after the rotary dims, any other unit
-  // d0 = 8w. `paired` is uniform per thread, and false at compile time for other styles.
-  const int32_t w = threadIdx.x;
-  const bool paired = kStyle == RopeStyle::kGptNeox && w < plan.paired_units;
-  int32_t d0 = w * kVec;
-  if (kStyle == RopeStyle::kGptNeox && !paired) {
-    d0 = 2 * rotary_half + (w - plan.paired_units) * kVec;
-  }
-  const int32_t d1 = d0 + rotary_half;
+  const AppendKvThreadDims t = thread_dims<kStyle>(params);
 
   AppendKvRaw raw[Tuning::kSteps];
   const int32_t first = threadIdx.y;
-  if (token_valid) load_units<Tuning>(params, token, first, paired, d0, d1, raw);
+  if (token_valid) load_units<Tuning>(params, token, first, t, raw);
   int32_t position = 0;
   int64_t cache_offset = 0;
   if (token_valid) {
     position = params.positions[token];
     cache_offset = cache_token_offset(params, params.row_of_token[token], position);
   }
-  AppendKvRotation rot;
+  float2* token_table = cos_sin_table + threadIdx.z * (params.rope.rotary_dim / 2);
+  AppendKvRotation held;
   if constexpr (kStyle != RopeStyle::kNone) {
-    // The token's table: rotary_half (cos, sin) pairs, shared by all its Q and K heads.
-    float2* token_table = cos_sin_table + threadIdx.z * rotary_half;
-    if (token_valid) {
-      const int32_t threads_per_token = blockDim.x * blockDim.y;
-      for (int32_t i = threadIdx.x + threadIdx.y * blockDim.x; i < rotary_half;
-           i += threads_per_token) {
-        token_table[i] = rope_cos_sin_of(position, params.inv_freq[i]);
-      }
-    }
+    if (token_valid) fill_rope_table(params, token_table, position);
     __syncthreads();
-    if constexpr (kStyle == RopeStyle::kGptNeox) {
-      if (paired) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float2 cs = token_table[d0 + i];
-          rot.cos[i] = cs.x;
-          rot.sin[i] = cs.y;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVec / 2; ++i) {
-        const int32_t pair = d0 / 2 + i;
-        const float2 cs = token_table[pair < rotary_half ? pair : 0];
-        rot.cos[i] = cs.x;
-        rot.sin[i] = cs.y;
-      }
-    }
+    if constexpr (!Tuning::kRotInSmem) read_rotation<kStyle>(params, token_table, t, held);
   }
   if (!token_valid) return;
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
   for (int32_t head = first;;) {
-    finish_units<kIn, kKv, kStyle, Tuning>(params, token, head, paired, d0, d1, raw, rot,
+    finish_units<kIn, kKv, kStyle, Tuning>(params, token, head, t, raw, held, token_table,
                                            cache_offset);
     head += Tuning::kSteps * plan.heads_per_pass;
     if (head >= total_heads) break;
-    load_units<Tuning>(params, token, head, paired, d0, d1, raw);
+    load_units<Tuning>(params, token, head, t, raw);
+  }
+}
+
+// GPU-round A/B only: a persistent variant (every head of a token in one round of loads). A CTA
+// walks tokens blockIdx.x * Z + z, then + gridDim.x * Z, ...; the loads of its next token go out
+// before the current one is finished. The cos/sin table is double-buffered: one barrier a token.
+template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
+__global__ void __maxnreg__(Tuning::kMaxRegs)
+    fused_append_kv_persistent_kernel(const __grid_constant__ AppendKvParams params) {
+  extern __shared__ float2 cos_sin_table[];  // [2][tokens_per_cta][rotary_dim / 2]
+  const FusedAppendKvPlan& plan = params.plan;
+  const int32_t rotary_half = params.rope.rotary_dim / 2;
+  const int32_t buffer_stride = plan.tokens_per_cta * rotary_half;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * plan.tokens_per_cta;
+  const AppendKvThreadDims t = thread_dims<kStyle>(params);
+  const int32_t first = threadIdx.y;
+  int64_t cta_token = static_cast<int64_t>(blockIdx.x) * plan.tokens_per_cta;
+  int64_t token = cta_token + threadIdx.z;
+
+  AppendKvRaw raw[Tuning::kSteps], next_raw[Tuning::kSteps];
+  int64_t cache_offset = 0;
+  if (token < params.num_tokens) {
+    load_units<Tuning>(params, token, first, t, raw);
+    const int32_t position = params.positions[token];
+    cache_offset = cache_token_offset(params, params.row_of_token[token], position);
+    if constexpr (kStyle != RopeStyle::kNone) {
+      fill_rope_table(params, cos_sin_table + threadIdx.z * rotary_half, position);
+    }
+  }
+  __syncthreads();
+  int32_t buffer = 0;
+  // cta_token is uniform over the CTA, so every thread reaches every barrier.
+  while (cta_token < params.num_tokens) {
+    const float2* token_table = cos_sin_table + buffer * buffer_stride + threadIdx.z * rotary_half;
+    AppendKvRotation held;
+    if constexpr (kStyle != RopeStyle::kNone && !Tuning::kRotInSmem) {
+      read_rotation<kStyle>(params, token_table, t, held);
+    }
+    const int64_t next = token + stride;
+    const bool next_valid = next < params.num_tokens;
+    int32_t next_position = 0, next_row = 0;
+    if (next_valid) {
+      load_units<Tuning>(params, next, first, t, next_raw);
+      next_position = params.positions[next];
+      next_row = params.row_of_token[next];
+    }
+    if (token < params.num_tokens) {
+      finish_units<kIn, kKv, kStyle, Tuning>(params, token, first, t, raw, held, token_table,
+                                             cache_offset);
+    }
+    if (next_valid) {
+      cache_offset = cache_token_offset(params, next_row, next_position);
+      if constexpr (kStyle != RopeStyle::kNone) {
+        fill_rope_table(params,
+                        cos_sin_table + (buffer ^ 1) * buffer_stride + threadIdx.z * rotary_half,
+                        next_position);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < Tuning::kSteps; ++k) raw[k] = next_raw[k];
+    token = next;
+    cta_token += stride;
+    buffer ^= 1;
   }
 }
 
@@ -393,6 +475,65 @@ void launch_fused_append_kv_typed(const AppendKvParams& params, cudaStream_t str
   check_launch("fused_append_kv_kernel");
 }
 
+// GPU-round A/B only: the persistent grid is as many CTAs as fit on the device at once.
+template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
+void launch_fused_append_kv_persistent(const AppendKvParams& params, cudaStream_t stream) {
+  const FusedAppendKvPlan& plan = params.plan;
+  const int threads = plan.units_per_head * plan.heads_per_pass * plan.tokens_per_cta;
+  const size_t table_bytes = kStyle == RopeStyle::kNone ? 0
+                                                        : 2 * sizeof(float2) * plan.tokens_per_cta *
+                                                              (params.rope.rotary_dim / 2);
+  int device = 0, sms = 0, per_sm = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                 &per_sm, fused_append_kv_persistent_kernel<kIn, kKv, kStyle, Tuning>, threads,
+                 table_bytes),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int64_t ctas_needed = (params.num_tokens + plan.tokens_per_cta - 1) / plan.tokens_per_cta;
+  const int64_t blocks = std::min<int64_t>(ctas_needed, int64_t{std::max(per_sm, 1)} * sms);
+  const dim3 block(plan.units_per_head, plan.heads_per_pass, plan.tokens_per_cta);
+  fused_append_kv_persistent_kernel<kIn, kKv, kStyle, Tuning>
+      <<<static_cast<unsigned>(blocks), block, table_bytes, stream>>>(params);
+  check_launch("fused_append_kv_persistent_kernel");
+}
+
+// GPU-round A/B only (removed before the merge): NeoX kernels with other tunings.
+template <DType kIn, DType kKv>
+bool launch_fused_append_kv_experiment(const AppendKvParams& params, cudaStream_t stream) {
+  if (params.rope.style != RopeStyle::kGptNeox) return false;
+  constexpr RopeStyle kNeox = RopeStyle::kGptNeox;
+  switch (params.plan.experiment) {
+    case 4:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<4, false>>(params, stream);
+      return true;
+    case 8:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<8, false>>(params, stream);
+      return true;
+    case 106:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, true>>(params, stream);
+      return true;
+    case 206:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, false, 96>>(params, stream);
+      return true;
+    case 506:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, true, 96>>(params, stream);
+      return true;
+    case 108:
+      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<8, true>>(params, stream);
+      return true;
+    case 303:
+      launch_fused_append_kv_persistent<kIn, kKv, kNeox, AppendKvTuning<3, true>>(params, stream);
+      return true;
+    case 304:
+      launch_fused_append_kv_persistent<kIn, kKv, kNeox, AppendKvTuning<4, true>>(params, stream);
+      return true;
+    default:
+      return false;
+  }
+}
+
 template <DType kIn, DType kKv>
 void launch_fused_append_kv_style(const AppendKvParams& params, cudaStream_t stream) {
   switch (params.rope.style) {
@@ -405,44 +546,21 @@ void launch_fused_append_kv_style(const AppendKvParams& params, cudaStream_t str
   }
 }
 
-// GPU-round A/B only (removed before the merge): NeoX kernels with other tunings.
-template <DType kIn, DType kKv>
-bool launch_fused_append_kv_experiment(const AppendKvParams& params, cudaStream_t stream) {
-  if (params.rope.style != RopeStyle::kGptNeox) return false;
-  constexpr RopeStyle kNeox = RopeStyle::kGptNeox;
-  switch (params.plan.experiment) {
-    case 2:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<2, false>>(params, stream);
-      return true;
-    case 3:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<3, false>>(params, stream);
-      return true;
-    case 6:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, false>>(params, stream);
-      return true;
-    case 102:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<2, true>>(params, stream);
-      return true;
-    case 104:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<4, true>>(params, stream);
-      return true;
-    default:
-      return false;
-  }
-}
-
 // The one place where the runtime cache dtype and RoPE style become template arguments.
 template <DType kIn>
 void launch_fused_append_kv(const AppendKvParams& params, cudaStream_t stream) {
   if (params.num_tokens == 0) return;
-  if (kIn == DType::kBF16 && params.plan.experiment != 0) {
-    bool done = false;
-    if (params.kv_dtype == kIn) done = launch_fused_append_kv_experiment<kIn, kIn>(params, stream);
-    if (params.kv_dtype == DType::kFp8E4M3)
-      done = launch_fused_append_kv_experiment<kIn, DType::kFp8E4M3>(params, stream);
-    if (params.kv_dtype == DType::kInt8)
-      done = launch_fused_append_kv_experiment<kIn, DType::kInt8>(params, stream);
-    if (done) return;
+  if constexpr (kIn == DType::kBF16) {
+    if (params.plan.experiment != 0) {
+      bool done = false;
+      if (params.kv_dtype == kIn)
+        done = launch_fused_append_kv_experiment<kIn, kIn>(params, stream);
+      if (params.kv_dtype == DType::kFp8E4M3)
+        done = launch_fused_append_kv_experiment<kIn, DType::kFp8E4M3>(params, stream);
+      if (params.kv_dtype == DType::kInt8)
+        done = launch_fused_append_kv_experiment<kIn, DType::kInt8>(params, stream);
+      if (done) return;
+    }
   }
   // An unquantized cache has the dtype of the input (validate_append_kv), so three cache types
   // per input dtype.

@@ -93,7 +93,7 @@ AppendKvParams make_append_kv_params(const AttentionSpec& spec, const AppendKvAr
   return params;
 }
 
-void plan_fused_append_kv(AppendKvParams& params, int32_t target_threads) {
+void plan_fused_append_kv(AppendKvParams& params, int32_t steps, int32_t min_cta_threads) {
   constexpr int32_t kVec = 8;
   constexpr int32_t kMaxTableBytes = 16 * 1024;
   FusedAppendKvPlan& plan = params.plan;
@@ -103,20 +103,20 @@ void plan_fused_append_kv(AppendKvParams& params, int32_t target_threads) {
   plan.paired_units = neox ? rotary_half / kVec : 0;
   plan.units_per_head = neox ? plan.paired_units + (params.head_dim - 2 * rotary_half) / kVec
                              : params.head_dim / kVec;
-  // Heads per pass: as many as fit target_threads, then evened out over the passes so that no
-  // pass runs with idle threads (48 heads of 8 units at 256 threads: 2 passes of 24 heads).
+  // As few heads per pass as lets every thread load all its heads in one round (48 heads, 6
+  // steps: 8 heads of 8 units, 64 threads a token); more passes run as further rounds.
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
-  const int32_t fit = std::clamp(target_threads / plan.units_per_head, 1, total_heads);
-  const int32_t passes = (total_heads + fit - 1) / fit;
-  plan.heads_per_pass = (total_heads + passes - 1) / passes;
+  const int32_t max_heads = std::max(1, kAppendKvMaxThreads / plan.units_per_head);
+  plan.heads_per_pass = std::min((total_heads + steps - 1) / steps, max_heads);
   // Small tokens (few heads) share a CTA, each with its own cos/sin table.
   const int32_t per_token = plan.units_per_head * plan.heads_per_pass;
-  int32_t tokens = std::max(1, target_threads / per_token);
+  int32_t tokens = std::clamp(min_cta_threads / per_token, 1, kAppendKvMaxThreads / per_token);
   if (rotary_half > 0) {
     tokens =
         std::min(tokens, kMaxTableBytes / (rotary_half * static_cast<int32_t>(sizeof(float2))));
   }
-  tokens = std::min<int64_t>({tokens, 64, std::max<int64_t>(params.num_tokens, 1)});
+  tokens = static_cast<int32_t>(
+      std::min<int64_t>({tokens, 64, std::max<int64_t>(params.num_tokens, 1)}));
   plan.tokens_per_cta = std::max(tokens, 1);
   plan.page_shift = 0;
   if (params.layout.block_table != nullptr) {
@@ -162,23 +162,22 @@ void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
     return launch_vanilla_append_kv(params, as_cuda_stream(stream));
   }
   AppendKvParams planned = params;
-  int32_t target_threads = 256;
-  // A/B switch for the GPU round only (removed before the merge).
-  // "<threads>[x<steps>][s]": CTA target, loads in flight per thread, evict-first accesses.
-  int32_t experiment_code = 0;
+  plan_fused_append_kv(planned);
+  // A/B switch for the GPU round only (removed before the merge): "<cta threads>x<steps>[r][m|p]",
+  // r: RoPE factors read from shared memory at each use, m: 96 registers, p: persistent kernel.
   if (const char* experiment = std::getenv("ATTNKIT_EXPERIMENT_APPEND")) {
     const std::string text = experiment;
-    target_threads = std::clamp(std::atoi(text.c_str()), 32, 512);
+    const int32_t threads = std::clamp(std::atoi(text.c_str()), 32, 512);
     const size_t x = text.find('x');
-    const int32_t steps = x == std::string::npos ? 0 : std::atoi(text.c_str() + x + 1);
-    const bool streaming = !text.empty() && text.back() == 's';
-    if (streaming)
-      experiment_code = 100 + (steps == 0 ? 4 : steps);
-    else if (steps != 0 && steps != 4)
-      experiment_code = steps;
+    const int32_t steps = x == std::string::npos ? kAppendKvSteps : std::atoi(text.c_str() + x + 1);
+    const char last = text.empty() ? ' ' : text.back();
+    plan_fused_append_kv(planned, std::clamp(steps, 1, 8), threads);
+    int32_t code = steps == kAppendKvSteps ? 0 : steps;
+    if (last == 'r') code = 100 + steps;
+    if (last == 'p') code = 300 + steps;
+    if (last == 'm') code = text.find('r') == std::string::npos ? 200 + steps : 500 + steps;
+    planned.plan.experiment = code;
   }
-  plan_fused_append_kv(planned, target_threads);
-  planned.plan.experiment = experiment_code;
   if (p.dtype == DType::kBF16)
     return launch_fused_append_kv<DType::kBF16>(planned, as_cuda_stream(stream));
 #if !defined(ATTNKIT_KERNEL_SUBSET)

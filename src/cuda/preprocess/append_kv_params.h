@@ -15,6 +15,11 @@ namespace attnkit::cuda {
 
 // rotary_dim / 2 for head_dim <= 512: the size of the inverse-frequency table.
 inline constexpr int kAppendKvMaxRotaryHalf = 256;
+// Units (16-byte vectors or NeoX pairs of them) whose loads one thread of the fused kernel
+// issues together, and the CTA size bounds of its plan.
+inline constexpr int kAppendKvSteps = 6;
+inline constexpr int kAppendKvMaxThreads = 512;
+inline constexpr int kAppendKvMinCtaThreads = 64;
 
 // Launch shape of the fused kernel (plan_fused_append_kv): a CTA is units_per_head x
 // heads_per_pass x tokens_per_cta threads; thread (w, y, z) moves vector unit w of heads
@@ -64,8 +69,10 @@ struct AppendKvParams {
 AppendKvParams make_append_kv_params(const AttentionSpec& spec, const AppendKvArgs& args,
                                      const detail::AppendKvProblem& p);
 
-// Fills params.plan for the fused kernel; target_threads is the CTA size it aims at.
-void plan_fused_append_kv(AppendKvParams& params, int32_t target_threads);
+// Fills params.plan for the fused kernel: each thread moves up to `steps` heads of a token in one
+// round of loads, and tokens share a CTA until it has min_cta_threads.
+void plan_fused_append_kv(AppendKvParams& params, int32_t steps = kAppendKvSteps,
+                          int32_t min_cta_threads = kAppendKvMinCtaThreads);
 
 void launch_vanilla_append_kv(const AppendKvParams& params, cudaStream_t stream);
 
