@@ -68,7 +68,18 @@ FAKE_CLI = textwrap.dedent(
         sys.exit(106)
     def num(key, default):
         return int(opts.get(key, default))
-    if suite == "decode":
+    if suite == "dense":
+        row = {"label": "default 2x4k", "batch": num("--batch", 2), "seqlen": num("--seqlen", 4096),
+               "q_heads": num("--heads", 24), "kv_heads": num("--heads", 24),
+               "head_dim": num("--head-dim", 128), "variant": opts.get("--variants", "default")}
+        metric = "tflops"
+    elif suite == "append":
+        row = {"label": "bf16 cache", "tokens": num("--tokens", 16384),
+               "q_heads": num("--q-heads", 32), "kv_heads": num("--kv-heads", 8),
+               "head_dim": num("--head-dim", 128), "page": num("--page", 64),
+               "kv_dtype": opts.get("--kv-dtype", "bf16"), "copy_same_bytes_tbps": 4.1}
+        metric = "tbps"
+    elif suite == "decode":
         row = {"batch": num("--batch", 64), "context": num("--context", 4096),
                "q_heads": num("--q-heads", 32), "kv_heads": num("--kv-heads", 8),
                "head_dim": num("--head-dim", 128), "page": num("--page", 32),
@@ -204,6 +215,25 @@ def test_run_attnkit_reads_the_program_json(peers, fake_cli, monkeypatch, mode, 
     assert rows[0]["batch"] == 128 and rows[0]["context"] == 2048
     if mode == "new":
         assert meta["ceilings"]["copy_tbps"] == 4.2
+
+
+@pytest.mark.parametrize("suite", ["dense", "append"])
+def test_new_schema_rows_of_dense_and_append(peers, fake_cli, monkeypatch, suite, rng):
+    value = float(rng.uniform(1, 500))
+    monkeypatch.setenv("FAKE_MODE", "new")
+    monkeypatch.setenv("FAKE_VALUE", repr(value))
+    shapes = peers.grid(suite, quick=True)
+    rows, meta, notes = peers.attnkit_rows(str(fake_cli), suite, shapes, quick=True,
+                                           log=lambda *a: None)
+    assert notes == [] and len(rows) == len(shapes)
+    metric = peers.SUITE_INFO[suite]["metric"]
+    for shape, row in zip(shapes, rows):
+        assert row["impl"] == "attnkit" and row[metric] == pytest.approx(value)
+        assert all(row[k] == shape[k] for k in peers.SUITE_INFO[suite]["keys"])
+    name = "torch-copy" if suite == "append" else "sdpa-cudnn"
+    peer = dict(shapes[0], suite=suite, impl=name, **{metric: value * 2})
+    table = peers.markdown_table(suite, rows + [peer])
+    assert f"| 0.50 ({name}) |" in table
 
 
 def test_attnkit_rows_falls_back_to_the_default_grid(peers, fake_cli, monkeypatch, tmp_path):

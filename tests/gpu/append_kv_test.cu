@@ -420,8 +420,7 @@ TEST(AppendKv, FusedMatchesVanillaAtServingSize) {
 // Bandwidth of the fused kernel at large token counts (bytes read + written / time) against a
 // device-to-device copy of the same bytes; inputs rotate over two sets past the L2. Not a
 // correctness test (DISABLED_: the GPU round runs it with --gtest_also_run_disabled_tests).
-// ATTNKIT_APPEND_BENCH="tokens,hq,hkv;..." picks the shapes, ATTNKIT_APPEND_BENCH_VARIANTS the
-// values of ATTNKIT_EXPERIMENT_APPEND to compare.
+// ATTNKIT_APPEND_BENCH="tokens,hq,hkv;..." picks the shapes (default 16384,32,8).
 __global__ void fill_bf16_kernel(uint16_t* data, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -455,20 +454,6 @@ std::vector<BenchShape> bench_shapes() {
     begin = end + 1;
   }
   return shapes;
-}
-
-std::vector<std::string> bench_variants() {
-  const char* env = std::getenv("ATTNKIT_APPEND_BENCH_VARIANTS");
-  std::vector<std::string> out;
-  std::string text = env ? env : "";
-  size_t begin = 0;
-  while (begin < text.size()) {
-    const size_t end = std::min(text.find(',', begin), text.size());
-    out.push_back(text.substr(begin, end - begin));
-    begin = end + 1;
-  }
-  if (out.empty()) out.push_back("");
-  return out;
 }
 
 TEST(AppendKvBench, DISABLED_FusedBandwidth) {
@@ -563,23 +548,15 @@ TEST(AppendKvBench, DISABLED_FusedBandwidth) {
                         static_cast<uint8_t*>(src) + s * copy_bytes, copy_bytes,
                         cudaMemcpyDeviceToDevice);
       });
-      for (const std::string& variant : bench_variants()) {
-        if (variant.empty()) {
-          unsetenv("ATTNKIT_EXPERIMENT_APPEND");
-        } else {
-          setenv("ATTNKIT_EXPERIMENT_APPEND", variant.c_str(), 1);
-        }
-        const double ms = median_ms([&](int s) { append_kv(spec, args[s]); });
-        ATTNKIT_CUDA_OK(cudaGetLastError());
-        const double tbs = bytes / (ms * 1e-3) / 1e12;
-        const double copy_tbs = bytes / (copy_ms * 1e-3) / 1e12;
-        std::printf(
-            "[append_bench] tokens=%lld Hq=%d Hkv=%d D=%d page=%d kv=%-8s variant=%-6s ms=%.4f "
-            "TB/s=%.3f copy_TB/s=%.3f fraction=%.3f\n",
-            static_cast<long long>(tokens), hq, hkv, kDim, kPage, dtype_name(kv),
-            variant.empty() ? "-" : variant.c_str(), ms, tbs, copy_tbs, tbs / copy_tbs);
-      }
-      unsetenv("ATTNKIT_EXPERIMENT_APPEND");
+      const double ms = median_ms([&](int s) { append_kv(spec, args[s]); });
+      ATTNKIT_CUDA_OK(cudaGetLastError());
+      const double tbs = bytes / (ms * 1e-3) / 1e12;
+      const double copy_tbs = bytes / (copy_ms * 1e-3) / 1e12;
+      std::printf(
+          "[append_bench] tokens=%lld Hq=%d Hkv=%d D=%d page=%d kv=%-8s ms=%.4f TB/s=%.3f "
+          "copy_TB/s=%.3f fraction=%.3f\n",
+          static_cast<long long>(tokens), hq, hkv, kDim, kPage, dtype_name(kv), ms, tbs, copy_tbs,
+          tbs / copy_tbs);
       for (void* p : {src, dst}) cudaFree(p);
       for (int s = 0; s < kSets; ++s) {
         cudaFree(qkv[s]);

@@ -7,14 +7,13 @@
 // so that the table's math and the page-table lookup hide under their latency. The kernel is
 // bound by the reads in flight (Little's law): on the H200 the fraction of copy bandwidth grew
 // from 0.33 to 0.89 as the 16-byte loads in flight per SM grew from 12 KB to 98 KB, so the plan
-// favours few threads per CTA, several units per thread, and few registers.
+// favours few threads per CTA (64 for 32 + 2 x 8 heads of D = 128), six units per thread, and
+// few registers (ten such CTAs per SM).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
-
-#include <algorithm>
 
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/element_io.cuh"
@@ -23,21 +22,13 @@
 namespace attnkit::cuda {
 
 struct AppendKvTraits {
-  static constexpr int kVec = 8;  // elements per 16-byte input vector
-  static constexpr int kMaxThreads = 512;
+  static constexpr int kVec = 8;                 // elements per 16-byte input vector
+  static constexpr int kSteps = kAppendKvSteps;  // units whose loads a thread issues together
+  // 96 registers: five warps per SM sub-partition instead of four (at 112), which is what keeps
+  // the 8-bit caches near or above 0.85 of copy bandwidth; the RoPE factors are read from shared
+  // memory at each use rather than held in registers, which is what lets 96 fit without spills.
+  static constexpr int kMaxRegs = 96;
 };
-
-// Compile-time tuning: units whose loads one thread issues together, whether the RoPE cos/sin
-// of a unit are read from shared memory at each use (fewer registers) or held in registers for
-// all units of the token, and the register cap (128: 512-thread CTAs fit; 96: five warps per
-// SM sub-partition instead of four).
-template <int kSteps_, bool kRotInSmem_, int kMaxRegs_ = 128>
-struct AppendKvTuning {
-  static constexpr int kSteps = kSteps_;
-  static constexpr bool kRotInSmem = kRotInSmem_;
-  static constexpr int kMaxRegs = kMaxRegs_;
-};
-using AppendKvDefaultTuning = AppendKvTuning<kAppendKvSteps, false>;
 
 template <DType kIn>
 __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
@@ -181,13 +172,12 @@ __device__ __forceinline__ AppendKvThreadDims thread_dims(const AppendKvParams& 
 }
 
 // Issues the loads of the units of heads first, first + heads_per_pass, ... (up to kSteps).
-template <typename Tuning>
 __device__ __forceinline__ void load_units(const AppendKvParams& params, int64_t token,
                                            int32_t first, const AppendKvThreadDims& t,
                                            AppendKvRaw* raw) {
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
 #pragma unroll
-  for (int k = 0; k < Tuning::kSteps; ++k) {
+  for (int k = 0; k < AppendKvTraits::kSteps; ++k) {
     const int32_t head = first + k * params.plan.heads_per_pass;
     if (head >= total_heads) break;
     const AppendKvHead h = classify_head(params, head);
@@ -252,11 +242,11 @@ __device__ __forceinline__ void fill_rope_table(const AppendKvParams& params, fl
 }
 
 // Bias, rotation, rounding and the stores of the units loaded by load_units.
-template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
+template <DType kIn, DType kKv, RopeStyle kStyle>
 __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64_t token,
                                              int32_t first, const AppendKvThreadDims& t,
-                                             const AppendKvRaw* raw, const AppendKvRotation& held,
-                                             const float2* token_table, int64_t cache_offset) {
+                                             const AppendKvRaw* raw, const float2* token_table,
+                                             int64_t cache_offset) {
   constexpr int kVec = AppendKvTraits::kVec;
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
   const int32_t elt = params.layout.element_bytes;
@@ -265,7 +255,7 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
   const bool paired = t.paired;
   const int32_t d0 = t.d0, d1 = t.d1;
 #pragma unroll
-  for (int k = 0; k < Tuning::kSteps; ++k) {
+  for (int k = 0; k < AppendKvTraits::kSteps; ++k) {
     const int32_t head = first + k * params.plan.heads_per_pass;
     if (head >= total_heads) break;
     const AppendKvHead h = classify_head(params, head);
@@ -288,11 +278,7 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
     }
     if (h.is_q || h.is_k) {
       AppendKvRotation rot;
-      if constexpr (Tuning::kRotInSmem) {
-        read_rotation<kStyle>(params, token_table, t, rot);
-      } else {
-        rot = held;
-      }
+      read_rotation<kStyle>(params, token_table, t, rot);
       if constexpr (kStyle == RopeStyle::kGptNeox) {
         if (paired) {
 #pragma unroll
@@ -362,8 +348,8 @@ __device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& para
          static_cast<int64_t>(in_block) * params.head_dim * layout.element_bytes;
 }
 
-template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
-__global__ void __maxnreg__(Tuning::kMaxRegs)
+template <DType kIn, DType kKv, RopeStyle kStyle>
+__global__ void __maxnreg__(AppendKvTraits::kMaxRegs)
     fused_append_kv_kernel(const __grid_constant__ AppendKvParams params) {
   extern __shared__ float2 cos_sin_table[];
   const FusedAppendKvPlan& plan = params.plan;
@@ -371,9 +357,9 @@ __global__ void __maxnreg__(Tuning::kMaxRegs)
   const bool token_valid = token < params.num_tokens;
   const AppendKvThreadDims t = thread_dims<kStyle>(params);
 
-  AppendKvRaw raw[Tuning::kSteps];
+  AppendKvRaw raw[AppendKvTraits::kSteps];
   const int32_t first = threadIdx.y;
-  if (token_valid) load_units<Tuning>(params, token, first, t, raw);
+  if (token_valid) load_units(params, token, first, t, raw);
   int32_t position = 0;
   int64_t cache_offset = 0;
   if (token_valid) {
@@ -381,88 +367,21 @@ __global__ void __maxnreg__(Tuning::kMaxRegs)
     cache_offset = cache_token_offset(params, params.row_of_token[token], position);
   }
   float2* token_table = cos_sin_table + threadIdx.z * (params.rope.rotary_dim / 2);
-  AppendKvRotation held;
   if constexpr (kStyle != RopeStyle::kNone) {
     if (token_valid) fill_rope_table(params, token_table, position);
     __syncthreads();
-    if constexpr (!Tuning::kRotInSmem) read_rotation<kStyle>(params, token_table, t, held);
   }
   if (!token_valid) return;
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
   for (int32_t head = first;;) {
-    finish_units<kIn, kKv, kStyle, Tuning>(params, token, head, t, raw, held, token_table,
-                                           cache_offset);
-    head += Tuning::kSteps * plan.heads_per_pass;
+    finish_units<kIn, kKv, kStyle>(params, token, head, t, raw, token_table, cache_offset);
+    head += AppendKvTraits::kSteps * plan.heads_per_pass;
     if (head >= total_heads) break;
-    load_units<Tuning>(params, token, head, t, raw);
+    load_units(params, token, head, t, raw);
   }
 }
 
-// GPU-round A/B only: a persistent variant (every head of a token in one round of loads). A CTA
-// walks tokens blockIdx.x * Z + z, then + gridDim.x * Z, ...; the loads of its next token go out
-// before the current one is finished. The cos/sin table is double-buffered: one barrier a token.
-template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
-__global__ void __maxnreg__(Tuning::kMaxRegs)
-    fused_append_kv_persistent_kernel(const __grid_constant__ AppendKvParams params) {
-  extern __shared__ float2 cos_sin_table[];  // [2][tokens_per_cta][rotary_dim / 2]
-  const FusedAppendKvPlan& plan = params.plan;
-  const int32_t rotary_half = params.rope.rotary_dim / 2;
-  const int32_t buffer_stride = plan.tokens_per_cta * rotary_half;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * plan.tokens_per_cta;
-  const AppendKvThreadDims t = thread_dims<kStyle>(params);
-  const int32_t first = threadIdx.y;
-  int64_t cta_token = static_cast<int64_t>(blockIdx.x) * plan.tokens_per_cta;
-  int64_t token = cta_token + threadIdx.z;
-
-  AppendKvRaw raw[Tuning::kSteps], next_raw[Tuning::kSteps];
-  int64_t cache_offset = 0;
-  if (token < params.num_tokens) {
-    load_units<Tuning>(params, token, first, t, raw);
-    const int32_t position = params.positions[token];
-    cache_offset = cache_token_offset(params, params.row_of_token[token], position);
-    if constexpr (kStyle != RopeStyle::kNone) {
-      fill_rope_table(params, cos_sin_table + threadIdx.z * rotary_half, position);
-    }
-  }
-  __syncthreads();
-  int32_t buffer = 0;
-  // cta_token is uniform over the CTA, so every thread reaches every barrier.
-  while (cta_token < params.num_tokens) {
-    const float2* token_table = cos_sin_table + buffer * buffer_stride + threadIdx.z * rotary_half;
-    AppendKvRotation held;
-    if constexpr (kStyle != RopeStyle::kNone && !Tuning::kRotInSmem) {
-      read_rotation<kStyle>(params, token_table, t, held);
-    }
-    const int64_t next = token + stride;
-    const bool next_valid = next < params.num_tokens;
-    int32_t next_position = 0, next_row = 0;
-    if (next_valid) {
-      load_units<Tuning>(params, next, first, t, next_raw);
-      next_position = params.positions[next];
-      next_row = params.row_of_token[next];
-    }
-    if (token < params.num_tokens) {
-      finish_units<kIn, kKv, kStyle, Tuning>(params, token, first, t, raw, held, token_table,
-                                             cache_offset);
-    }
-    if (next_valid) {
-      cache_offset = cache_token_offset(params, next_row, next_position);
-      if constexpr (kStyle != RopeStyle::kNone) {
-        fill_rope_table(params,
-                        cos_sin_table + (buffer ^ 1) * buffer_stride + threadIdx.z * rotary_half,
-                        next_position);
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < Tuning::kSteps; ++k) raw[k] = next_raw[k];
-    token = next;
-    cta_token += stride;
-    buffer ^= 1;
-  }
-}
-
-template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning = AppendKvDefaultTuning>
+template <DType kIn, DType kKv, RopeStyle kStyle>
 void launch_fused_append_kv_typed(const AppendKvParams& params, cudaStream_t stream) {
   const FusedAppendKvPlan& plan = params.plan;
   const int64_t blocks = (params.num_tokens + plan.tokens_per_cta - 1) / plan.tokens_per_cta;
@@ -470,68 +389,9 @@ void launch_fused_append_kv_typed(const AppendKvParams& params, cudaStream_t str
   const size_t table_bytes = kStyle == RopeStyle::kNone ? 0
                                                         : sizeof(float2) * plan.tokens_per_cta *
                                                               (params.rope.rotary_dim / 2);
-  fused_append_kv_kernel<kIn, kKv, kStyle, Tuning>
+  fused_append_kv_kernel<kIn, kKv, kStyle>
       <<<static_cast<unsigned>(blocks), threads, table_bytes, stream>>>(params);
   check_launch("fused_append_kv_kernel");
-}
-
-// GPU-round A/B only: the persistent grid is as many CTAs as fit on the device at once.
-template <DType kIn, DType kKv, RopeStyle kStyle, typename Tuning>
-void launch_fused_append_kv_persistent(const AppendKvParams& params, cudaStream_t stream) {
-  const FusedAppendKvPlan& plan = params.plan;
-  const int threads = plan.units_per_head * plan.heads_per_pass * plan.tokens_per_cta;
-  const size_t table_bytes = kStyle == RopeStyle::kNone ? 0
-                                                        : 2 * sizeof(float2) * plan.tokens_per_cta *
-                                                              (params.rope.rotary_dim / 2);
-  int device = 0, sms = 0, per_sm = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                 &per_sm, fused_append_kv_persistent_kernel<kIn, kKv, kStyle, Tuning>, threads,
-                 table_bytes),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const int64_t ctas_needed = (params.num_tokens + plan.tokens_per_cta - 1) / plan.tokens_per_cta;
-  const int64_t blocks = std::min<int64_t>(ctas_needed, int64_t{std::max(per_sm, 1)} * sms);
-  const dim3 block(plan.units_per_head, plan.heads_per_pass, plan.tokens_per_cta);
-  fused_append_kv_persistent_kernel<kIn, kKv, kStyle, Tuning>
-      <<<static_cast<unsigned>(blocks), block, table_bytes, stream>>>(params);
-  check_launch("fused_append_kv_persistent_kernel");
-}
-
-// GPU-round A/B only (removed before the merge): NeoX kernels with other tunings.
-template <DType kIn, DType kKv>
-bool launch_fused_append_kv_experiment(const AppendKvParams& params, cudaStream_t stream) {
-  if (params.rope.style != RopeStyle::kGptNeox) return false;
-  constexpr RopeStyle kNeox = RopeStyle::kGptNeox;
-  switch (params.plan.experiment) {
-    case 4:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<4, false>>(params, stream);
-      return true;
-    case 8:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<8, false>>(params, stream);
-      return true;
-    case 106:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, true>>(params, stream);
-      return true;
-    case 206:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, false, 96>>(params, stream);
-      return true;
-    case 506:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<6, true, 96>>(params, stream);
-      return true;
-    case 108:
-      launch_fused_append_kv_typed<kIn, kKv, kNeox, AppendKvTuning<8, true>>(params, stream);
-      return true;
-    case 303:
-      launch_fused_append_kv_persistent<kIn, kKv, kNeox, AppendKvTuning<3, true>>(params, stream);
-      return true;
-    case 304:
-      launch_fused_append_kv_persistent<kIn, kKv, kNeox, AppendKvTuning<4, true>>(params, stream);
-      return true;
-    default:
-      return false;
-  }
 }
 
 template <DType kIn, DType kKv>
@@ -550,18 +410,6 @@ void launch_fused_append_kv_style(const AppendKvParams& params, cudaStream_t str
 template <DType kIn>
 void launch_fused_append_kv(const AppendKvParams& params, cudaStream_t stream) {
   if (params.num_tokens == 0) return;
-  if constexpr (kIn == DType::kBF16) {
-    if (params.plan.experiment != 0) {
-      bool done = false;
-      if (params.kv_dtype == kIn)
-        done = launch_fused_append_kv_experiment<kIn, kIn>(params, stream);
-      if (params.kv_dtype == DType::kFp8E4M3)
-        done = launch_fused_append_kv_experiment<kIn, DType::kFp8E4M3>(params, stream);
-      if (params.kv_dtype == DType::kInt8)
-        done = launch_fused_append_kv_experiment<kIn, DType::kInt8>(params, stream);
-      if (done) return;
-    }
-  }
   // An unquantized cache has the dtype of the input (validate_append_kv), so three cache types
   // per input dtype.
   if (params.kv_dtype == kIn) return launch_fused_append_kv_style<kIn, kIn>(params, stream);

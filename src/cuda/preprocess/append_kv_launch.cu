@@ -1,6 +1,5 @@
 // append_kv on CUDA: the support query of the fused kernel, its launch, and the vanilla launch.
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "core/check.h"
@@ -152,7 +151,7 @@ std::string fused_append_kv_unsupported(const AttentionSpec& spec,
 
 void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
                      const detail::AppendKvProblem& p, Stream stream) {
-  const AppendKvParams params = make_append_kv_params(spec, args, p);
+  AppendKvParams params = make_append_kv_params(spec, args, p);
   const std::string misaligned = fused_alignment_problem(params);
   if (!misaligned.empty()) {
     // The caller asked for the fused kernel explicitly: say why it cannot run. With backend=auto
@@ -161,28 +160,12 @@ void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
                   "append_kv: backend 'fused' cannot serve this call: ", misaligned);
     return launch_vanilla_append_kv(params, as_cuda_stream(stream));
   }
-  AppendKvParams planned = params;
-  plan_fused_append_kv(planned);
-  // A/B switch for the GPU round only (removed before the merge): "<cta threads>x<steps>[r][m|p]",
-  // r: RoPE factors read from shared memory at each use, m: 96 registers, p: persistent kernel.
-  if (const char* experiment = std::getenv("ATTNKIT_EXPERIMENT_APPEND")) {
-    const std::string text = experiment;
-    const int32_t threads = std::clamp(std::atoi(text.c_str()), 32, 512);
-    const size_t x = text.find('x');
-    const int32_t steps = x == std::string::npos ? kAppendKvSteps : std::atoi(text.c_str() + x + 1);
-    const char last = text.empty() ? ' ' : text.back();
-    plan_fused_append_kv(planned, std::clamp(steps, 1, 8), threads);
-    int32_t code = steps == kAppendKvSteps ? 0 : steps;
-    if (last == 'r') code = 100 + steps;
-    if (last == 'p') code = 300 + steps;
-    if (last == 'm') code = text.find('r') == std::string::npos ? 200 + steps : 500 + steps;
-    planned.plan.experiment = code;
-  }
+  plan_fused_append_kv(params);
   if (p.dtype == DType::kBF16)
-    return launch_fused_append_kv<DType::kBF16>(planned, as_cuda_stream(stream));
+    return launch_fused_append_kv<DType::kBF16>(params, as_cuda_stream(stream));
 #if !defined(ATTNKIT_KERNEL_SUBSET)
   if (p.dtype == DType::kF16)
-    return launch_fused_append_kv<DType::kF16>(planned, as_cuda_stream(stream));
+    return launch_fused_append_kv<DType::kF16>(params, as_cuda_stream(stream));
 #endif
   detail::fail("append_kv: backend 'fused' cannot serve this call: ",
                fused_append_kv_unsupported(spec, p));

@@ -30,7 +30,6 @@ struct FusedAppendKvPlan {
   int32_t heads_per_pass = 0;
   int32_t tokens_per_cta = 0;
   int32_t page_shift = 0;  // paged cache: tokens_per_block == 1 << page_shift
-  int32_t experiment = 0;  // GPU-round A/B only: another tuning of the NeoX kernel
 };
 
 struct AppendKvParams {
