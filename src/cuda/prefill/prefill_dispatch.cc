@@ -27,8 +27,6 @@ const char* prefill_tile_name(PrefillTile tile) {
       return "m64";
     case PrefillTile::kM128W4:
       return "m128w4";
-    case PrefillTile::kM128N128:
-      return "m128n128";
     case PrefillTile::kM128W4N128:
       return "m128w4n128";
   }
@@ -64,8 +62,6 @@ Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv) {
       return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv);
     case PrefillTile::kM128W4:
       return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv);
-    case PrefillTile::kM128N128:
-      return launcher_for<D, PrefillTile::kM128N128, kDT>(masked, quant_kv);
     case PrefillTile::kM128W4N128:
       return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv);
   }
@@ -106,8 +102,6 @@ int smem_bytes_for(PrefillTile tile, bool quant_kv) {
       return PrefillTraits<D, PrefillTile::kM64>::smem_bytes(quant_kv);
     case PrefillTile::kM128W4:
       return PrefillTraits<D, PrefillTile::kM128W4>::smem_bytes(quant_kv);
-    case PrefillTile::kM128N128:
-      return PrefillTraits<D, PrefillTile::kM128N128>::smem_bytes(quant_kv);
     case PrefillTile::kM128W4N128:
       return PrefillTraits<D, PrefillTile::kM128W4N128>::smem_bytes(quant_kv);
   }
@@ -187,20 +181,23 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
                 " bytes of shared memory per block; the device allows ", dev.smem_optin);
 }
 
-// 128-row tiles read each K/V tile from memory once for twice the rows, and the 4-warp 128-row
-// tile also reads each smem fragment once for two MMA row blocks; they pay off once the grid
-// fills every SM, else the 64-row tile's extra CTAs win.
+// Measured on H200 (bf16, 16k tokens; docs/performance.md): once the grid of 128-row CTAs fills
+// every SM, the 4-warp 128-row tiles win (two CTAs per SM, each smem fragment feeds two MMA row
+// blocks): kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit
+// cache). The 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel
+// subset. head_dim 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs.
 PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count) {
   if (tiles.size() == 1) return tiles[0];
   auto has = [&](PrefillTile t) { return std::find(tiles.begin(), tiles.end(), t) != tiles.end(); };
-  if (ctas_m128 >= sm_count && has(PrefillTile::kM128W4)) return PrefillTile::kM128W4;
-  if (ctas_m128 >= 2 * static_cast<int64_t>(sm_count) && has(PrefillTile::kM128)) {
-    return PrefillTile::kM128;
+  if (ctas_m128 >= sm_count) {
+    for (PrefillTile t : {PrefillTile::kM128W4N128, PrefillTile::kM128W4}) {
+      if (has(t)) return t;
+    }
   }
   return has(PrefillTile::kM64) ? PrefillTile::kM64 : tiles[0];
 }
 
-// ATTNKIT_PREFILL_TILE=m128|m64|m128w4 forces a tile where it is compiled (benchmarks).
+// ATTNKIT_PREFILL_TILE=m128|m64|m128w4|m128w4n128 forces a tile where it is compiled (benchmarks).
 std::optional<PrefillTile> tile_from_env() {
   const char* env = std::getenv("ATTNKIT_PREFILL_TILE");
   if (env == nullptr) return std::nullopt;
@@ -218,6 +215,8 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   for (PrefillTile t : compiled_tiles(c.head_dim, c.dtype)) {
     if (prefill_smem_bytes(c.head_dim, t, quant_kv) <= dev.smem_optin) tiles.push_back(t);
   }
+  ATTNKIT_CHECK(!tiles.empty(), "prefill: no tile for head_dim ", c.head_dim,
+                " fits the device's shared memory (", dev.smem_optin, " bytes per block)");
   if (forced) {
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
@@ -245,7 +244,6 @@ void check_rows_16b(const TensorView& t, const char* name) {
 }
 
 void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
-  if (const char* e = std::getenv("ATTNKIT_EXPERIMENT_PREFILL")) prm.experiment = std::atoi(e);
   prm.softmax_scale = static_cast<float>(spec.effective_scale());
   prm.softcap = static_cast<float>(spec.logit_softcap);
   prm.alibi = spec.alibi;
@@ -259,9 +257,7 @@ void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
 }  // namespace
 
 int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM64 ? 64 : 128; }
-int prefill_block_n(PrefillTile tile) {
-  return tile == PrefillTile::kM128N128 || tile == PrefillTile::kM128W4N128 ? 128 : 64;
-}
+int prefill_block_n(PrefillTile tile) { return tile == PrefillTile::kM128W4N128 ? 128 : 64; }
 
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
   switch (head_dim) {

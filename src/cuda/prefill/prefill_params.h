@@ -20,16 +20,14 @@ enum class PrefillTile : int32_t {
   // 128 query rows, 4 warps of 32 rows: each K/V fragment read from smem feeds two MMA row
   // blocks (half the smem traffic per MMA), Q re-read from smem; head_dim 64 and 128.
   kM128W4 = 2,
-  // 128-key variants of kM128 / kM128W4: half the per-tile overhead (barrier, row-max shuffles,
-  // O rescale) per key; they need the registers and smem of a twice wider S tile.
-  kM128N128 = 3,
-  kM128W4N128 = 4,
+  // kM128W4 with 128 keys per tile (head_dim 64): half the per-key cost of the barrier, the
+  // row-max shuffles and the O rescale, for a twice wider S tile in registers.
+  kM128W4N128 = 3,
 };
-constexpr int kNumPrefillTiles = 5;
+constexpr int kNumPrefillTiles = 4;
 constexpr PrefillTile kAllPrefillTiles[] = {PrefillTile::kM128, PrefillTile::kM64,
-                                            PrefillTile::kM128W4, PrefillTile::kM128N128,
-                                            PrefillTile::kM128W4N128};
-// "m128", "m64", "m128w4", "m128n128", "m128w4n128"
+                                            PrefillTile::kM128W4, PrefillTile::kM128W4N128};
+// "m128", "m64", "m128w4", "m128w4n128"
 const char* prefill_tile_name(PrefillTile tile);
 
 // One packed-varlen, paged or dense ([B, S, H, D]) attention launch. Element strides; "tok" is
@@ -79,7 +77,6 @@ struct PrefillParams {
   float softcap = 0.f;  // 0: off
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
-  int32_t experiment = 0;  // EXPERIMENT (A/B in one GPU round; removed before commit)
 };
 
 }  // namespace attnkit::cuda::prefill

@@ -18,8 +18,9 @@ constexpr bool tile_exists(int head_dim, PrefillTile tile) {
     case 96:
       return tile == PrefillTile::kM128;
     case 256:
-      // 16 rows per warp keep O at 128 floats per thread; kM128 (8 warps) is FA2's H100 tile.
-      return tile == PrefillTile::kM64 || tile == PrefillTile::kM128;
+      // 16 rows per warp keep O at 128 floats per thread. Two independent 4-warp CTAs per SM
+      // beat FA2's one 8-warp 128x64 CTA (kM128) by 10% on H200, so only kM64 is built.
+      return tile == PrefillTile::kM64;
     default:
       return false;
   }
@@ -36,8 +37,7 @@ struct PrefillTraits {
   static constexpr int kRowsPerWarp = 16 * kMAtoms;
   static constexpr int kWarps = kBlockM / kRowsPerWarp;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN =
-      kTile == PrefillTile::kM128N128 || kTile == PrefillTile::kM128W4N128 ? 128 : 64;
+  static constexpr int kBlockN = kTile == PrefillTile::kM128W4N128 ? 128 : 64;
   // head_dim 256 holds one K and one V buffer, overlapped as in FA2: V(j) loads under
   // S = Q K(j)^T and K(j+1) under O += P V(j). That fits 64 keys (and 2 CTAs of kM64 per sm90 SM);
   // smaller head dims keep a kStages ring of K+V that hides a whole iteration.
