@@ -7,7 +7,6 @@
 
 #include <atomic>
 #include <mutex>
-#include <type_traits>
 
 #include "attnkit/types.h"
 #include "core/check.h"
@@ -74,15 +73,6 @@ DecodeKernelInfo info_traits() {
 // Calls f.template operator()<Traits>() for the tile configuration of `choice`.
 template <int kHeadDim, typename QTag, typename Kv, typename R, typename F>
 R with_config(DecodeKernelChoice choice, F&& f) {
-  if constexpr (kHeadDim == 128 && std::is_same_v<QTag, Bf16Tag>) {
-    // Tuning experiment (ATTNKIT_EXPERIMENT_DECODE, removed once measured).
-    if (choice.variant == kDecodeVariantThreeCtasPerSm) {
-      if (choice.heads_per_cta == 8)
-        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 8, 1>>();
-      if (choice.heads_per_cta == 16)
-        return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 16, 1>>();
-    }
-  }
   if (choice.heads_per_cta == 32)
     return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 32>>();
   if (choice.heads_per_cta == 8)

@@ -1,11 +1,13 @@
-// The fused GQA decode kernel (XQA style): one CTA serves up to 16 query heads of one KV head
-// (the MMA rows), so every K/V byte is read once per group. Grid: x = split * head_blocks +
-// head_block, y = KV head, z = row. Four warps; a tile of 64 keys is loaded into shared memory
-// by a multi-stage cp.async pipeline, each warp takes 16 keys of the tile and keeps its own
-// online-softmax state (m, l, O); the warps are merged at the end. QK^T and PV run on
-// mma.sync m16n8k16 with float accumulation. 8-bit caches run their MMAs in f16 whatever the
-// query type (one cvt widens a pair of stored bytes; a bf16 q is rounded to f16 once, saturating
-// at +-65504); their scales multiply the logits (K) and the output (V).
+// The fused GQA decode kernel (XQA style): one CTA serves up to 8, 16 or 32 query heads of one
+// KV head, so every K/V byte is read once per group. Grid: x = split * head_blocks + head_block,
+// y = KV head, z = row. A tile of 64 keys is loaded into shared memory by a multi-stage cp.async
+// pipeline; each group of four warps splits the tile 16 keys a warp and keeps its own
+// online-softmax state (m, l, O); the warps are merged at the end, and with split-KV the last CTA
+// of a (row, KV head) merges the splits. QK^T and PV run on mma.sync m16n8k16 with float
+// accumulation: for groups of up to 8 heads the keys are the MMA rows (S^T = K Q^T, O^T = V^T P^T,
+// half the MMAs of a 16-row tile), otherwise the heads. 8-bit caches run their MMAs in f16
+// whatever the query type (one cvt widens a pair of stored bytes; a bf16 q is rounded to f16
+// once, saturating at +-65504); their scales multiply the logits (K) and the output (V).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,8 +77,8 @@ constexpr int kDecodeSmemPerSm = 228 * 1024;
 // 8: the keys are the MMA rows and the heads its n8 columns (S^T = K Q^T, O^T = V^T P^T), half
 // the MMAs of a 16-row tile for groups of up to 8 heads. 16: the heads are the 16 MMA rows. 32:
 // two 16-row M blocks (MQA 32/1 reads K/V once); the warps form two groups of four that share
-// every tile. kVariant: tuning bits (kDecodeVariant*).
-template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kVariant_ = 0>
+// every tile.
+template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -87,10 +89,9 @@ struct DecodeTraits {
   static constexpr int kMBlocks = kM == 32 ? 2 : 1;
   // Accumulator tiles of O per warp: n8 tiles of d (heads as rows) or m16 tiles of d.
   static constexpr int kAccTiles = kKeysAsRows ? kHeadDim_ / 16 : kHeadDim_ / 8;
-  static constexpr int kVariant = kVariant_;
-  // CTAs per SM that the pipeline is sized for: more CTAs hide more of each warp's latency, more
-  // stages keep more bytes in flight per CTA.
-  static constexpr int kTargetCtasPerSm = (kVariant & kDecodeVariantThreeCtasPerSm) ? 3 : 2;
+  // CTAs per SM that the pipeline is sized for. Measured on the H200: two (3 bf16 stages) beat one
+  // (6 stages, too few warps to hide their latency) and three (2 stages, fewer bytes in flight).
+  static constexpr int kTargetCtasPerSm = 2;
   static constexpr int kKeyWarps = 4;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;

@@ -1,4 +1,4 @@
-// Fused GQA decode: the support query, the split-KV heuristic, the launch and the split combine.
+// Fused GQA decode: the support query, the split-KV heuristic and the launch.
 // fused_decode_unsupported() and fused_decode() use the same head_dim / dtype tables, so what
 // `attnkit info` and backend selection report is what fused_decode() runs.
 #include <cuda_bf16.h>
@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -82,87 +81,9 @@ void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType 
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
 }
 
-// Merges the splits' (normalized output, LSE) pairs of one (row, head) per CTA:
-// out = sum_s exp(lse_s - m) out_s / sum_s exp(lse_s - m), lse = m + log(sum_s exp(lse_s - m)).
-// The weights go through shared memory; each thread then sums one output element over the splits
-// with independent (unrolled) loads.
-template <typename T>
-__global__ void __launch_bounds__(128)
-    decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  __shared__ float weight[kDecodeMaxSplits];
-  __shared__ float total;
-  const int64_t item = blockIdx.x;  // row * Hq + head
-  const int64_t row = item / p.num_q_heads;
-  const int head = static_cast<int>(item % p.num_q_heads);
-  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float m = -INFINITY;
-    for (int s = lane; s < p.num_splits; s += 32)
-      m = fmaxf(m, p.partial_lse[s * split_stride + item]);
-    for (int offset = 16; offset > 0; offset /= 2)
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    float sum = 0.0f;
-    for (int s = lane; s < p.num_splits; s += 32) {
-      const float l = p.partial_lse[s * split_stride + item];
-      // Empty splits (LSE -inf) never wrote their output: weight 0, and their values are never
-      // used.
-      const float w = l == -INFINITY ? 0.0f : expf(l - m);
-      weight[s] = w;
-      sum += w;
-    }
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) {
-      total = sum;
-      if (p.lse != nullptr) {
-        p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
-            sum > 0.0f ? m + logf(sum) : -INFINITY;
-      }
-    }
-  }
-  __syncthreads();
-  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-  T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
-  const float* partial = p.partial_out + item * p.head_dim;
-  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float value = partial[s * split_stride * p.head_dim + d];
-      acc += weight[s] > 0.0f ? weight[s] * value : 0.0f;
-    }
-    out[d] = T(acc * inv_total);
-  }
-}
-
 int device_attribute(cudaDeviceAttr attr, int device) {
   int value = 0;
   check_cuda(cudaDeviceGetAttribute(&value, attr, device), "decode: cudaDeviceGetAttribute");
-  return value;
-}
-
-// Round-1 tuning experiments, read once per process from ATTNKIT_EXPERIMENT_DECODE (a list of
-// tokens): "v<N>" DecodeTraits variant N for head_dim 128 bf16 q, "sep" the separate combine
-// kernel instead of the last-CTA merge, "m1" one M block per CTA for groups > 16 heads, "h16" the
-// 16-row tile for groups <= 8.
-struct DecodeExperiment {
-  int variant = 0;
-  bool separate_combine = false;
-  bool one_m_block = false;
-  bool heads16 = false;
-};
-const DecodeExperiment& experiment() {
-  static const DecodeExperiment value = [] {
-    DecodeExperiment e;
-    const char* env = std::getenv("ATTNKIT_EXPERIMENT_DECODE");
-    const std::string text = env ? env : "";
-    if (const size_t at = text.find('v'); at != std::string::npos && at + 1 < text.size())
-      e.variant = text[at + 1] - '0';
-    e.separate_combine = text.find("sep") != std::string::npos;
-    e.one_m_block = text.find("m1") != std::string::npos;
-    e.heads16 = text.find("h16") != std::string::npos;
-    return e;
-  }();
   return value;
 }
 
@@ -270,9 +191,6 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   // two M blocks per CTA, so that K/V is read once per 32 heads.
   DecodeKernelChoice choice;
   choice.heads_per_cta = params.group_size <= 8 ? 8 : (params.group_size <= 16 ? 16 : 32);
-  if (experiment().one_m_block) choice.heads_per_cta = std::min(choice.heads_per_cta, 16);
-  if (experiment().heads16 && choice.heads_per_cta == 8) choice.heads_per_cta = 16;
-  choice.variant = experiment().variant;
   params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
@@ -318,31 +236,19 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
   const size_t counters =
       static_cast<size_t>(p.num_rows) * spec.num_kv_heads * static_cast<size_t>(params.head_blocks);
-  const bool fused_combine = !experiment().separate_combine;
   void* workspace = nullptr;
-  check_cuda(cudaMallocAsync(&workspace,
-                             partial_values * (spec.head_dim + 1) * sizeof(float) +
-                                 (fused_combine ? counters * sizeof(int32_t) : 0),
-                             stream),
+  check_cuda(cudaMallocAsync(
+                 &workspace,
+                 partial_values * (spec.head_dim + 1) * sizeof(float) + counters * sizeof(int32_t),
+                 stream),
              "decode: cudaMallocAsync(split-KV workspace)");
   params.partial_out = static_cast<float*>(workspace);
   params.partial_lse = params.partial_out + partial_values * spec.head_dim;
   try {
-    if (fused_combine) {
-      params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
-      check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
-                 "decode: cudaMemsetAsync(split counters)");
-    }
+    params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
+    check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
+               "decode: cudaMemsetAsync(split counters)");
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);
-    if (!fused_combine) {
-      const dim3 grid(static_cast<unsigned>(p.num_rows * spec.num_q_heads));
-      if (p.dtype == DType::kBF16) {
-        decode_combine_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(params);
-      } else {
-        decode_combine_kernel<__half><<<grid, 128, 0, stream>>>(params);
-      }
-      check_launch("decode_combine_kernel");
-    }
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;

@@ -14,10 +14,9 @@ struct DecodeKernelInfo {
 };
 
 // Which tile configuration serves a call: heads_per_cta = DecodeTraits::kM (8: keys as MMA rows,
-// groups <= 8; 16; 32: two M blocks, groups > 16), variant = tuning bits (kDecodeVariant*).
+// groups <= 8; 16; 32: two M blocks, groups > 16).
 struct DecodeKernelChoice {
   int heads_per_cta = 16;
-  int variant = 0;
 };
 
 // Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits

@@ -1,4 +1,4 @@
-// Runtime parameters of the fused GQA decode kernel and its split-KV combine kernel. Host-side
+// Runtime parameters of the fused GQA decode kernel (split-KV included). Host-side
 // plain data (no CUDA types): decode_launch.cu fills it from validated DecodeArgs, the kernels
 // receive it as `const __grid_constant__ DecodeParams`.
 #pragma once
@@ -15,9 +15,7 @@ constexpr int kDecodeMaxAlibiHeads = 256;
 // Query heads of one M block: the 16 rows of an m16n8k16 MMA. A CTA serves one or two M blocks
 // of one KV-head group (DecodeTraits::kMBlocks).
 constexpr int kDecodeHeadsPerCta = 16;
-// Tuning bits of DecodeTraits::kVariant: size the pipeline for three CTAs per SM instead of two.
-constexpr int kDecodeVariantThreeCtasPerSm = 1;
-// Split-KV count limit (the combine kernel keeps one weight per split in shared memory); a larger
+// Split-KV count limit (the merging CTA keeps one weight per split in shared memory); a larger
 // DecodeArgs::num_splits is clamped to it.
 constexpr int kDecodeMaxSplits = 128;
 
@@ -33,11 +31,11 @@ struct DecodeParams {
   int64_t lse_head_stride = 0;
 
   // Split-KV workspace (num_splits > 1): each split's normalized output (already multiplied by
-  // the V scale) and its LSE; the combine kernel merges them into out / lse.
+  // the V scale) and its LSE; the last CTA of each (row, KV head, head block) merges them.
   float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
   // One arrival counter per (row, KV head, head block), zeroed before the launch: the last split
-  // CTA to finish merges the splits (no combine kernel). nullptr: decode_combine_kernel merges.
+  // CTA to finish merges the splits.
   int32_t* split_counters = nullptr;  // [num_rows, Hkv, head_blocks]
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
