@@ -1,169 +1,174 @@
-// `attnkit bench append`: fused append_kv bandwidth (DESIGN.md section 7). Bytes that must move
-// (fused QKV read, rotated Q written, K and V written at the cache dtype) / kernel time, next to
-// a device-to-device copy of the same bytes measured in the same run. CUDA events, warm-up,
-// median of 21 samples of 4 back-to-back calls, two input sets of ~200 MB (past the 60 MB L2),
-// non-zero data.
+// `attnkit bench append`: fused append_kv bandwidth (DESIGN.md section 7). TB/s = bytes that must
+// move (fused QKV read, rotated Q written, K and V written at the cache dtype) / kernel time;
+// % of ceiling against the measured copy bandwidth, and next to it a device-to-device copy of the
+// same bytes measured in the same run. One row per cache dtype (bf16, fp8_e4m3, int8).
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attnkit/attention.h"
-#include "check_support.h"
+#include "bench_session.h"
 #include "commands.h"
-
-#if defined(ATTNKIT_WITH_CUDA)
-#include <cuda_runtime.h>
-#endif
 
 namespace attnkit::tools {
 namespace {
 
-#if defined(ATTNKIT_WITH_CUDA)
-void cuda_ok(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(std::string("bench append: ") + what + ": " + cudaGetErrorString(status));
-}
+constexpr const char* kCommand = "append";
 
-struct AppendBenchResult {
-  double ms = 0, tbs = 0, copy_tbs = 0;
+struct AppendShape {
+  int64_t tokens = 16384;
+  int q_heads = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  int page = 64;
+  std::string kv_dtype = "bf16";
 };
 
-AppendBenchResult bench_one(DType kv_dtype, int64_t tokens, int32_t hq, int32_t hkv, int32_t d,
-                            int32_t page) {
-  constexpr int kSets = 2, kWarmup = 3, kRuns = 21, kBatch = 4;
+struct AppendBenchOptions {
+  CommonBenchOptions common;
+  int64_t tokens = 16384;
+  int q_heads = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  int page = 64;
+  std::vector<std::string> kv_dtypes;  // empty: bf16, fp8_e4m3, int8
+};
+
+std::vector<AppendShape> plan(const AppendBenchOptions& o) {
+  check_at_least(kCommand, "--tokens", o.tokens, 1);
+  check_heads(kCommand, o.q_heads, o.kv_heads, "--q-heads", "--kv-heads");
+  check_head_dim(kCommand, o.head_dim);
+  check_page(kCommand, "--page", o.page);
+  check_iters(kCommand, o.common.iters);
+  std::vector<AppendShape> shapes;
+  for (const std::string& kv :
+       o.kv_dtypes.empty() ? std::vector<std::string>{"bf16", "fp8_e4m3", "int8"} : o.kv_dtypes) {
+    shapes.push_back({.tokens = o.tokens,
+                      .q_heads = o.q_heads,
+                      .kv_heads = o.kv_heads,
+                      .head_dim = o.head_dim,
+                      .page = o.page,
+                      .kv_dtype = dtype_name(parse_kv_dtype(kCommand, "--kv-dtype", kv))});
+  }
+  return shapes;
+}
+
+BenchRow row_of(const AppendShape& s) {
+  BenchRow row;
+  row.label = s.kv_dtype + " cache";
+  row.shape = {{"tokens", s.tokens},     {"q_heads", s.q_heads}, {"kv_heads", s.kv_heads},
+               {"head_dim", s.head_dim}, {"page", s.page},       {"kv_dtype", s.kv_dtype}};
+  return row;
+}
+
+struct AppendSet {
+  DeviceBuffer qkv, q_out, pool;
+  AppendKvArgs args;
+};
+
+BenchSession::Measurement measure(BenchSession& session, const AppendShape& s, BenchRow& row) {
+  const DType kv_dtype = parse_kv_dtype(kCommand, "--kv-dtype", s.kv_dtype);
   AttentionSpec spec;
-  spec.num_q_heads = hq;
-  spec.num_kv_heads = hkv;
-  spec.head_dim = d;
+  spec.num_q_heads = s.q_heads;
+  spec.num_kv_heads = s.kv_heads;
+  spec.head_dim = s.head_dim;
   spec.rope.style = RopeStyle::kGptNeox;
-  spec.backend = Backend::kFused;
-  const int64_t width = int64_t{hq + 2 * hkv} * d;
-  const int32_t rows = static_cast<int32_t>(std::max<int64_t>(1, tokens / 1024));
-  const int64_t tokens_per_row = tokens / rows;
-  const int32_t blocks_per_row = static_cast<int32_t>((tokens_per_row + page - 1) / page);
-  const int64_t blocks = int64_t{rows} * blocks_per_row;
-  std::mt19937_64 rng(12345);
-  std::vector<Tensor> qkv;
-  for (int s = 0; s < kSets; ++s) {
-    qkv.emplace_back(DType::kBF16, std::vector<int64_t>{tokens, width});
-    qkv.back().fill_uniform(rng, -1.f, 1.f);
+  spec.backend = session.backend(Backend::kFused);
+  const int64_t d = s.head_dim;
+  const int64_t width = int64_t{s.q_heads + 2 * s.kv_heads} * d;
+  // Sequences of 1024 tokens, each with its own block-table row.
+  const int64_t rows = std::max<int64_t>(1, s.tokens / 1024);
+  const int64_t tokens_per_row = (s.tokens + rows - 1) / rows;
+  const int64_t blocks_per_row = (tokens_per_row + s.page - 1) / s.page;
+  const int64_t blocks = rows * blocks_per_row;
+  std::vector<int32_t> positions(s.tokens), row_of_token(s.tokens), table(blocks);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    positions[t] = static_cast<int32_t>(t % tokens_per_row);
+    row_of_token[t] = static_cast<int32_t>(t / tokens_per_row);
   }
-  Tensor positions(DType::kInt32, {tokens}), row_of(DType::kInt32, {tokens});
-  for (int64_t t = 0; t < tokens; ++t) {
-    positions.ints()[t] = static_cast<int32_t>(t % tokens_per_row);
-    row_of.ints()[t] = static_cast<int32_t>(t / tokens_per_row);
-  }
-  Tensor table(DType::kInt32, {rows, blocks_per_row});
-  std::iota(table.ints(), table.ints() + blocks, 0);
-  std::shuffle(table.ints(), table.ints() + blocks, rng);
-  Tensor scale(DType::kF32, {1});
-  scale.set(0, 0.05f);
-  const Device gpu = Device::cuda(0);
-  const int64_t block_bytes = 2 * int64_t{hkv} * page * d * int64_t(dtype_size(kv_dtype));
-  std::vector<void*> q_out(kSets), pools(kSets);
-  for (int s = 0; s < kSets; ++s) {
-    cuda_ok(cudaMalloc(&q_out[s], tokens * hq * d * 2), "cudaMalloc");
-    cuda_ok(cudaMalloc(&pools[s], blocks * block_bytes), "cudaMalloc");
-  }
-  std::vector<AppendKvArgs> args(kSets);
-  for (int s = 0; s < kSets; ++s) {
-    AppendKvArgs& a = args[s];
-    a.qkv = qkv[s].on(gpu);
-    a.positions = positions.on(gpu);
-    a.row_of_token = row_of.on(gpu);
-    a.q_out = TensorView(q_out[s], DType::kBF16, {tokens, hq, d}, gpu);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937_64(12345));
+  const float scale = 0.05f;
+  const DeviceBuffer d_positions = upload(positions.data(), positions.size() * 4);
+  const DeviceBuffer d_rows = upload(row_of_token.data(), row_of_token.size() * 4);
+  const DeviceBuffer d_table = upload(table.data(), table.size() * 4);
+  const DeviceBuffer d_scale = upload(&scale, 4);
+  const Device gpu = session.device();
+  const int64_t kv_elt = static_cast<int64_t>(dtype_size(kv_dtype));
+  const int64_t block_bytes = 2 * int64_t{s.kv_heads} * s.page * d * kv_elt;
+  const size_t qkv_bytes = static_cast<size_t>(s.tokens * width * 2);
+  const size_t q_bytes = static_cast<size_t>(s.tokens * s.q_heads * d * 2);
+  const int sets = rotation_sets(qkv_bytes + q_bytes + blocks * block_bytes, session.l2_bytes());
+  std::vector<std::unique_ptr<AppendSet>> set(sets);
+  for (int i = 0; i < sets; ++i) {
+    set[i] = std::make_unique<AppendSet>();
+    AppendSet& x = *set[i];
+    x.qkv = DeviceBuffer(qkv_bytes);
+    x.q_out = DeviceBuffer(q_bytes);
+    x.pool = DeviceBuffer(blocks * block_bytes);
+    fill_random(x.qkv, DType::kBF16, 7 * i + 1);
+    AppendKvArgs& a = x.args;
+    a.qkv = TensorView(x.qkv.get(), DType::kBF16, {s.tokens, width}, gpu);
+    a.positions = TensorView(d_positions.get(), DType::kInt32, {s.tokens}, gpu);
+    a.row_of_token = TensorView(d_rows.get(), DType::kInt32, {s.tokens}, gpu);
+    a.q_out = TensorView(x.q_out.get(), DType::kBF16, {s.tokens, s.q_heads, d}, gpu);
     KvCacheView& v = a.kv_cache;
-    v.k_base = pools[s];
-    v.v_base = static_cast<uint8_t*>(pools[s]) + block_bytes / 2;
+    v.k_base = x.pool.get();
+    v.v_base = x.pool.as<uint8_t>() + block_bytes / 2;
     v.block_stride_bytes = block_bytes;
     v.num_blocks = static_cast<int32_t>(blocks);
     v.dtype = kv_dtype;
     v.device = gpu;
-    v.num_kv_heads = hkv;
-    v.tokens_per_block = page;
-    v.head_dim = d;
-    v.block_table = table.on(gpu);
-    if (kv_dtype == DType::kFp8E4M3 || kv_dtype == DType::kInt8) {
-      v.k_scale = scale.on(gpu);
+    v.num_kv_heads = s.kv_heads;
+    v.tokens_per_block = s.page;
+    v.head_dim = s.head_dim;
+    v.block_table = TensorView(d_table.get(), DType::kInt32, {rows, blocks_per_row}, gpu);
+    if (kv_dtype != DType::kBF16) {
+      v.k_scale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
       v.v_scale = v.k_scale;
     }
   }
-  const double bytes =
-      static_cast<double>(tokens) *
-      (width * 2 + int64_t{hq} * d * 2 + 2 * int64_t{hkv} * d * int64_t(dtype_size(kv_dtype)));
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  auto median_ms = [&](auto&& launch) {
-    std::vector<float> times;
-    for (int i = 0; i < kWarmup + kRuns; ++i) {
-      cudaEventRecord(start);
-      for (int b = 0; b < kBatch; ++b) launch((i * kBatch + b) % kSets);
-      cudaEventRecord(stop);
-      cuda_ok(cudaEventSynchronize(stop), "kernel");
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      if (i >= kWarmup) times.push_back(ms / kBatch);
-    }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  };
-  AppendBenchResult result;
-  result.ms = median_ms([&](int s) { append_kv(spec, args[s]); });
-  // The copy reads bytes/2 and writes bytes/2: the same traffic.
-  const size_t copy_bytes = static_cast<size_t>(bytes / 2);
-  void *src = nullptr, *dst = nullptr;
-  cuda_ok(cudaMalloc(&src, copy_bytes * kSets), "cudaMalloc");
-  cuda_ok(cudaMalloc(&dst, copy_bytes * kSets), "cudaMalloc");
-  cuda_ok(cudaMemset(src, 0x3c, copy_bytes * kSets), "cudaMemset");
-  const double copy_ms = median_ms([&](int s) {
-    cudaMemcpyAsync(static_cast<uint8_t*>(dst) + s * copy_bytes,
-                    static_cast<uint8_t*>(src) + s * copy_bytes, copy_bytes,
-                    cudaMemcpyDeviceToDevice);
-  });
-  for (void* p : {src, dst}) cudaFree(p);
-  for (int s = 0; s < kSets; ++s) {
-    cudaFree(q_out[s]);
-    cudaFree(pools[s]);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  result.tbs = bytes / (result.ms * 1e-3) / 1e12;
-  result.copy_tbs = bytes / (copy_ms * 1e-3) / 1e12;
-  return result;
+  const double ms = session.time_ms(
+      [&](int call, Stream stream) { append_kv(spec, set[call % sets]->args, stream); }, {});
+  const double bytes = static_cast<double>(s.tokens) * (width * 2 + int64_t{s.q_heads} * d * 2 +
+                                                        2 * int64_t{s.kv_heads} * d * kv_elt);
+  // The copy reads bytes / 2 and writes bytes / 2: the same traffic.
+  const double copy_ms = session.time_copy_ms(static_cast<size_t>(bytes / 2));
+  const double tbps = bytes / (ms * 1e-3) * 1e-12;
+  const double copy_tbps = bytes / (copy_ms * 1e-3) * 1e-12;
+  row.extra["mb_moved"] = bytes * 1e-6;
+  row.extra["copy_same_bytes_tbps"] = copy_tbps;
+  row.extra["fraction_of_copy"] = tbps / copy_tbps;
+  return {ms, tbps};
 }
-#endif
 
 }  // namespace
 
 void register_bench_append(CLI::App& bench) {
-  CLI::App* cmd = bench.add_subcommand("append", "fused append_kv bandwidth vs a D2D copy");
-  static int64_t tokens = 16384;
-  static int32_t hq = 32, hkv = 8, d = 128, page = 64;
-  cmd->add_option("--tokens", tokens, "tokens per call");
-  cmd->add_option("--q-heads", hq);
-  cmd->add_option("--kv-heads", hkv);
-  cmd->add_option("--head-dim", d);
-  cmd->add_option("--page", page);
-  cmd->callback([] {
-#if defined(ATTNKIT_WITH_CUDA)
-    if (cuda_devices().empty()) throw Error("bench append: no CUDA device visible");
-    std::printf(
-        "append_kv (fused QKV bf16 + GPT-NeoX RoPE), tokens=%lld Hq=%d Hkv=%d D=%d page=%d\n",
-        static_cast<long long>(tokens), hq, hkv, d, page);
-    std::printf("%-9s %-10s %-12s %-14s %s\n", "kv", "ms", "TB/s", "copy TB/s", "fraction");
-    for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
-      const auto r = bench_one(kv, tokens, hq, hkv, d, page);
-      std::printf("%-9s %-10.3f %-12.2f %-14.2f %.2f\n", dtype_name(kv), r.ms, r.tbs, r.copy_tbs,
-                  r.tbs / r.copy_tbs);
+  auto o = std::make_shared<AppendBenchOptions>();
+  CLI::App* cmd = bench.add_subcommand(
+      "append",
+      "fused append_kv bandwidth (fused QKV bf16 + GPT-NeoX RoPE into a paged cache), one row per "
+      "cache dtype, next to a D2D copy of the same bytes");
+  cmd->add_option("--tokens", o->tokens, "tokens per call (default 16384)");
+  cmd->add_option("--q-heads", o->q_heads, "query heads (default 32)");
+  cmd->add_option("--kv-heads", o->kv_heads, "KV heads, a divisor of --q-heads (default 8)");
+  cmd->add_option("--head-dim", o->head_dim, "64, 80, 96, 128 or 256 (default 128)");
+  cmd->add_option("--page", o->page, "tokens per block: 8, 16, 32, 64, 128 (default 64)");
+  cmd->add_option("--kv-dtype", o->kv_dtypes,
+                  "cache dtypes to run: bf16, fp8_e4m3, int8 (default all three)");
+  add_common_options(*cmd, o->common, 21);
+  cmd->callback([o] {
+    const std::vector<AppendShape> shapes = plan(*o);
+    BenchSession session(kCommand, RateUnit::kTbps, o->common, static_cast<int>(shapes.size()));
+    for (const AppendShape& s : shapes) {
+      session.run_row(row_of(s), [&](BenchRow& row) { return measure(session, s, row); });
     }
-#else
-    throw Error("bench append: attnkit was built without the CUDA backend");
-#endif
+    session.finish();
   });
 }
 

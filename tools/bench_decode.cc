@@ -1,31 +1,26 @@
-// `attnkit bench decode`: paged decode bandwidth (DESIGN.md section 7). Effective TB/s = KV bytes
-// that must be read (the cache at its stored dtype) / kernel time, and that as a fraction of the
-// device's measured copy bandwidth. CUDA events around a CUDA graph of 16 calls (per-call time =
-// sample / 16), warm-up, median of >= 20 samples, KV pools rotated across enough buffers that the
-// 60 MB L2 cannot serve them, random (never zero) data.
+// `attnkit bench decode`: paged decode bandwidth (DESIGN.md section 7). TB/s = KV bytes that must
+// be read (the cache at its stored dtype) / kernel time; % of ceiling against the measured D2D
+// copy bandwidth. CUDA graphs of 16 calls (the host's launch cost stays out), KV pools rotated
+// past the L2, scattered pages, random data (bench_session.h).
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "bench_session.h"
 #include "commands.h"
-#include "core/numerics.h"
-
-#if defined(ATTNKIT_WITH_CUDA)
-#include <cuda_runtime.h>
-#endif
 
 namespace attnkit::tools {
 namespace {
 
-struct DecodeBenchConfig {
+constexpr const char* kCommand = "decode";
+
+struct DecodeShape {
+  std::string label;
   int batch = 64;
   int context = 4096;
   int q_heads = 32;
@@ -37,324 +32,179 @@ struct DecodeBenchConfig {
 };
 
 struct DecodeBenchOptions {
+  CommonBenchOptions common;
   std::vector<int> batch;
-  int context = 0;
+  int context = 4096;
   int q_heads = 32;
   int kv_heads = 8;
   int head_dim = 128;
   int page = 32;
   std::string kv_dtype = "bf16";
   int splits = 0;
-  int iters = 30;
-  bool json = false;
+  bool custom = false;  // a shape option was given: run that shape instead of the grid
 };
 
-// The grid: Hq=32, Hkv=8, D=128, page 32, bf16 unless the row says otherwise.
-std::vector<DecodeBenchConfig> default_grid() {
-  std::vector<DecodeBenchConfig> grid;
-  for (auto [batch, context] : {std::pair{64, 4096}, std::pair{128, 2048}, std::pair{256, 1024},
-                                std::pair{32, 32768}, std::pair{1, 32768}}) {
-    DecodeBenchConfig c;
-    c.batch = batch;
-    c.context = context;
-    grid.push_back(c);
-  }
+std::string short_tokens(int n) {
+  return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
+}
+
+// The grid: Hq=32, Hkv=8, D=128, page 32, bf16 unless the label says otherwise.
+std::vector<DecodeShape> default_grid(bool quick) {
+  std::vector<DecodeShape> grid;
+  auto add = [&](DecodeShape s) {
+    const std::string size = std::to_string(s.batch) + "x" + short_tokens(s.context);
+    if (s.label.empty()) s.label = s.kv_dtype + " " + size;
+    grid.push_back(s);
+  };
+  using Pairs = std::vector<std::pair<int, int>>;
+  const Pairs sizes = quick ? Pairs{{64, 4096}, {1, 32768}}
+                            : Pairs{{64, 4096}, {128, 2048}, {256, 1024}, {32, 32768}, {1, 32768}};
+  for (auto [batch, context] : sizes) add({.label = "", .batch = batch, .context = context});
   for (const char* kv : {"fp8_e4m3", "int8"}) {
-    for (auto [batch, context] : {std::pair{64, 4096}, std::pair{1, 32768}}) {
-      DecodeBenchConfig c;
-      c.batch = batch;
-      c.context = context;
-      c.kv_dtype = kv;
-      grid.push_back(c);
+    for (auto [batch, context] : quick ? Pairs{{64, 4096}} : Pairs{{64, 4096}, {1, 32768}}) {
+      add({.label = "", .batch = batch, .context = context, .kv_dtype = kv});
     }
   }
-  for (int page : {16, 64}) {
-    DecodeBenchConfig c;
-    c.page = page;
-    grid.push_back(c);
-  }
-  for (int kv_heads : {32, 1}) {  // MHA, MQA
-    DecodeBenchConfig c;
-    c.kv_heads = kv_heads;
-    grid.push_back(c);
-  }
+  if (quick) return grid;
+  for (int page : {16, 64}) add({.label = "page " + std::to_string(page), .page = page});
+  add({.label = "MHA 32/32", .kv_heads = 32});
+  add({.label = "MQA 32/1", .kv_heads = 1});
   return grid;
 }
 
-DType parse_kv_dtype(const std::string& name) {
-  if (name == "bf16") return DType::kBF16;
-  if (name == "fp8_e4m3" || name == "fp8") return DType::kFp8E4M3;
-  if (name == "int8") return DType::kInt8;
-  throw Error("--kv-dtype: accepted bf16, fp8_e4m3, int8; got '" + name + "'");
-}
-
-#if defined(ATTNKIT_WITH_CUDA)
-void cuda_ok(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw Error(std::string("bench decode: ") + what + ": " + cudaGetErrorString(status));
+std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
+  for (int b : o.batch) check_at_least(kCommand, "--batch", b, 1);
+  check_at_least(kCommand, "--context", o.context, 1);
+  check_heads(kCommand, o.q_heads, o.kv_heads, "--q-heads", "--kv-heads");
+  check_head_dim(kCommand, o.head_dim);
+  check_page(kCommand, "--page", o.page);
+  parse_kv_dtype(kCommand, "--kv-dtype", o.kv_dtype);
+  check_at_least(kCommand, "--splits", o.splits, 0);
+  check_iters(kCommand, o.common.iters);
+  if (!o.custom) {
+    std::vector<DecodeShape> grid = default_grid(o.common.quick);
+    for (DecodeShape& s : grid) s.splits = o.splits;
+    return grid;
   }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Read + write bytes per second of a device-to-device copy of 1 GiB (median of 20).
-double measure_copy_bandwidth() {
-  const size_t bytes = size_t{1} << 30;
-  void *src = nullptr, *dst = nullptr;
-  cuda_ok(cudaMalloc(&src, bytes), "cudaMalloc");
-  cuda_ok(cudaMalloc(&dst, bytes), "cudaMalloc");
-  cuda_ok(cudaMemset(src, 0x3c, bytes), "cudaMemset");
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> times;
-  for (int i = 0; i < 23; ++i) {
-    cuda_ok(cudaEventRecord(start), "cudaEventRecord");
-    cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
-    cuda_ok(cudaEventRecord(stop), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (i >= 3) times.push_back(ms * 1e-3);
+  std::vector<DecodeShape> shapes;
+  for (int batch : o.batch.empty() ? std::vector<int>{64} : o.batch) {
+    shapes.push_back({.label = "custom",
+                      .batch = batch,
+                      .context = o.context,
+                      .q_heads = o.q_heads,
+                      .kv_heads = o.kv_heads,
+                      .head_dim = o.head_dim,
+                      .page = o.page,
+                      .kv_dtype = o.kv_dtype,
+                      .splits = o.splits});
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaFree(src);
-  cudaFree(dst);
-  return 2.0 * static_cast<double>(bytes) / median(times);
+  return shapes;
 }
 
-// Fills device memory with random values valid for `dtype` (no NaN, never all zero).
-void fill_random(void* device, size_t bytes, DType dtype, std::mt19937_64& rng) {
-  std::vector<uint8_t> host(std::min<size_t>(bytes, size_t{32} << 20));
-  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
-  if (dtype == DType::kBF16) {
-    auto* h = reinterpret_cast<uint16_t*>(host.data());
-    for (size_t i = 0; i < host.size() / 2; ++i) h[i] = numerics::float_to_bf16_bits(value(rng));
-  } else if (dtype == DType::kFp8E4M3) {
-    for (auto& b : host) b = numerics::float_to_fp8_e4m3_bits(value(rng) * 200.0f);
-  } else {
-    for (auto& b : host) b = static_cast<uint8_t>(numerics::float_to_int8_sat(value(rng) * 120));
-  }
-  for (size_t offset = 0; offset < bytes; offset += host.size()) {
-    cuda_ok(cudaMemcpy(static_cast<uint8_t*>(device) + offset, host.data(),
-                       std::min(host.size(), bytes - offset), cudaMemcpyHostToDevice),
-            "cudaMemcpy");
-  }
+BenchRow row_of(const DecodeShape& s) {
+  BenchRow row;
+  row.label = s.label;
+  row.shape = {{"batch", s.batch},       {"context", s.context},   {"q_heads", s.q_heads},
+               {"kv_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"page", s.page},
+               {"kv_dtype", s.kv_dtype}, {"splits", s.splits}};
+  return row;
 }
 
-struct DecodeBenchResult {
-  DecodeBenchConfig config;
-  double seconds = 0;
-  double kv_bytes = 0;
-  double tb_per_s = 0;
-  double copy_fraction = 0;
-};
-
-DecodeBenchResult run_one(const DecodeBenchConfig& c, int iters, double copy_bw,
-                          std::mt19937_64& rng) {
-  const DType kv_dtype = parse_kv_dtype(c.kv_dtype);
-  const DType dtype = DType::kBF16;
+BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, BenchRow& row) {
+  const DType kv_dtype = parse_kv_dtype(kCommand, "--kv-dtype", s.kv_dtype);
   const int64_t elt = static_cast<int64_t>(dtype_size(kv_dtype));
-  const int64_t blocks_per_seq = (c.context + c.page - 1) / c.page;
-  const int64_t num_blocks = c.batch * blocks_per_seq;
-  const int64_t half = static_cast<int64_t>(c.kv_heads) * c.page * c.head_dim * elt;
-  const size_t pool_bytes = static_cast<size_t>(num_blocks * 2 * half);
-  // Enough pools that one call's KV is never still in the 60 MB L2 from the previous call.
-  const int pools =
-      static_cast<int>(std::clamp<size_t>((size_t{240} << 20) / pool_bytes + 1, 1, 8));
-
-  std::vector<void*> pool(pools, nullptr);
-  for (auto& p : pool) {
-    cuda_ok(cudaMalloc(&p, pool_bytes), "cudaMalloc(pool)");
-    fill_random(p, pool_bytes, kv_dtype, rng);
+  const int64_t blocks_per_seq = (s.context + s.page - 1) / s.page;
+  const int64_t num_blocks = s.batch * blocks_per_seq;
+  const int64_t half_block = int64_t{s.kv_heads} * s.page * s.head_dim * elt;
+  const size_t pool_bytes = static_cast<size_t>(num_blocks * 2 * half_block);
+  const int pools = rotation_sets(pool_bytes, session.l2_bytes());
+  std::vector<DeviceBuffer> pool;
+  for (int i = 0; i < pools; ++i) {
+    pool.emplace_back(pool_bytes);
+    fill_random(pool.back(), kv_dtype, 100 + i);
   }
+  std::mt19937_64 rng(12345);
   std::vector<int32_t> table(num_blocks);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), rng);  // scattered pages, as in a serving pool
-  std::vector<int32_t> lens(c.batch, c.context);
-  const size_t q_elems = static_cast<size_t>(c.batch) * c.q_heads * c.head_dim;
-  void *d_table, *d_lens, *d_q, *d_out, *d_lse, *d_scale;
-  cuda_ok(cudaMalloc(&d_table, table.size() * 4), "cudaMalloc");
-  cuda_ok(cudaMalloc(&d_lens, lens.size() * 4), "cudaMalloc");
-  cuda_ok(cudaMalloc(&d_q, q_elems * 2), "cudaMalloc");
-  cuda_ok(cudaMalloc(&d_out, q_elems * 2), "cudaMalloc");
-  cuda_ok(cudaMalloc(&d_lse, static_cast<size_t>(c.batch) * c.q_heads * 4), "cudaMalloc");
-  cuda_ok(cudaMalloc(&d_scale, 4), "cudaMalloc");
-  cuda_ok(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice), "copy");
-  cuda_ok(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice), "copy");
-  fill_random(d_q, q_elems * 2, DType::kBF16, rng);
+  const std::vector<int32_t> lens(s.batch, s.context);
+  // 8-bit caches: values up to ~1.5 after the scale, like bf16's [-1, 1].
   const float scale = kv_dtype == DType::kBF16 ? 1.0f : 1.0f / 128;
-  cuda_ok(cudaMemcpy(d_scale, &scale, 4, cudaMemcpyHostToDevice), "copy");
+  const DeviceBuffer d_table = upload(table.data(), table.size() * 4);
+  const DeviceBuffer d_lens = upload(lens.data(), lens.size() * 4);
+  const DeviceBuffer d_scale = upload(&scale, 4);
+  const int64_t q_elems = int64_t{s.batch} * s.q_heads * s.head_dim;
+  DeviceBuffer d_q(q_elems * 2), d_out(q_elems * 2), d_lse(int64_t{s.batch} * s.q_heads * 4);
+  fill_random(d_q, DType::kBF16, 1);
 
   AttentionSpec spec;
-  spec.num_q_heads = c.q_heads;
-  spec.num_kv_heads = c.kv_heads;
-  spec.head_dim = c.head_dim;
-  spec.backend = Backend::kFused;
-  const Device gpu = Device::cuda(0);
+  spec.num_q_heads = s.q_heads;
+  spec.num_kv_heads = s.kv_heads;
+  spec.head_dim = s.head_dim;
+  spec.backend = session.backend(Backend::kFused);
+  const Device gpu = session.device();
   DecodeArgs args;
-  args.q = TensorView(d_q, dtype, {c.batch, c.q_heads, c.head_dim}, gpu);
-  args.out = TensorView(d_out, dtype, {c.batch, c.q_heads, c.head_dim}, gpu);
-  args.lse = TensorView(d_lse, DType::kF32, {c.batch, c.q_heads}, gpu);
-  args.num_splits = c.splits;
-  args.max_seq_len = c.context;
+  args.q = TensorView(d_q.get(), DType::kBF16, {s.batch, s.q_heads, s.head_dim}, gpu);
+  args.out = TensorView(d_out.get(), DType::kBF16, {s.batch, s.q_heads, s.head_dim}, gpu);
+  args.lse = TensorView(d_lse.get(), DType::kF32, {s.batch, s.q_heads}, gpu);
+  args.num_splits = s.splits;
+  args.max_seq_len = s.context;
   KvCacheView& cache = args.kv_cache;
-  cache.block_stride_bytes = 2 * half;
+  cache.block_stride_bytes = 2 * half_block;
   cache.num_blocks = static_cast<int32_t>(num_blocks);
   cache.dtype = kv_dtype;
   cache.device = gpu;
-  cache.num_kv_heads = c.kv_heads;
-  cache.tokens_per_block = c.page;
-  cache.head_dim = c.head_dim;
-  cache.block_table = TensorView(d_table, DType::kInt32, {c.batch, blocks_per_seq}, gpu);
-  cache.seq_lens = TensorView(d_lens, DType::kInt32, {c.batch}, gpu);
+  cache.num_kv_heads = s.kv_heads;
+  cache.tokens_per_block = s.page;
+  cache.head_dim = s.head_dim;
+  cache.block_table = TensorView(d_table.get(), DType::kInt32, {s.batch, blocks_per_seq}, gpu);
+  cache.seq_lens = TensorView(d_lens.get(), DType::kInt32, {s.batch}, gpu);
   if (kv_dtype != DType::kBF16) {
-    cache.k_scale = TensorView(d_scale, DType::kF32, {1}, gpu);
-    cache.v_scale = TensorView(d_scale, DType::kF32, {1}, gpu);
+    cache.k_scale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
+    cache.v_scale = cache.k_scale;
   }
-  auto use_pool = [&](int i) {
-    cache.k_base = pool[i % pools];
-    cache.v_base = static_cast<uint8_t*>(pool[i % pools]) + half;
-  };
-
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  for (int i = 0; i < 3; ++i) {
-    use_pool(i);
-    decode(spec, args, stream);
-  }
-  cuda_ok(cudaStreamSynchronize(stream), "warm-up");
-  // One CUDA graph of kCallsPerSample calls over the rotated pools: the host's launch cost
-  // stays out of the kernel time (and capture proves the op is graph friendly).
-  constexpr int kCallsPerSample = 16;
-  cudaGraph_t graph;
-  cudaGraphExec_t graph_exec;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  for (int i = 0; i < kCallsPerSample; ++i) {
-    use_pool(i);
-    decode(spec, args, stream);
-  }
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  cuda_ok(cudaGraphInstantiate(&graph_exec, graph, 0), "cudaGraphInstantiate");
-  cuda_ok(cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch");
-  cuda_ok(cudaStreamSynchronize(stream), "graph warm-up");
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    cuda_ok(cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch");
-    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    times.push_back(ms * 1e-3 / kCallsPerSample);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaGraphExecDestroy(graph_exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  for (void* p : pool) cudaFree(p);
-  for (void* p : {d_table, d_lens, d_q, d_out, d_lse, d_scale}) cudaFree(p);
-
-  DecodeBenchResult r;
-  r.config = c;
-  r.seconds = median(times);
-  r.kv_bytes = static_cast<double>(c.batch) * c.context * c.kv_heads * c.head_dim * elt * 2.0;
-  r.tb_per_s = r.kv_bytes / r.seconds * 1e-12;
-  r.copy_fraction = r.kv_bytes / r.seconds / copy_bw;
-  return r;
+  const double ms = session.time_ms(
+      [&](int call, Stream stream) {
+        DecodeArgs a = args;
+        a.kv_cache.k_base = pool[call % pools].get();
+        a.kv_cache.v_base = pool[call % pools].as<uint8_t>() + half_block;
+        decode(spec, a, stream);
+      },
+      {.calls_per_sample = 16, .cuda_graph = true});
+  const double kv_bytes = 2.0 * s.batch * s.context * s.kv_heads * s.head_dim * elt;
+  row.extra["kv_mb"] = kv_bytes * 1e-6;
+  return {ms, kv_bytes / (ms * 1e-3) * 1e-12};
 }
-
-void run_bench(const DecodeBenchOptions& o) {
-  std::vector<DecodeBenchConfig> configs;
-  if (o.batch.empty() && o.context == 0) {
-    configs = default_grid();
-    for (auto& c : configs) c.splits = o.splits;
-  } else {
-    for (int batch : o.batch.empty() ? std::vector<int>{64} : o.batch) {
-      DecodeBenchConfig c;
-      c.batch = batch;
-      c.context = o.context ? o.context : 4096;
-      c.q_heads = o.q_heads;
-      c.kv_heads = o.kv_heads;
-      c.head_dim = o.head_dim;
-      c.page = o.page;
-      c.kv_dtype = o.kv_dtype;
-      c.splits = o.splits;
-      configs.push_back(c);
-    }
-  }
-  cudaDeviceProp prop{};
-  cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  const double copy_bw = measure_copy_bandwidth();
-  std::mt19937_64 rng(12345);
-  nlohmann::json rows = nlohmann::json::array();
-  if (!o.json) {
-    std::printf("device: %s (%d SMs), measured copy bandwidth (read+write) %.2f TB/s\n", prop.name,
-                prop.multiProcessorCount, copy_bw * 1e-12);
-    std::printf("%-22s %6s %6s %4s %4s %4s %5s %-9s %6s %10s %8s %7s\n", "impl", "batch", "ctx",
-                "Hq", "Hkv", "D", "page", "kv", "splits", "time_us", "TB/s", "%copy");
-  }
-  for (const auto& c : configs) {
-    const DecodeBenchResult r = run_one(c, o.iters, copy_bw, rng);
-    if (o.json) {
-      rows.push_back({{"impl", "attnkit"},
-                      {"batch", c.batch},
-                      {"context", c.context},
-                      {"q_heads", c.q_heads},
-                      {"kv_heads", c.kv_heads},
-                      {"head_dim", c.head_dim},
-                      {"page", c.page},
-                      {"kv_dtype", c.kv_dtype},
-                      {"splits", c.splits},
-                      {"time_us", r.seconds * 1e6},
-                      {"tb_per_s", r.tb_per_s},
-                      {"copy_fraction", r.copy_fraction},
-                      {"copy_tb_per_s", copy_bw * 1e-12}});
-    } else {
-      std::printf("%-22s %6d %6d %4d %4d %4d %5d %-9s %6s %10.1f %8.3f %6.1f%%\n", "attnkit paged",
-                  c.batch, c.context, c.q_heads, c.kv_heads, c.head_dim, c.page, c.kv_dtype.c_str(),
-                  c.splits ? std::to_string(c.splits).c_str() : "auto", r.seconds * 1e6, r.tb_per_s,
-                  100.0 * r.copy_fraction);
-      std::fflush(stdout);
-    }
-  }
-  if (o.json) std::printf("%s\n", rows.dump(2).c_str());
-}
-#endif
 
 }  // namespace
 
 void register_bench_decode(CLI::App& bench) {
-  auto options = std::make_shared<DecodeBenchOptions>();
+  auto o = std::make_shared<DecodeBenchOptions>();
   CLI::App* cmd = bench.add_subcommand(
       "decode",
-      "paged GQA decode bandwidth (KV bytes / kernel time); with no --batch/--context, runs the "
+      "paged GQA decode bandwidth (KV bytes / kernel time, TB/s); without shape options runs the "
       "issue's grid");
-  cmd->add_option("--batch", options->batch, "sequences (several values: one run each)");
-  cmd->add_option("--context", options->context, "tokens per sequence (default 4096)");
-  cmd->add_option("--q-heads", options->q_heads, "query heads (default 32)");
-  cmd->add_option("--kv-heads", options->kv_heads, "KV heads (default 8)");
-  cmd->add_option("--head-dim", options->head_dim, "head_dim (default 128)");
-  cmd->add_option("--page", options->page, "tokens per block (default 32)");
-  cmd->add_option("--kv-dtype", options->kv_dtype, "bf16, fp8_e4m3 or int8 (default bf16)");
-  cmd->add_option("--splits", options->splits, "split-KV count (0 = heuristic)");
-  cmd->add_option("--iters", options->iters, "timed runs (median; default 30)")
-      ->check(CLI::Range(20, 100000));
-  cmd->add_flag("--json", options->json, "print JSON instead of the table");
-  cmd->callback([options] {
-#if defined(ATTNKIT_WITH_CUDA)
-    run_bench(*options);
-#else
-    throw Error("bench decode: this build has no CUDA backend (configure with ATTNKIT_WITH_CUDA)");
-#endif
+  cmd->add_option("--batch", o->batch, "sequences (several values: one row each; default 64)");
+  cmd->add_option("--context", o->context, "tokens per sequence (default 4096)");
+  cmd->add_option("--q-heads", o->q_heads, "query heads (default 32)");
+  cmd->add_option("--kv-heads", o->kv_heads, "KV heads, a divisor of --q-heads (default 8)");
+  cmd->add_option("--head-dim", o->head_dim, "64, 80, 96, 128 or 256 (default 128)");
+  cmd->add_option("--page", o->page, "tokens per block: 8, 16, 32, 64, 128 (default 32)");
+  cmd->add_option("--kv-dtype", o->kv_dtype, "bf16, fp8_e4m3 or int8 (default bf16)");
+  cmd->add_option("--splits", o->splits,
+                  "split-KV count (0 = heuristic; also applies to the grid)");
+  add_common_options(*cmd, o->common, 30);
+  cmd->callback([o, cmd] {
+    for (const char* name : {"--batch", "--context", "--q-heads", "--kv-heads", "--head-dim",
+                             "--page", "--kv-dtype"}) {
+      if (cmd->count(name) > 0) o->custom = true;
+    }
+    const std::vector<DecodeShape> shapes = plan(*o);
+    BenchSession session(kCommand, RateUnit::kTbps, o->common, static_cast<int>(shapes.size()));
+    for (const DecodeShape& s : shapes) {
+      session.run_row(row_of(s), [&](BenchRow& row) { return measure(session, s, row); });
+    }
+    session.finish();
   });
 }
 

@@ -1,33 +1,28 @@
 // `attnkit bench prefill`: context FMHA throughput (DESIGN.md section 7). TFLOP/s counts
-// 4 * Sq * Skv * D * Hq per sequence (halved for causal) over the kernel time; the cuBLAS bf16
-// GEMM rate measured in the same run (cuBLAS loaded at run time; the column is left out when it
-// is absent) gives "% GEMM". CUDA events, 3 warm-up calls, median of >= 20 timed calls, inputs
-// rotated across 3 sets (each larger than the 60 MB L2), random (never zero) data.
+// 4 * Sq * Skv * D * Hq per sequence (halved for causal) over the kernel time; % of ceiling
+// against the cuBLAS bf16 GEMM rate measured in the same run. Input sets rotated past the L2,
+// random data, median of >= 20 samples (bench_session.h).
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "bench_session.h"
 #include "commands.h"
-#include "core/numerics.h"
-
-#if defined(ATTNKIT_WITH_CUDA)
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-#include <dlfcn.h>
-#endif
 
 namespace attnkit::tools {
 namespace {
 
-struct PrefillBenchConfig {
+constexpr const char* kCommand = "prefill";
+constexpr int kTokens = 16384;  // batch x S of the grid
+constexpr int kHidden = 2048;   // heads x D
+
+struct PrefillShape {
+  std::string label;
   int batch = 1;
   int seqlen = 4096;
   int heads = 16;
@@ -39,342 +34,216 @@ struct PrefillBenchConfig {
 };
 
 struct PrefillBenchOptions {
-  int batch = 0;
+  CommonBenchOptions common;
+  int batch = 0;  // 0: 16384 / seqlen
   int seqlen = 0;
-  int heads = 0;
-  int kv_heads = 0;
+  int heads = 0;     // 0: 2048 / head_dim
+  int kv_heads = 0;  // 0: = heads
   int head_dim = 128;
   bool causal = false;
   int page = 0;
   std::string kv_dtype = "bf16";
-  int iters = 20;
-  bool json = false;
 };
 
-constexpr int kTokens = 16384;  // batch x S of the grid
-constexpr int kHidden = 2048;   // heads x D
+std::string short_tokens(int n) {
+  return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
+}
 
-#if defined(ATTNKIT_WITH_CUDA)
-// The grid: D in {64, 128, 256}, S in {512 .. 16k}, causal and not, batch x S = 16k
-// tokens, heads = 2048 / D; then paged rows at equal FLOPs for the >= 90% of dense check.
-std::vector<PrefillBenchConfig> default_grid() {
-  std::vector<PrefillBenchConfig> grid;
+std::string label_of(const PrefillShape& s) {
+  std::string label = "D" + std::to_string(s.head_dim) + " S" + short_tokens(s.seqlen);
+  if (s.page) label += " paged" + std::to_string(s.page) + " " + s.kv_dtype;
+  return label + (s.causal ? " causal" : "");
+}
+
+PrefillShape grid_shape(int d, int s, bool causal, int page = 0, const char* kv = "bf16") {
+  PrefillShape shape{.label = "",
+                     .batch = std::max(1, kTokens / s),
+                     .seqlen = s,
+                     .heads = kHidden / d,
+                     .kv_heads = kHidden / d,
+                     .head_dim = d,
+                     .causal = causal,
+                     .page = page,
+                     .kv_dtype = kv};
+  shape.label = label_of(shape);
+  return shape;
+}
+
+// The grid: D in {64, 128, 256} x S in {512 .. 16k} x causal and not, batch x S = 16k
+// tokens, heads = 2048 / D; then paged rows (page 64, bf16 / fp8) at equal FLOPs.
+std::vector<PrefillShape> default_grid(bool quick) {
+  if (quick) {
+    return {grid_shape(128, 4096, false), grid_shape(128, 4096, true), grid_shape(64, 2048, true),
+            grid_shape(256, 8192, false), grid_shape(128, 2048, true, 64, "bf16")};
+  }
+  std::vector<PrefillShape> grid;
   for (int d : {64, 128, 256}) {
     for (bool causal : {false, true}) {
-      for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
-        PrefillBenchConfig c;
-        c.head_dim = d;
-        c.seqlen = s;
-        c.batch = kTokens / s;
-        c.heads = c.kv_heads = kHidden / d;
-        c.causal = causal;
-        grid.push_back(c);
-      }
+      for (int s : {512, 1024, 2048, 4096, 8192, 16384}) grid.push_back(grid_shape(d, s, causal));
     }
   }
   for (const char* kv : {"bf16", "fp8_e4m3"}) {
-    for (int s : {2048, 8192}) {
-      PrefillBenchConfig c;
-      c.seqlen = s;
-      c.batch = kTokens / s;
-      c.causal = true;
-      c.page = 64;
-      c.kv_dtype = kv;
-      grid.push_back(c);
-    }
+    for (int s : {2048, 8192}) grid.push_back(grid_shape(128, s, true, 64, kv));
   }
   return grid;
 }
 
-double flops_of(const PrefillBenchConfig& c) {
-  const double f = 4.0 * c.seqlen * static_cast<double>(c.seqlen) * c.head_dim * c.heads * c.batch;
-  return c.causal ? f / 2 : f;
-}
-
-void cuda_ok(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw Error(std::string("bench prefill: ") + what + ": " + cudaGetErrorString(status));
+std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
+  check_at_least(kCommand, "--batch", o.batch, 0);
+  check_at_least(kCommand, "--seqlen", o.seqlen, 0);
+  check_head_dim(kCommand, o.head_dim);
+  check_at_least(kCommand, "--heads", o.heads, 0);
+  check_at_least(kCommand, "--kv-heads", o.kv_heads, 0);
+  if (o.page != 0) check_one_of(kCommand, "--page", o.page, {0, 8, 16, 32, 64, 128});
+  const DType kv = parse_kv_dtype(kCommand, "--kv-dtype", o.kv_dtype);
+  if (kv != DType::kBF16 && o.page == 0) {
+    throw Error("bench prefill: --kv-dtype " + o.kv_dtype +
+                ": accepted only with --page (a paged cache; packed K/V are bf16); got --page 0");
   }
+  check_iters(kCommand, o.common.iters);
+  if (o.seqlen == 0) return default_grid(o.common.quick);
+  PrefillShape s;
+  s.head_dim = o.head_dim;
+  s.seqlen = o.seqlen;
+  s.batch = o.batch > 0 ? o.batch : std::max(1, kTokens / o.seqlen);
+  s.heads = o.heads > 0 ? o.heads : std::max(1, kHidden / o.head_dim);
+  s.kv_heads = o.kv_heads > 0 ? o.kv_heads : s.heads;
+  check_heads(kCommand, s.heads, s.kv_heads, "--heads", "--kv-heads");
+  s.causal = o.causal;
+  s.page = o.page;
+  s.kv_dtype = o.kv_dtype;
+  s.label = label_of(s);
+  return {s};
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+BenchRow row_of(const PrefillShape& s) {
+  BenchRow row;
+  row.label = s.label;
+  row.shape = {{"batch", s.batch},       {"seqlen", s.seqlen},     {"q_heads", s.heads},
+               {"kv_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"causal", s.causal},
+               {"page", s.page},         {"kv_dtype", s.kv_dtype}};
+  return row;
 }
 
-// A device buffer of random bf16 values in [-1, 1] (or random 8-bit codes that are never NaN).
-// The host pattern is generated once and uploaded at a seed-dependent offset.
-void* random_device_buffer(size_t bytes, uint64_t seed, bool eight_bit) {
-  static std::vector<uint16_t> pattern[2];
-  std::vector<uint16_t>& host = pattern[eight_bit ? 1 : 0];
-  const size_t need = bytes / 2 + 4096;
-  if (host.size() < need) {
-    host.resize(need);
-    uint64_t state = 0x9E3779B97F4A7C15ull + (eight_bit ? 1 : 0);
-    for (auto& h : host) {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      const float u = static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f * 2.f - 1.f;
-      // 8-bit: two bytes with the exponent's top bit clear (never NaN, never all zero).
-      h = eight_bit ? static_cast<uint16_t>(((state >> 24) & 0xbf) | (((state >> 32) & 0xbf) << 8))
-                    : numerics::float_to_bf16_bits(u);
-    }
-  }
-  void* dev = nullptr;
-  cuda_ok(cudaMalloc(&dev, bytes + 16), "cudaMalloc");
-  cuda_ok(cudaMemcpy(dev, host.data() + (seed * 577) % 4096, bytes, cudaMemcpyHostToDevice),
-          "cudaMemcpy");
-  return dev;
+double flops_of(const PrefillShape& s) {
+  const double f = 4.0 * s.seqlen * static_cast<double>(s.seqlen) * s.head_dim * s.heads * s.batch;
+  return s.causal ? f / 2 : f;
 }
 
-// cuBLAS through dlopen, so that the program does not need the library to exist.
-double measure_gemm_tflops() {
-  void* lib = nullptr;
-  for (const char* name : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) {
-    lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-    if (lib) break;
-  }
-  if (!lib) return 0.0;
-  using CreateFn = cublasStatus_t (*)(cublasHandle_t*);
-  using GemmFn = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
-                                    int, const void*, const void*, cudaDataType, int, const void*,
-                                    cudaDataType, int, const void*, void*, cudaDataType, int,
-                                    cublasComputeType_t, cublasGemmAlgo_t);
-  auto create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
-  auto gemm = reinterpret_cast<GemmFn>(dlsym(lib, "cublasGemmEx"));
-  if (!create || !gemm) return 0.0;
-  cublasHandle_t handle;
-  if (create(&handle) != CUBLAS_STATUS_SUCCESS) return 0.0;
-  const int n = 8192;
-  const size_t bytes = size_t{2} * n * n;
-  void* a = random_device_buffer(bytes, 11, false);
-  void* b = random_device_buffer(bytes, 12, false);
-  void* c = random_device_buffer(bytes, 13, false);
-  const float alpha = 1.f, beta = 0.f;
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> times;
-  for (int i = 0; i < 23; ++i) {
-    cuda_ok(cudaEventRecord(start), "cudaEventRecord");
-    gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n,
-         &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    cuda_ok(cudaEventRecord(stop), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (i >= 3) times.push_back(ms * 1e-3);
-  }
-  cudaFree(a);
-  cudaFree(b);
-  cudaFree(c);
-  return 2.0 * n * n * static_cast<double>(n) / median(times) / 1e12;
-}
-
-struct BenchResult {
-  double ms = 0;
-  double tflops = 0;
+// One set of inputs (and its paged cache) per rotation slot.
+struct PrefillSet {
+  DeviceBuffer q, out, k, v, pool;
+  KvCacheView view;
+  PrefillArgs args;
 };
 
-DType kv_dtype_of(const std::string& name) {
-  if (name == "bf16") return DType::kBF16;
-  if (name == "fp8_e4m3" || name == "fp8") return DType::kFp8E4M3;
-  if (name == "int8") return DType::kInt8;
-  throw Error("--kv-dtype: accepted bf16, fp8_e4m3, int8; got '" + name + "'");
-}
-
-BenchResult run_config(const PrefillBenchConfig& c, int iters) {
-  constexpr int kSets = 3;
-  const int64_t tokens = static_cast<int64_t>(c.batch) * c.seqlen;
-  const int d = c.head_dim;
-  const DType kv_dtype = c.page ? kv_dtype_of(c.kv_dtype) : DType::kBF16;
-  const bool eight_bit = kv_dtype != DType::kBF16;
-  const size_t q_bytes = static_cast<size_t>(tokens) * c.heads * d * 2;
-  const size_t kv_elt = eight_bit ? 1 : 2;
-  const size_t kv_bytes = static_cast<size_t>(tokens) * c.kv_heads * d * kv_elt;
+BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) {
+  const int64_t tokens = int64_t{s.batch} * s.seqlen;
+  const int d = s.head_dim;
+  const DType kv_dtype = s.page ? parse_kv_dtype(kCommand, "--kv-dtype", s.kv_dtype) : DType::kBF16;
+  const size_t kv_elt = dtype_size(kv_dtype);
+  const size_t q_bytes = static_cast<size_t>(tokens) * s.heads * d * 2;
+  const size_t kv_bytes = static_cast<size_t>(tokens) * s.kv_heads * d * kv_elt;
+  const int sets = rotation_sets(2 * q_bytes + 2 * kv_bytes, session.l2_bytes());
+  const Device gpu = session.device();
 
   AttentionSpec spec;
-  spec.num_q_heads = c.heads;
-  spec.num_kv_heads = c.kv_heads;
+  spec.num_q_heads = s.heads;
+  spec.num_kv_heads = s.kv_heads;
   spec.head_dim = d;
-  spec.mask.kind = c.causal ? MaskKind::kCausal : MaskKind::kNone;
-  spec.backend = Backend::kFused;
+  spec.mask.kind = s.causal ? MaskKind::kCausal : MaskKind::kNone;
+  spec.backend = session.backend(Backend::kFused);
 
-  std::vector<int32_t> cu(c.batch + 1);
-  for (int b = 0; b <= c.batch; ++b) cu[b] = b * c.seqlen;
-  int32_t* d_cu = nullptr;
-  cuda_ok(cudaMalloc(&d_cu, cu.size() * 4), "cudaMalloc");
-  cuda_ok(cudaMemcpy(d_cu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-
-  // Paged: every sequence's blocks in a shuffled order over one pool per set.
-  const int blocks_per_seq = c.page ? (c.seqlen + c.page - 1) / c.page : 0;
-  const int num_blocks = blocks_per_seq * c.batch;
-  int32_t *d_table = nullptr, *d_lens = nullptr;
-  float* d_scale = nullptr;
-  if (c.page) {
-    std::vector<int32_t> ids(num_blocks);
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
-    std::vector<int32_t> lens(c.batch, c.seqlen);
-    cuda_ok(cudaMalloc(&d_table, ids.size() * 4), "cudaMalloc");
-    cuda_ok(cudaMalloc(&d_lens, lens.size() * 4), "cudaMalloc");
-    cuda_ok(cudaMemcpy(d_table, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-    cuda_ok(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-    const float scale = eight_bit ? 0.05f : 1.f;
-    cuda_ok(cudaMalloc(&d_scale, 4), "cudaMalloc");
-    cuda_ok(cudaMemcpy(d_scale, &scale, 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  std::vector<int32_t> cu(s.batch + 1);
+  for (int b = 0; b <= s.batch; ++b) cu[b] = b * s.seqlen;
+  const DeviceBuffer d_cu = upload(cu.data(), cu.size() * 4);
+  // Paged: every sequence's blocks in a shuffled order, one pool per set.
+  const int blocks_per_seq = s.page ? (s.seqlen + s.page - 1) / s.page : 0;
+  const int num_blocks = blocks_per_seq * s.batch;
+  std::vector<int32_t> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
+  const std::vector<int32_t> lens(s.batch, s.seqlen);
+  const float scale = kv_dtype == DType::kBF16 ? 1.f : 0.05f;
+  DeviceBuffer d_table, d_lens, d_scale;
+  if (s.page) {
+    d_table = upload(ids.data(), ids.size() * 4);
+    d_lens = upload(lens.data(), lens.size() * 4);
+    d_scale = upload(&scale, 4);
   }
 
-  std::vector<void*> buffers;
-  std::vector<PrefillArgs> args(kSets);
-  std::vector<KvCacheView> views(kSets);
-  for (int s = 0; s < kSets; ++s) {
-    void* q = random_device_buffer(q_bytes, 100 + s, false);
-    void* out = random_device_buffer(q_bytes, 200 + s, false);
-    buffers.insert(buffers.end(), {q, out});
-    PrefillArgs& a = args[s];
-    a.q = TensorView(q, DType::kBF16, {tokens, c.heads, d}, Device::cuda(0));
-    a.out = TensorView(out, DType::kBF16, {tokens, c.heads, d}, Device::cuda(0));
-    a.cu_seqlens_q = TensorView(d_cu, DType::kInt32, {c.batch + 1}, Device::cuda(0));
-    a.max_seqlen_q = a.max_seqlen_kv = c.seqlen;
-    if (c.page) {
-      void* pool = random_device_buffer(2 * kv_bytes, 300 + s, eight_bit);
-      buffers.push_back(pool);
-      KvCacheView& v = views[s];
-      const int64_t block_bytes = static_cast<int64_t>(c.kv_heads) * c.page * d * kv_elt;
-      v.k_base = pool;
-      v.v_base = static_cast<uint8_t*>(pool) + block_bytes;
+  std::vector<std::unique_ptr<PrefillSet>> set(sets);
+  for (int i = 0; i < sets; ++i) {
+    set[i] = std::make_unique<PrefillSet>();
+    PrefillSet& x = *set[i];
+    x.q = DeviceBuffer(q_bytes);
+    x.out = DeviceBuffer(q_bytes);
+    fill_random(x.q, DType::kBF16, 10 * i + 1);
+    PrefillArgs& a = x.args;
+    a.q = TensorView(x.q.get(), DType::kBF16, {tokens, s.heads, d}, gpu);
+    a.out = TensorView(x.out.get(), DType::kBF16, {tokens, s.heads, d}, gpu);
+    a.cu_seqlens_q = TensorView(d_cu.get(), DType::kInt32, {s.batch + 1}, gpu);
+    a.max_seqlen_q = a.max_seqlen_kv = s.seqlen;
+    if (s.page) {
+      x.pool = DeviceBuffer(2 * kv_bytes);
+      fill_random(x.pool, kv_dtype, 10 * i + 2);
+      const int64_t block_bytes = int64_t{s.kv_heads} * s.page * d * kv_elt;
+      KvCacheView& v = x.view;
+      v.k_base = x.pool.get();
+      v.v_base = x.pool.as<uint8_t>() + block_bytes;
       v.block_stride_bytes = 2 * block_bytes;
       v.num_blocks = num_blocks;
       v.dtype = kv_dtype;
-      v.device = Device::cuda(0);
-      v.num_kv_heads = c.kv_heads;
-      v.tokens_per_block = c.page;
+      v.device = gpu;
+      v.num_kv_heads = s.kv_heads;
+      v.tokens_per_block = s.page;
       v.head_dim = d;
-      v.block_table =
-          TensorView(d_table, DType::kInt32, {c.batch, blocks_per_seq}, Device::cuda(0));
-      v.seq_lens = TensorView(d_lens, DType::kInt32, {c.batch}, Device::cuda(0));
-      if (eight_bit) {
-        v.k_scale = TensorView(d_scale, DType::kF32, {1}, Device::cuda(0));
-        v.v_scale = TensorView(d_scale, DType::kF32, {1}, Device::cuda(0));
+      v.block_table = TensorView(d_table.get(), DType::kInt32, {s.batch, blocks_per_seq}, gpu);
+      v.seq_lens = TensorView(d_lens.get(), DType::kInt32, {s.batch}, gpu);
+      if (kv_dtype != DType::kBF16) {
+        v.k_scale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
+        v.v_scale = v.k_scale;
       }
-      a.kv_cache = &views[s];
+      a.kv_cache = &x.view;
     } else {
-      void* k = random_device_buffer(kv_bytes, 300 + s, false);
-      void* v = random_device_buffer(kv_bytes, 400 + s, false);
-      buffers.insert(buffers.end(), {k, v});
-      a.k = TensorView(k, DType::kBF16, {tokens, c.kv_heads, d}, Device::cuda(0));
-      a.v = TensorView(v, DType::kBF16, {tokens, c.kv_heads, d}, Device::cuda(0));
-      a.cu_seqlens_kv = TensorView(d_cu, DType::kInt32, {c.batch + 1}, Device::cuda(0));
+      x.k = DeviceBuffer(kv_bytes);
+      x.v = DeviceBuffer(kv_bytes);
+      fill_random(x.k, DType::kBF16, 10 * i + 3);
+      fill_random(x.v, DType::kBF16, 10 * i + 4);
+      a.k = TensorView(x.k.get(), DType::kBF16, {tokens, s.kv_heads, d}, gpu);
+      a.v = TensorView(x.v.get(), DType::kBF16, {tokens, s.kv_heads, d}, gpu);
+      a.cu_seqlens_kv = a.cu_seqlens_q;
     }
   }
-
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  for (int i = 0; i < 3; ++i) prefill(spec, args[i % kSets]);
-  cuda_ok(cudaDeviceSynchronize(), "warm-up");
-  std::vector<double> times;
-  for (int i = 0; i < std::max(iters, 20); ++i) {
-    cuda_ok(cudaEventRecord(start), "cudaEventRecord");
-    prefill(spec, args[i % kSets]);
-    cuda_ok(cudaEventRecord(stop), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    times.push_back(ms);
-  }
-  cuda_ok(cudaGetLastError(), "prefill");
-  for (void* b : buffers) cudaFree(b);
-  cudaFree(d_cu);
-  cudaFree(d_table);
-  cudaFree(d_lens);
-  cudaFree(d_scale);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  BenchResult r;
-  r.ms = median(times);
-  r.tflops = flops_of(c) / (r.ms * 1e-3) / 1e12;
-  return r;
+  const double ms = session.time_ms(
+      [&](int call, Stream stream) { prefill(spec, set[call % sets]->args, stream); }, {});
+  return {ms, flops_of(s) / (ms * 1e-3) * 1e-12};
 }
-
-void run_bench(const PrefillBenchOptions& o) {
-  std::vector<PrefillBenchConfig> grid;
-  if (o.seqlen > 0) {
-    PrefillBenchConfig c;
-    c.head_dim = o.head_dim;
-    c.seqlen = o.seqlen;
-    c.batch = o.batch > 0 ? o.batch : std::max(1, kTokens / o.seqlen);
-    c.heads = o.heads > 0 ? o.heads : kHidden / o.head_dim;
-    c.kv_heads = o.kv_heads > 0 ? o.kv_heads : c.heads;
-    c.causal = o.causal;
-    c.page = o.page;
-    c.kv_dtype = o.kv_dtype;
-    grid.push_back(c);
-  } else {
-    grid = default_grid();
-  }
-  const double gemm = measure_gemm_tflops();
-  nlohmann::json rows = nlohmann::json::array();
-  if (!o.json) {
-    std::printf("cuBLAS bf16 GEMM 8192^3: %s\n",
-                gemm > 0 ? (std::to_string(gemm) + " TFLOP/s").c_str() : "not available");
-    std::printf("| impl | D | S | batch | heads | kv_heads | causal | kv | ms | TFLOP/s |%s\n",
-                gemm > 0 ? " % GEMM |" : "");
-    std::printf("|---|---|---|---|---|---|---|---|---|---|%s\n", gemm > 0 ? "---|" : "");
-  }
-  for (const PrefillBenchConfig& c : grid) {
-    const BenchResult r = run_config(c, o.iters);
-    const std::string kv = c.page ? "paged" + std::to_string(c.page) + "-" + c.kv_dtype : "packed";
-    if (o.json) {
-      rows.push_back({{"impl", "attnkit"},
-                      {"head_dim", c.head_dim},
-                      {"seqlen", c.seqlen},
-                      {"batch", c.batch},
-                      {"heads", c.heads},
-                      {"kv_heads", c.kv_heads},
-                      {"causal", c.causal},
-                      {"kv", kv},
-                      {"ms", r.ms},
-                      {"tflops", r.tflops},
-                      {"gemm_tflops", gemm}});
-    } else {
-      std::printf("| attnkit | %d | %d | %d | %d | %d | %d | %s | %.3f | %.1f |", c.head_dim,
-                  c.seqlen, c.batch, c.heads, c.kv_heads, c.causal ? 1 : 0, kv.c_str(), r.ms,
-                  r.tflops);
-      if (gemm > 0) std::printf(" %.1f%% |", 100.0 * r.tflops / gemm);
-      std::printf("\n");
-      std::fflush(stdout);
-    }
-  }
-  if (o.json) std::printf("%s\n", rows.dump(1).c_str());
-}
-#endif
 
 }  // namespace
 
 void register_bench_prefill(CLI::App& bench) {
-  auto options = std::make_shared<PrefillBenchOptions>();
+  auto o = std::make_shared<PrefillBenchOptions>();
   CLI::App* cmd = bench.add_subcommand(
       "prefill",
       "context FMHA TFLOP/s (bf16); without --seqlen runs the default grid (D 64/128/256, "
       "S 512..16k, causal and not, 16k tokens, hidden 2048, plus paged rows)");
-  cmd->add_option("--batch", options->batch, "sequences (default 16384 / seqlen)");
-  cmd->add_option("--seqlen", options->seqlen, "tokens per sequence (queries = keys)");
-  cmd->add_option("--heads", options->heads, "query heads (default 2048 / head_dim)");
-  cmd->add_option("--kv-heads", options->kv_heads, "KV heads (default = heads)");
-  cmd->add_option("--head-dim", options->head_dim, "64, 80, 96, 128 or 256");
-  cmd->add_flag("--causal", options->causal, "causal mask (else none)");
-  cmd->add_option("--page", options->page, "paged cache with this page size (0 = packed K/V)");
-  cmd->add_option("--kv-dtype", options->kv_dtype, "paged cache dtype: bf16, fp8_e4m3, int8");
-  cmd->add_option("--iters", options->iters, "timed calls per row (>= 20)");
-  cmd->add_flag("--json", options->json, "print JSON instead of the table");
-  cmd->callback([options] {
-#if defined(ATTNKIT_WITH_CUDA)
-    run_bench(*options);
-#else
-    (void)options;
-    throw Error("bench prefill: this attnkit was built without CUDA");
-#endif
+  cmd->add_option("--batch", o->batch, "sequences (default 16384 / seqlen)");
+  cmd->add_option("--seqlen", o->seqlen, "tokens per sequence (queries = keys); selects one row");
+  cmd->add_option("--heads", o->heads, "query heads (default 2048 / head_dim)");
+  cmd->add_option("--kv-heads", o->kv_heads, "KV heads, a divisor of --heads (default = heads)");
+  cmd->add_option("--head-dim", o->head_dim, "64, 80, 96, 128 or 256 (default 128)");
+  cmd->add_flag("--causal", o->causal, "causal mask (else none)");
+  cmd->add_option("--page", o->page, "paged cache with this page size (0 = packed K/V)");
+  cmd->add_option("--kv-dtype", o->kv_dtype, "paged cache dtype: bf16, fp8_e4m3, int8");
+  add_common_options(*cmd, o->common, 20);
+  cmd->callback([o] {
+    const std::vector<PrefillShape> shapes = plan(*o);
+    BenchSession session(kCommand, RateUnit::kTflops, o->common, static_cast<int>(shapes.size()));
+    for (const PrefillShape& s : shapes) {
+      session.run_row(row_of(s), [&](BenchRow&) { return measure(session, s); });
+    }
+    session.finish();
   });
 }
 
