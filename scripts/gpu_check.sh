@@ -10,7 +10,7 @@
 #   GPU_CHECK_BUILD     build directory (default build-gpu)
 #   GPU_CHECK_ARCHS     CUDA architectures (default "80;90a": the full matrix)
 #   GPU_CHECK_STEPS     steps to run, space separated, in this order (default: all of
-#                       "info configure build gpu_tests cpu_tests check bench_decode bench_prefill
+#                       "info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_dense
 #                        bench_append peers")
 #   GPU_CHECK_PEERS_ARGS options of bench/peers.py in the peers step (default "--quick"; empty: the
 #                       full grids of every suite, several minutes)
@@ -31,7 +31,7 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
 ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
-STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_append peers}"
+STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_dense bench_append peers}"
 JOBS="${GPU_CHECK_JOBS:-$(nproc)}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -122,6 +122,9 @@ if wants bench_decode; then
 fi
 if wants bench_prefill; then
   if cli_has bench prefill; then run_step bench_prefill "$CLI" bench prefill; else skip bench_prefill "attnkit bench prefill not implemented"; fi
+fi
+if wants bench_dense; then
+  if cli_has bench dense; then run_step bench_dense "$CLI" bench dense; else skip bench_dense "attnkit bench dense not implemented"; fi
 fi
 if wants bench_append; then
   if cli_has bench append; then run_step bench_append "$CLI" bench append; else skip bench_append "attnkit bench append not implemented"; fi
