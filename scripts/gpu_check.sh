@@ -10,8 +10,8 @@
 #   GPU_CHECK_BUILD     build directory (default build-gpu)
 #   GPU_CHECK_ARCHS     CUDA architectures (default "80;90a": the full matrix)
 #   GPU_CHECK_STEPS     steps to run, space separated, in this order (default: all of
-#                       "info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_dense
-#                        bench_append peers")
+#                       "info configure build gpu_tests cpu_tests pytest check bench_decode bench_prefill
+#                        bench_dense bench_append peers")
 #   GPU_CHECK_PEERS_ARGS options of bench/peers.py in the peers step (default "--quick"; empty: the
 #                       full grids of every suite, several minutes)
 #   GPU_CHECK_FILTER    --gtest_filter for the gpu tests (default: all)
@@ -31,7 +31,7 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
 ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
-STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests check bench_decode bench_prefill bench_dense bench_append peers}"
+STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests pytest check bench_decode bench_prefill bench_dense bench_append peers}"
 JOBS="${GPU_CHECK_JOBS:-$(nproc)}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -105,6 +105,18 @@ if wants cpu_tests; then
       --gtest_filter="${GPU_CHECK_CPU_FILTER:-*}" --gtest_output="xml:$LOGS/cpu_tests.xml"
   else
     skip cpu_tests "no test binary ($TESTS_DIR/attnkit_cpu_tests)"
+  fi
+fi
+
+# The Python package on the GPU: builds the nanobind module into the same build folder and runs
+# pytest there, so the torch/CUDA tests (skipped in CI) run against the H200.
+if wants pytest; then
+  if [ $BUILD_OK -eq 1 ] && python3 -c "import nanobind, pytest" >/dev/null 2>&1; then
+    run_step pytest bash -c "cmake -S . -B '$BUILD' -DATTNKIT_BUILD_PYTHON=ON >/dev/null && \
+      cmake --build '$BUILD' -j $JOBS --target _attnkit && \
+      PYTHONPATH='$BUILD/python' python3 -m pytest -q -rs python/tests"
+  else
+    skip pytest "no build, or python3 lacks nanobind/pytest"
   fi
 fi
 
