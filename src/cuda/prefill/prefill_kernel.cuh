@@ -197,10 +197,23 @@ struct KvSource {
   }
 };
 
-// Issues the cp.async copies of the kBlockN rows of key block `n_block` into smem rows of
-// kDstRowBytes: from the packed tensor `packed` (tok_bytes apart) or from the cache bases. Rows
-// past kv_len are zero-filled. kElemBytes = 2 (16-bit K/V) or 1 (raw 8-bit cache).
-template <class T, int kElemBytes, int kDstRowBytes, bool kTwo>
+// The smem offset of an ldmatrix lane's row at (even) chunk step `cs`, from its offset at chunk
+// step 0: under the swizzle the step flips chunk bits (one LOP3 on a loop-invariant offset).
+template <class T>
+__device__ __forceinline__ uint32_t chunk_step(uint32_t lane_off, int cs) {
+  if constexpr (T::kSwizzle) {
+    uint32_t off;
+    asm volatile("xor.b32 %0, %1, %2;" : "=r"(off) : "r"(lane_off), "r"((cs & 7) * 16));
+    return off + (cs & ~7) * 16;
+  } else {
+    return lane_off + cs * 16;
+  }
+}
+
+// Issues the cp.async copies of the kBlockN rows of key block `n_block` into smem: from the packed
+// tensor `packed` (tok_bytes apart) or from the cache bases. Rows past kv_len are zero-filled.
+// kElemBytes = 2: 16-bit K/V into T::offset() rows; 1: the raw 8-bit cache into dense rows.
+template <class T, int kElemBytes, bool kTwo>
 __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource<T>& src,
                                           int32_t n_block, int32_t entry, const uint8_t* packed0,
                                           int64_t tok_bytes0, const uint8_t* cache0, uint8_t* dst0,
@@ -209,6 +222,9 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
   constexpr int kChunksPerRow = T::kHeadDim * kElemBytes / 16;
   constexpr int kChunks = T::kBlockN * kChunksPerRow;
   constexpr int kIters = (kChunks + T::kThreads - 1) / T::kThreads;
+  auto dst_off = [](int r, int ch) {
+    return kElemBytes == 1 ? r * T::kHeadDim + ch * 16 : T::offset(r, ch);
+  };
   const int32_t key0 = n_block * T::kBlockN;
   const int tid = threadIdx.x;
   if (p.paged) {
@@ -227,9 +243,8 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
         }
         const int64_t off =
             valid ? src.template paged_offset<kElemBytes>(p, block, key0, r, ch) : 0;
-        cp_async_16(smem_u32(dst0 + r * kDstRowBytes + ch * 16), cache0 + off, valid);
-        if constexpr (kTwo)
-          cp_async_16(smem_u32(dst1 + r * kDstRowBytes + ch * 16), cache1 + off, valid);
+        cp_async_16(smem_u32(dst0 + dst_off(r, ch)), cache0 + off, valid);
+        if constexpr (kTwo) cp_async_16(smem_u32(dst1 + dst_off(r, ch)), cache1 + off, valid);
       }
     }
   } else if constexpr (T::kThreads % kChunksPerRow == 0) {
@@ -249,8 +264,8 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
       if (kChunks % T::kThreads == 0 || r < T::kBlockN) {
         const bool valid = key0 + r < src.kv_len;
         // Rows past kv_len copy 0 bytes (zero fill): their address is never read.
-        cp_async_16(smem_u32(dst0 + r * kDstRowBytes + ch * 16), src0, valid);
-        if constexpr (kTwo) cp_async_16(smem_u32(dst1 + r * kDstRowBytes + ch * 16), src1, valid);
+        cp_async_16(smem_u32(dst0 + dst_off(r, ch)), src0, valid);
+        if constexpr (kTwo) cp_async_16(smem_u32(dst1 + dst_off(r, ch)), src1, valid);
       }
       src0 += step0;
       if constexpr (kTwo) src1 += step1;
@@ -265,22 +280,20 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
         const int32_t key = key0 + r;
         const bool valid = key < src.kv_len;
         const int64_t tok = valid ? key : 0;
-        cp_async_16(smem_u32(dst0 + r * kDstRowBytes + ch * 16),
-                    packed0 + tok * tok_bytes0 + ch * 16, valid);
+        cp_async_16(smem_u32(dst0 + dst_off(r, ch)), packed0 + tok * tok_bytes0 + ch * 16, valid);
         if constexpr (kTwo) {
-          cp_async_16(smem_u32(dst1 + r * kDstRowBytes + ch * 16),
-                      packed1 + tok * tok_bytes1 + ch * 16, valid);
+          cp_async_16(smem_u32(dst1 + dst_off(r, ch)), packed1 + tok * tok_bytes1 + ch * 16, valid);
         }
       }
     }
   }
 }
 
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
-__global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
-                                  PrefillTraits<kHeadDim, kTile>::kMinBlocksPerSm)
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kSwizzle>
+__global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
+                                  PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using T = PrefillTraits<kHeadDim, kTile>;
+  using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
   // Pipelines: kQuantKv: one raw 8-bit stage, widened into one K and one V tile; kOverlapKv: one
@@ -323,7 +336,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       const int ch = c % T::kChunksPerRow;
       const bool valid = r < rows_valid;
       const Elem* src = q + (valid ? (m0 + r) * p.q_tok_stride : 0) + ch * 8;
-      cp_async_16(smem_u32(s_q + r * T::kRowBytes + ch * 16), src, valid);
+      cp_async_16(smem_u32(s_q + T::offset(r, ch)), src, valid);
     }
   }
 
@@ -355,24 +368,21 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
   }
   // Issues tile t's K (and V) copies; the block-table entries were read one tile earlier.
   auto load_k = [&](int32_t t, int32_t entry, int buf) {
-    load_rows<T, 2, T::kRowBytes, false>(p, src, range.block(t), entry, src.k_packed,
-                                         src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
-                                         nullptr, 0, nullptr, nullptr);
+    load_rows<T, 2, false>(p, src, range.block(t), entry, src.k_packed, src.k_tok_bytes,
+                           p.kv.k_base, s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr, nullptr);
   };
   auto load_v = [&](int32_t t, int32_t entry) {
-    load_rows<T, 2, T::kRowBytes, false>(p, src, range.block(t), entry, src.v_packed,
-                                         src.v_tok_bytes, p.kv.v_base, s_v, nullptr, 0, nullptr,
-                                         nullptr);
+    load_rows<T, 2, false>(p, src, range.block(t), entry, src.v_packed, src.v_tok_bytes,
+                           p.kv.v_base, s_v, nullptr, 0, nullptr, nullptr);
   };
   auto load_kv = [&](int32_t t, int32_t entry, int buf) {
     if constexpr (kQuantKv) {
-      load_rows<T, 1, T::kHeadDim, true>(p, src, range.block(t), entry, nullptr, 0, p.kv.k_base,
-                                         s_raw_k, nullptr, 0, p.kv.v_base, s_raw_v);
+      load_rows<T, 1, true>(p, src, range.block(t), entry, nullptr, 0, p.kv.k_base, s_raw_k,
+                            nullptr, 0, p.kv.v_base, s_raw_v);
     } else {
-      load_rows<T, 2, T::kRowBytes, true>(p, src, range.block(t), entry, src.k_packed,
-                                          src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
-                                          src.v_packed, src.v_tok_bytes, p.kv.v_base,
-                                          s_v + buf * T::kKvTileBytes);
+      load_rows<T, 2, true>(p, src, range.block(t), entry, src.k_packed, src.k_tok_bytes,
+                            p.kv.k_base, s_k + buf * T::kKvTileBytes, src.v_packed, src.v_tok_bytes,
+                            p.kv.v_base, s_v + buf * T::kKvTileBytes);
     }
   };
   auto lookup = [&](int32_t t) { return t < num_tiles ? src.lookup(p, range.block(t)) : 0; };
@@ -393,7 +403,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       out.y = s_lut[(bytes.x >> 16) & 0xff] | (uint32_t(s_lut[bytes.x >> 24]) << 16);
       out.z = s_lut[bytes.y & 0xff] | (uint32_t(s_lut[(bytes.y >> 8) & 0xff]) << 16);
       out.w = s_lut[(bytes.y >> 16) & 0xff] | (uint32_t(s_lut[bytes.y >> 24]) << 16);
-      *reinterpret_cast<uint4*>((is_v ? s_v : s_k) + r * T::kRowBytes + c8 * 16) = out;
+      *reinterpret_cast<uint4*>((is_v ? s_v : s_k) + T::offset(r, c8)) = out;
     }
   };
 
@@ -452,8 +462,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
     row_sum[a][0] = row_sum[a][1] = 0.f;
   }
 
-  const uint32_t q_lane_addr =
-      smem_u32(s_q + (warp_row + (lane % 16)) * T::kRowBytes + (lane / 16) * 16);
+  // ldmatrix lane offsets at chunk step 0 (Q from s_q, K and V from their tile).
+  const uint32_t s_q_addr = smem_u32(s_q);
+  const uint32_t q_lane_off = T::offset(warp_row + lane % 16, lane / 16);
+  const uint32_t k_lane_off = T::offset(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const uint32_t v_lane_off = T::offset(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
   for (int32_t it = 0; it < num_tiles; ++it) {
     int buf = 0;
@@ -487,7 +500,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
         for (int ks = 0; ks < T::kKSteps; ++ks)
 #pragma unroll
           for (int a = 0; a < kA; ++a)
-            ldmatrix_x4(q_frag[ks][a], q_lane_addr + a * 16 * T::kRowBytes + ks * 32);
+            ldmatrix_x4(q_frag[ks][a],
+                        s_q_addr + chunk_step<T>(q_lane_off, 2 * ks) + a * 16 * T::kRowBytes);
       }
     }
     const uint8_t* tile_k = s_k + buf * T::kKvTileBytes;
@@ -502,8 +516,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
 #pragma unroll
       for (int i = 0; i < T::kNTiles; ++i)
         s_acc[a][i][0] = s_acc[a][i][1] = s_acc[a][i][2] = s_acc[a][i][3] = 0.f;
-    const uint32_t k_lane_addr =
-        smem_u32(tile_k + ((lane % 8) + (lane / 16) * 8) * T::kRowBytes + ((lane / 8) % 2) * 16);
+    const uint32_t tile_k_addr = smem_u32(tile_k);
 #pragma unroll
     for (int ks = 0; ks < T::kKSteps; ++ks) {
       uint32_t qa[kA][4];
@@ -515,13 +528,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
           qa[a][2] = q_frag[ks][a][2];
           qa[a][3] = q_frag[ks][a][3];
         } else {
-          ldmatrix_x4(qa[a], q_lane_addr + a * 16 * T::kRowBytes + ks * 32);
+          ldmatrix_x4(qa[a], s_q_addr + chunk_step<T>(q_lane_off, 2 * ks) + a * 16 * T::kRowBytes);
         }
       }
 #pragma unroll
       for (int np = 0; np < T::kNTiles / 2; ++np) {
         uint32_t kf[4];
-        ldmatrix_x4(kf, k_lane_addr + np * 16 * T::kRowBytes + ks * 32);
+        ldmatrix_x4(kf, tile_k_addr + chunk_step<T>(k_lane_off, 2 * ks) + np * 16 * T::kRowBytes);
         const uint32_t b0[2] = {kf[0], kf[1]};
         const uint32_t b1[2] = {kf[2], kf[3]};
 #pragma unroll
@@ -616,8 +629,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
     }
 
     // ---- O += P V; each V fragment feeds kA row blocks ----
-    const uint32_t v_lane_addr =
-        smem_u32(tile_v + ((lane % 8) + ((lane / 8) % 2) * 8) * T::kRowBytes + (lane / 16) * 16);
+    const uint32_t tile_v_addr = smem_u32(tile_v);
 #pragma unroll
     for (int kp = 0; kp < T::kBlockN / 16; ++kp) {
       uint32_t pa[kA][4];
@@ -631,7 +643,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
 #pragma unroll
       for (int dp = 0; dp < T::kHeadDim / 16; ++dp) {
         uint32_t vf[4];
-        ldmatrix_x4_trans(vf, v_lane_addr + kp * 16 * T::kRowBytes + dp * 32);
+        ldmatrix_x4_trans(vf,
+                          tile_v_addr + chunk_step<T>(v_lane_off, 2 * dp) + kp * 16 * T::kRowBytes);
         const uint32_t b0[2] = {vf[0], vf[1]};
         const uint32_t b1[2] = {vf[2], vf[3]};
 #pragma unroll
@@ -659,12 +672,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
       // A fully masked row (no attended key) outputs zeros.
       inv_sum[i] = sum > 0.f ? v_scale / sum : 0.f;
     }
-    uint8_t* block_rows = stage_rows + 16 * a * T::kRowBytes;
 #pragma unroll
     for (int dt = 0; dt < T::kDTiles; ++dt) {
-      *reinterpret_cast<uint32_t*>(block_rows + g * T::kRowBytes + dt * 16 + t4 * 4) =
+      // warp_row is a multiple of 16: the warp's local rows keep the swizzle phase.
+      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(16 * a + g, dt) + t4 * 4) =
           pack_pair<Tag>(o_acc[a][dt][0] * inv_sum[0], o_acc[a][dt][1] * inv_sum[0]);
-      *reinterpret_cast<uint32_t*>(block_rows + (g + 8) * T::kRowBytes + dt * 16 + t4 * 4) =
+      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(16 * a + g + 8, dt) + t4 * 4) =
           pack_pair<Tag>(o_acc[a][dt][2] * inv_sum[1], o_acc[a][dt][3] * inv_sum[1]);
     }
   }
@@ -676,7 +689,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
     const int32_t row = m0 + warp_row + r;
     if (row < seq.q_len) {
       *reinterpret_cast<uint4*>(out + row * p.o_tok_stride + ch * 8) =
-          *reinterpret_cast<const uint4*>(stage_rows + r * T::kRowBytes + ch * 16);
+          *reinterpret_cast<const uint4*>(stage_rows + T::offset(r, ch));
     }
   }
   if (p.lse != nullptr && t4 == 0) {
@@ -693,12 +706,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile>::kThreads,
   }
 }
 
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kSwizzle>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
-  using T = PrefillTraits<kHeadDim, kTile>;
+  using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
-  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv>;
+  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kSwizzle>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);

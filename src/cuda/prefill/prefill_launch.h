@@ -7,12 +7,15 @@
 
 #include "attnkit/types.h"
 #include "cuda/prefill/prefill_params.h"
+#include "cuda/prefill/prefill_traits.h"
 
 namespace attnkit::cuda::prefill {
 
 // kMasked: causal (bottom-right) with optional sliding window and sinks; else no mask.
 // kQuantKv: paged cache of fp8_e4m3 / int8, widened on load; else 16-bit K/V of the q dtype.
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv>
+// kSwizzle: XOR-swizzled smem rows (PrefillTraits); else 16-byte row padding.
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv,
+          bool kSwizzle = swizzle_default(kHeadDim)>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.

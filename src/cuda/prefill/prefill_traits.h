@@ -26,10 +26,20 @@ constexpr bool tile_exists(int head_dim, PrefillTile tile) {
   }
 }
 
-template <int kHeadDim_, PrefillTile kTile_>
+// Shared-memory rows of 64, 128 or 256 elements (whole 128-byte lines) are XOR-swizzled: 16-byte
+// chunk c of row r lives at chunk c ^ (r % 8) of its 8-chunk line, so the 8 rows of an ldmatrix
+// phase hit 8 different bank groups and a 512-byte cp.async row covers 4 segments, not the 5 of
+// a padded row. head_dim 80 and 96 (not a whole line) keep a 16-byte row padding.
+constexpr bool swizzle_default(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+template <int kHeadDim_, PrefillTile kTile_, bool kSwizzle_ = swizzle_default(kHeadDim_)>
 struct PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr PrefillTile kTile = kTile_;
+  static constexpr bool kSwizzle = kSwizzle_;
+  static_assert(!kSwizzle || kHeadDim % 64 == 0, "the swizzle needs whole 128-byte rows");
   static constexpr int kBlockM = kTile == PrefillTile::kM64 ? 64 : 128;
   // Every warp owns kMAtoms blocks of 16 query rows (MMA row blocks).
   static constexpr int kMAtoms =
@@ -51,10 +61,12 @@ struct PrefillTraits {
   // else (D = 256, or 32 rows per warp at D = 128) it is re-read from smem every tile.
   static constexpr bool kQInRegs =
       kKSteps * 4 * kMAtoms <= 32 && (kNTiles + kDTiles) * 4 * kMAtoms <= 128;
-  // Shared-memory rows are padded by 16 bytes: 8 consecutive rows then start in 8 different
-  // 16-byte bank groups, so ldmatrix is conflict-free for every head_dim (80 and 96 included,
-  // which an XOR swizzle over 8 chunks does not cover).
-  static constexpr int kRowBytes = kHeadDim * 2 + 16;
+  // Padded rows: 8 consecutive rows start in 8 different 16-byte bank groups.
+  static constexpr int kRowBytes = kSwizzle ? kHeadDim * 2 : kHeadDim * 2 + 16;
+  // Byte offset of 16-byte chunk `ch` of smem row `r` (Q, K, V and the O staging rows).
+  static constexpr int offset(int r, int ch) {
+    return r * kRowBytes + (kSwizzle ? (ch ^ (r & 7)) : ch) * 16;
+  }
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of 16-bit elements
 
   static constexpr int kQBytes = kBlockM * kRowBytes;
