@@ -420,6 +420,12 @@ TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   // batch 1 x 8 KV heads on 132 SMs with 2 CTAs each: many splits; batch 64: none.
   EXPECT_GT(cuda::decode_num_splits(8, 2, 132, 32768, 64), 16);
   EXPECT_EQ(cuda::decode_num_splits(512, 2, 132, 4096, 64), 1);
+  // No split is left without a tile: 512 tiles over s splits of ceil(512 / s) tiles each.
+  for (int64_t ctas : {1, 3, 8, 40}) {
+    const int s = cuda::decode_num_splits(ctas, 2, 132, 32768, 64);
+    const int tiles_per_split = (512 + s - 1) / s;
+    EXPECT_EQ((512 + tiles_per_split - 1) / tiles_per_split, s) << "ctas=" << ctas;
+  }
   // Short contexts cap the splits (at least four tiles each).
   EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 256, 64), 1);
 }

@@ -78,7 +78,7 @@ constexpr int kDecodeSmemPerSm = 228 * 1024;
 // the MMAs of a 16-row tile for groups of up to 8 heads. 16: the heads are the 16 MMA rows. 32:
 // two 16-row M blocks (MQA 32/1 reads K/V once); the warps form two groups of four that share
 // every tile.
-template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16>
+template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -91,7 +91,8 @@ struct DecodeTraits {
   static constexpr int kAccTiles = kKeysAsRows ? kHeadDim_ / 16 : kHeadDim_ / 8;
   // CTAs per SM that the pipeline is sized for. Measured on the H200: two (3 bf16 stages) beat one
   // (6 stages, too few warps to hide their latency) and three (2 stages, fewer bytes in flight).
-  static constexpr int kTargetCtasPerSm = 2;
+  // 8-bit caches at head_dim 128 with groups <= 8 run four (launch_traits).
+  static constexpr int kTargetCtasPerSm = kCtasPerSm_;
   static constexpr int kKeyWarps = 4;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
@@ -133,9 +134,8 @@ struct DecodeTraits {
   static constexpr int kPipelineBytes =
       std::max({kStages * kStageBytes, kMergeBytes, kCombineBytes});
   static constexpr int kSmemBytes = kQBytes + kPipelineBytes;
-  static constexpr int kMinCtasPerSm = 3 * (kSmemBytes + 1024) <= kDecodeSmemPerSm
-                                           ? 3
-                                           : (2 * (kSmemBytes + 1024) <= kDecodeSmemPerSm ? 2 : 1);
+  static constexpr int kMinCtasPerSm =
+      std::max(1, std::min(std::max(kTargetCtasPerSm, 3), kDecodeSmemPerSm / (kSmemBytes + 1024)));
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
   static_assert(kTileN % kWarps == 0 && 32 % kCopyKeysPerWarp == 0);
 };
@@ -251,26 +251,39 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   }
   __syncthreads();
   constexpr int kVecs = kD / 4;
-  // Each thread owns up to kItems (head, 4-d) outputs; the split loop reads them all at once so
-  // that many independent L2 reads are in flight.
+  // Each thread owns up to kItems (head, 4-d) outputs and reads kBatch splits of them at once,
+  // so that the merge waits for a few L2 round trips rather than one per split.
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
+  constexpr int kBatch = kItems >= 16 ? 1 : 16 / kItems;
   const int64_t split_stride_vecs = split_stride * kVecs;
   const float4* partial = reinterpret_cast<const float4*>(p.partial_out) + first_item * kVecs;
   float4 acc[kItems];
 #pragma unroll
   for (int j = 0; j < kItems; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 2
-  for (int s = 0; s < num_splits; ++s) {
+  for (int s0 = 0; s0 < num_splits; s0 += kBatch) {
+    float4 v[kBatch][kItems];
 #pragma unroll
-    for (int j = 0; j < kItems; ++j) {
-      const int i = threadIdx.x + j * Traits::kThreads;
-      if (i < heads_here * kVecs) {
-        const float w = weight[(i / kVecs) * num_splits + s];
-        const float4 v = __ldcg(partial + s * split_stride_vecs + i);
-        acc[j].x += w * v.x;
-        acc[j].y += w * v.y;
-        acc[j].z += w * v.z;
-        acc[j].w += w * v.w;
+    for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const int i = threadIdx.x + j * Traits::kThreads;
+        v[b][j] = s0 + b < num_splits && i < heads_here * kVecs
+                      ? __ldcg(partial + (s0 + b) * split_stride_vecs + i)
+                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const int i = threadIdx.x + j * Traits::kThreads;
+        if (s0 + b < num_splits && i < heads_here * kVecs) {
+          const float w = weight[(i / kVecs) * num_splits + s0 + b];
+          acc[j].x += w * v[b][j].x;
+          acc[j].y += w * v[b][j].y;
+          acc[j].z += w * v[b][j].z;
+          acc[j].w += w * v[b][j].w;
+        }
       }
     }
   }
@@ -330,31 +343,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int32_t key_begin = split * keys_per_split;
   // An empty split (key_begin >= key_end) runs no tile and writes zeros with LSE -inf.
   const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
-
-  // Query rows of this head block (rows past the group are zero).
-  {
-    const QT* q = static_cast<const QT*>(p.q) + row * p.q_row_stride;
-    for (int i = threadIdx.x; i < kM * kD; i += Traits::kThreads) {
-      const int r = i / kD, d = i % kD;
-      int src = d;
-      if constexpr (Traits::kDirect) {
-        // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
-        // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
-        const int x = d % 16;
-        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
-      }
-      if constexpr (std::is_same_v<MmaTag, QTag>) {
-        q_smem[r * kRowStride + d] =
-            r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
-      } else {
-        // bf16 q for f16 MMAs: exact within f16's range, saturated beyond it (NaN stays NaN).
-        float v =
-            r < heads_here ? static_cast<float>(q[(first_head + r) * p.q_head_stride + src]) : 0.0f;
-        if (fabsf(v) > 65504.0f) v = copysignf(65504.0f, v);
-        q_smem[r * kRowStride + d] = MT(v);
-      }
-    }
-  }
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;
@@ -457,6 +445,62 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     slope[0] = head0 < heads_here ? p.alibi_slopes[first_head + head0] : 0.0f;
     slope[1] = head1 < heads_here ? p.alibi_slopes[first_head + head1] : 0.0f;
   }
+  float o[Traits::kAccTiles][4];
+#pragma unroll
+  for (int n = 0; n < Traits::kAccTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // log2 domain, heads head0 / head1
+  float l_run[2] = {0.0f, 0.0f};            // this thread's share of the row sums
+
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kTileN - 1) / kTileN : 0;
+  int64_t next_offset = -1;
+  {
+    // The prologue's block-table reads are issued together, then its copies.
+    int64_t offsets[kStages];
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) offsets[s] = s < num_tiles ? key_offset(s) : -1;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < num_tiles) copy_tile(offsets[s], s);
+      cp_async_commit();
+    }
+    next_offset = offsets[kStages - 1];
+  }
+  // Query rows of this head block (rows past the group are zero), loaded after the pipeline
+  // prologue so that their latency overlaps the first K/V copies. All loads are issued before
+  // the stores (the compiler cannot reorder global loads across shared stores itself).
+  {
+    const QT* q = static_cast<const QT*>(p.q) + row * p.q_row_stride;
+    constexpr int kQIters = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
+    float q_vals[kQIters];
+#pragma unroll
+    for (int j = 0; j < kQIters; ++j) {
+      const int i = threadIdx.x + j * Traits::kThreads;
+      const int r = i / kD, d = i % kD;
+      int src = d;
+      if constexpr (Traits::kDirect) {
+        // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
+        // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
+        const int x = d % 16;
+        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
+      }
+      q_vals[j] = i < kM * kD && r < heads_here
+                      ? static_cast<float>(q[(first_head + r) * p.q_head_stride + src])
+                      : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kQIters; ++j) {
+      const int i = threadIdx.x + j * Traits::kThreads;
+      if (i < kM * kD) {
+        float v = q_vals[j];
+        if constexpr (!std::is_same_v<MmaTag, QTag>) {
+          // bf16 q for f16 MMAs: exact within f16's range, saturated beyond it (NaN stays NaN).
+          if (fabsf(v) > 65504.0f) v = copysignf(65504.0f, v);
+        }
+        q_smem[(i / kD) * kRowStride + i % kD] = MT(v);
+      }
+    }
+  }
+
   // Keys as rows: Q is the B operand of every tile; its fragments stay in registers.
   uint32_t q_frag[Traits::kKeysAsRows ? kD / 16 : 1][2];
   if constexpr (Traits::kKeysAsRows) {
@@ -476,20 +520,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     }
   }
-
-  float o[Traits::kAccTiles][4];
-#pragma unroll
-  for (int n = 0; n < Traits::kAccTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // log2 domain, heads head0 / head1
-  float l_run[2] = {0.0f, 0.0f};            // this thread's share of the row sums
-
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kTileN - 1) / kTileN : 0;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) copy_tile(key_offset(s), s);
-    cp_async_commit();
-  }
-  int64_t next_offset = kStages - 1 < num_tiles ? key_offset(kStages - 1) : -1;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();

@@ -102,10 +102,18 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
     const int64_t work = ctas * s;
     const int64_t waves = (work + slots - 1) / slots;
     const double fill = static_cast<double>(work) / static_cast<double>(waves * slots);
-    if (fill >= 0.95) return static_cast<int32_t>(s);
+    if (fill >= 0.95) {
+      best = s;
+      break;
+    }
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
   }
-  return static_cast<int32_t>(best);
+  // Splits are whole tiles: drop the splits that would get none (the same work per split, fewer
+  // CTAs; e.g. 512 tiles over 33 splits is 16 tiles each, so 32 splits).
+  const int64_t tiles = (max_keys + tile_n - 1) / tile_n;
+  const int64_t tiles_per_split = (tiles + best - 1) / best;
+  return static_cast<int32_t>(
+      std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
 }
 
 std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
