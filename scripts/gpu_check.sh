@@ -90,23 +90,18 @@ fi
 TESTS_DIR="$BUILD/tests"
 CLI="$BUILD/attnkit"
 
-if wants gpu_tests; then
-  if [ $BUILD_OK -eq 1 ] && [ -x "$TESTS_DIR/attnkit_gpu_tests" ]; then
-    run_step gpu_tests "$TESTS_DIR/attnkit_gpu_tests" --gtest_color=no \
-      --gtest_filter="${GPU_CHECK_FILTER:-*}" --gtest_output="xml:$LOGS/gpu_tests.xml"
+# run_gtests LABEL FILTER: runs $TESTS_DIR/attnkit_LABEL with an xml report, or records a skip.
+run_gtests() {
+  local label="$1" filter="$2" bin="$TESTS_DIR/attnkit_$1"
+  if [ $BUILD_OK -eq 1 ] && [ -x "$bin" ]; then
+    run_step "$label" "$bin" --gtest_color=no --gtest_filter="$filter" \
+      --gtest_output="xml:$LOGS/$label.xml"
   else
-    skip gpu_tests "no test binary ($TESTS_DIR/attnkit_gpu_tests)"
+    skip "$label" "no test binary ($bin)"
   fi
-fi
-
-if wants cpu_tests; then
-  if [ $BUILD_OK -eq 1 ] && [ -x "$TESTS_DIR/attnkit_cpu_tests" ]; then
-    run_step cpu_tests "$TESTS_DIR/attnkit_cpu_tests" --gtest_color=no \
-      --gtest_filter="${GPU_CHECK_CPU_FILTER:-*}" --gtest_output="xml:$LOGS/cpu_tests.xml"
-  else
-    skip cpu_tests "no test binary ($TESTS_DIR/attnkit_cpu_tests)"
-  fi
-fi
+}
+if wants gpu_tests; then run_gtests gpu_tests "${GPU_CHECK_FILTER:-*}"; fi
+if wants cpu_tests; then run_gtests cpu_tests "${GPU_CHECK_CPU_FILTER:-*}"; fi
 
 # The Python package on the GPU: builds the nanobind module into the same build folder and runs
 # pytest there, so the torch/CUDA tests (skipped in CI) run against the H200.

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnkit/attnkit.h"
@@ -104,11 +105,25 @@ std::optional<double> get_opt(const nb::dict& d, const char* key) {
   return nb::cast<double>(d[key]);
 }
 
+// One string option to its enum; the error lists the accepted names as "'a', 'b' or 'c'".
+template <typename E>
+E parse_choice(const char* key, const std::string& got,
+               std::initializer_list<std::pair<const char*, E>> choices) {
+  std::string accepted;
+  size_t i = 0;
+  for (const auto& [name, value] : choices) {
+    if (got == name) return value;
+    accepted += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ");
+    accepted += std::string("'") + name + "'";
+    ++i;
+  }
+  fail(std::string(key) + ": expected " + accepted + ", got '" + got + "'");
+}
+
 Backend parse_backend(const std::string& s) {
-  if (s == "auto") return Backend::kAuto;
-  if (s == "fused") return Backend::kFused;
-  if (s == "vanilla") return Backend::kVanilla;
-  fail("backend: expected 'auto', 'fused' or 'vanilla', got '" + s + "'");
+  return parse_choice<Backend>(
+      "backend", s,
+      {{"auto", Backend::kAuto}, {"fused", Backend::kFused}, {"vanilla", Backend::kVanilla}});
 }
 
 void check_keys(const nb::dict& d, const std::string& what, std::initializer_list<const char*> ok) {
@@ -174,44 +189,26 @@ AttentionSpec spec_from_dict(const nb::dict& d) {
   s.num_kv_heads = get<int32_t>(d, "num_kv_heads", 0);
   s.head_dim = get<int32_t>(d, "head_dim", 0);
   s.softmax_scale = get<double>(d, "softmax_scale", 0.0);
-  const std::string mask = get<std::string>(d, "mask", "causal");
-  if (mask == "none") {
-    s.mask.kind = MaskKind::kNone;
-  } else if (mask == "causal") {
-    s.mask.kind = MaskKind::kCausal;
-  } else if (mask == "sliding_window") {
-    s.mask.kind = MaskKind::kSlidingWindow;
-  } else {
-    fail("mask: expected 'none', 'causal' or 'sliding_window', got '" + mask + "'");
-  }
+  s.mask.kind = parse_choice<MaskKind>("mask", get<std::string>(d, "mask", "causal"),
+                                       {{"none", MaskKind::kNone},
+                                        {"causal", MaskKind::kCausal},
+                                        {"sliding_window", MaskKind::kSlidingWindow}});
   s.mask.window = get<int32_t>(d, "window", 0);
   s.mask.sink_tokens = get<int32_t>(d, "sink_tokens", 0);
   s.alibi = get<bool>(d, "alibi", false);
   s.alibi_slopes = get<std::vector<float>>(d, "alibi_slopes", {});
   s.logit_softcap = get<double>(d, "softcap", 0.0);
   s.backend = parse_backend(get<std::string>(d, "backend", "auto"));
-  const std::string style = get<std::string>(d, "rope_style", "none");
-  if (style == "none") {
-    s.rope.style = RopeStyle::kNone;
-  } else if (style == "gpt_neox") {
-    s.rope.style = RopeStyle::kGptNeox;
-  } else if (style == "gptj") {
-    s.rope.style = RopeStyle::kGptJ;
-  } else {
-    fail("rope_style: expected 'none', 'gpt_neox' or 'gptj', got '" + style + "'");
-  }
+  s.rope.style = parse_choice<RopeStyle>(
+      "rope_style", get<std::string>(d, "rope_style", "none"),
+      {{"none", RopeStyle::kNone}, {"gpt_neox", RopeStyle::kGptNeox}, {"gptj", RopeStyle::kGptJ}});
   s.rope.rotary_dim = get<int32_t>(d, "rotary_dim", 0);
   s.rope.base = get<double>(d, "rope_base", 10000.0);
-  const std::string scaling = get<std::string>(d, "rope_scaling", "none");
-  if (scaling == "none") {
-    s.rope.scaling = RopeScaling::kNone;
-  } else if (scaling == "linear") {
-    s.rope.scaling = RopeScaling::kLinear;
-  } else if (scaling == "llama3") {
-    s.rope.scaling = RopeScaling::kLlama3;
-  } else {
-    fail("rope_scaling: expected 'none', 'linear' or 'llama3', got '" + scaling + "'");
-  }
+  s.rope.scaling =
+      parse_choice<RopeScaling>("rope_scaling", get<std::string>(d, "rope_scaling", "none"),
+                                {{"none", RopeScaling::kNone},
+                                 {"linear", RopeScaling::kLinear},
+                                 {"llama3", RopeScaling::kLlama3}});
   s.rope.factor = get<double>(d, "rope_factor", 1.0);
   s.rope.low_freq_factor = get<double>(d, "low_freq_factor", 1.0);
   s.rope.high_freq_factor = get<double>(d, "high_freq_factor", 4.0);
