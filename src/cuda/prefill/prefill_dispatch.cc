@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -197,16 +196,6 @@ PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128
   return has(PrefillTile::kM64) ? PrefillTile::kM64 : tiles[0];
 }
 
-// ATTNKIT_PREFILL_TILE=m128|m64|m128w4|m128w4n128 forces a tile where it is compiled (benchmarks).
-std::optional<PrefillTile> tile_from_env() {
-  const char* env = std::getenv("ATTNKIT_PREFILL_TILE");
-  if (env == nullptr) return std::nullopt;
-  for (PrefillTile t : kAllPrefillTiles) {
-    if (std::string(env) == prefill_tile_name(t)) return t;
-  }
-  return std::nullopt;
-}
-
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
                       int32_t max_seqlen_q, int32_t heads) {
   const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
@@ -222,9 +211,6 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
                   dtype_name(c.dtype), ", or does not fit this device's shared memory");
     return *forced;
-  }
-  if (const std::optional<PrefillTile> env = tile_from_env()) {
-    if (std::find(tiles.begin(), tiles.end(), *env) != tiles.end()) return *env;
   }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
   return choose_tile(tiles, ctas, dev.sm_count);
