@@ -164,7 +164,8 @@ void register_bench_append(CLI::App& bench) {
   add_common_options(*cmd, o->common, 21);
   cmd->callback([o] {
     const std::vector<AppendShape> shapes = plan(*o);
-    BenchSession session(kCommand, RateUnit::kTbps, o->common, static_cast<int>(shapes.size()));
+    BenchSession session(kCommand, RateUnit::kTbps, Ceiling::kCopyBandwidth, o->common,
+                         static_cast<int>(shapes.size()));
     for (const AppendShape& s : shapes) {
       session.run_row(row_of(s), [&](BenchRow& row) { return measure(session, s, row); });
     }

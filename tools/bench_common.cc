@@ -65,15 +65,35 @@ std::string escape_cell(std::string text) {
 const char* rate_key(RateUnit unit) { return unit == RateUnit::kTbps ? "tbps" : "tflops"; }
 const char* rate_name(RateUnit unit) { return unit == RateUnit::kTbps ? "TB/s" : "TFLOP/s"; }
 
-std::optional<double> ceiling_for(RateUnit unit, const Ceilings& ceilings) {
-  return unit == RateUnit::kTbps ? ceilings.copy_tbps : ceilings.gemm_bf16_tflops;
+const char* ceiling_key(Ceiling ceiling) {
+  switch (ceiling) {
+    case Ceiling::kReadBandwidth:
+      return "read_tbps";
+    case Ceiling::kCopyBandwidth:
+      return "copy_tbps";
+    case Ceiling::kGemm:
+      break;
+  }
+  return "gemm_bf16_tflops";
 }
 
-void set_measurement(BenchRow& row, RateUnit unit, const Ceilings& ceilings, double time_ms,
+std::optional<double> ceiling_value(Ceiling ceiling, const Ceilings& ceilings) {
+  switch (ceiling) {
+    case Ceiling::kReadBandwidth:
+      return ceilings.read_tbps;
+    case Ceiling::kCopyBandwidth:
+      return ceilings.copy_tbps;
+    case Ceiling::kGemm:
+      break;
+  }
+  return ceilings.gemm_bf16_tflops;
+}
+
+void set_measurement(BenchRow& row, Ceiling ceiling_kind, const Ceilings& ceilings, double time_ms,
                      double rate) {
   row.time_ms = time_ms;
   row.rate = rate;
-  const std::optional<double> ceiling = ceiling_for(unit, ceilings);
+  const std::optional<double> ceiling = ceiling_value(ceiling_kind, ceilings);
   row.pct_of_ceiling.reset();
   if (ceiling && *ceiling > 0) row.pct_of_ceiling = 100.0 * rate / *ceiling;
 }
@@ -117,8 +137,10 @@ ordered_json report_to_json(const BenchReport& report) {
   json["device"] = {
       {"name", report.device.name}, {"sms", report.device.sms}, {"cc", report.device.cc}};
   json["date"] = report.date;
-  json["ceilings"] = {{"copy_tbps", optional_number(report.ceilings.copy_tbps)},
+  json["ceilings"] = {{"read_tbps", optional_number(report.ceilings.read_tbps)},
+                      {"copy_tbps", optional_number(report.ceilings.copy_tbps)},
                       {"gemm_bf16_tflops", optional_number(report.ceilings.gemm_bf16_tflops)}};
+  json["pct_of"] = ceiling_key(report.ceiling);
   ordered_json rows = ordered_json::array();
   for (const BenchRow& row : report.rows) {
     ordered_json r = ordered_json::object();
@@ -145,11 +167,13 @@ std::string format_table(const BenchReport& report) {
   auto ceiling_text = [](const std::optional<double>& v, const char* unit, int decimals) {
     return v ? format_number(*v, decimals) + " " + unit : std::string("not measured");
   };
-  out << "ceilings: D2D copy (read+write) " << ceiling_text(report.ceilings.copy_tbps, "TB/s", 2)
+  out << "ceilings: read-only reduction " << ceiling_text(report.ceilings.read_tbps, "TB/s", 2)
+      << ", D2D copy (read+write) " << ceiling_text(report.ceilings.copy_tbps, "TB/s", 2)
       << ", cuBLAS bf16 GEMM 8192^3 "
       << ceiling_text(report.ceilings.gemm_bf16_tflops, "TFLOP/s", 1) << "\n";
+  static constexpr const char* kCeilingNames[] = {"read bandwidth", "copy bandwidth", "GEMM rate"};
   out << "% of ceiling: " << rate_name(report.unit) << " / "
-      << (report.unit == RateUnit::kTbps ? "copy bandwidth" : "GEMM rate") << "\n\n";
+      << kCeilingNames[static_cast<int>(report.ceiling)] << "\n\n";
 
   const std::vector<std::string> shape_keys = union_keys(report.rows, &BenchRow::shape);
   const std::vector<std::string> extra_keys = union_keys(report.rows, &BenchRow::extra);

@@ -17,8 +17,10 @@ namespace attnkit::tools {
 
 using ordered_json = nlohmann::ordered_json;
 
-// decode / append report TB/s against the copy ceiling; prefill / dense TFLOP/s against GEMM.
 enum class RateUnit : uint8_t { kTbps, kTflops };
+// What "% of ceiling" divides by: decode reads the cache (read-only reduction bandwidth), append
+// reads and writes (copy bandwidth), prefill and dense compute (the bf16 GEMM rate).
+enum class Ceiling : uint8_t { kReadBandwidth, kCopyBandwidth, kGemm };
 
 struct BenchRow {
   std::string label;  // what distinguishes the row in its grid, e.g. "fp8_e4m3 64x4k"
@@ -33,6 +35,7 @@ struct BenchRow {
 };
 
 struct Ceilings {
+  std::optional<double> read_tbps;         // read-only reduction, bytes read / time
   std::optional<double> copy_tbps;         // D2D copy, (read + write) bytes / time
   std::optional<double> gemm_bf16_tflops;  // cuBLAS bf16 GEMM 8192^3
 };
@@ -46,18 +49,19 @@ struct BenchDevice {
 struct BenchReport {
   std::string subcommand;  // decode, prefill, dense, append
   RateUnit unit = RateUnit::kTbps;
+  Ceiling ceiling = Ceiling::kReadBandwidth;
   BenchDevice device;
   std::string date;  // ISO-8601 UTC
   Ceilings ceilings;
   std::vector<BenchRow> rows;
 };
 
-const char* rate_key(RateUnit unit);   // "tbps" / "tflops"
-const char* rate_name(RateUnit unit);  // "TB/s" / "TFLOP/s"
-// The ceiling a rate is compared with: copy bandwidth for TB/s, the GEMM rate for TFLOP/s.
-std::optional<double> ceiling_for(RateUnit unit, const Ceilings& ceilings);
-// Fills time_ms, rate and pct_of_ceiling of a measured row.
-void set_measurement(BenchRow& row, RateUnit unit, const Ceilings& ceilings, double time_ms,
+const char* rate_key(RateUnit unit);       // "tbps" / "tflops"
+const char* rate_name(RateUnit unit);      // "TB/s" / "TFLOP/s"
+const char* ceiling_key(Ceiling ceiling);  // its key in the JSON ceilings: "read_tbps", ...
+std::optional<double> ceiling_value(Ceiling ceiling, const Ceilings& ceilings);
+// Fills time_ms, rate and pct_of_ceiling (rate against `ceiling`) of a measured row.
+void set_measurement(BenchRow& row, Ceiling ceiling, const Ceilings& ceilings, double time_ms,
                      double rate);
 // A row that the selected backend does not run: no numbers, the reason in the note.
 void set_failure(BenchRow& row, const std::string& error_message);

@@ -200,7 +200,8 @@ void register_bench_decode(CLI::App& bench) {
       if (cmd->count(name) > 0) o->custom = true;
     }
     const std::vector<DecodeShape> shapes = plan(*o);
-    BenchSession session(kCommand, RateUnit::kTbps, o->common, static_cast<int>(shapes.size()));
+    BenchSession session(kCommand, RateUnit::kTbps, Ceiling::kReadBandwidth, o->common,
+                         static_cast<int>(shapes.size()));
     for (const DecodeShape& s : shapes) {
       session.run_row(row_of(s), [&](BenchRow& row) { return measure(session, s, row); });
     }

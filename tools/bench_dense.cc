@@ -237,7 +237,8 @@ void register_bench_dense(CLI::App& bench) {
   add_common_options(*cmd, o->common, 20);
   cmd->callback([o] {
     const std::vector<DenseShape> shapes = plan(*o);
-    BenchSession session(kCommand, RateUnit::kTflops, o->common, static_cast<int>(shapes.size()));
+    BenchSession session(kCommand, RateUnit::kTflops, Ceiling::kGemm, o->common,
+                         static_cast<int>(shapes.size()));
     for (const DenseShape& s : shapes) {
       session.run_row(row_of(s, o->role),
                       [&](BenchRow& row) { return measure(session, s, *o, row); });

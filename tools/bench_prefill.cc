@@ -239,7 +239,8 @@ void register_bench_prefill(CLI::App& bench) {
   add_common_options(*cmd, o->common, 20);
   cmd->callback([o] {
     const std::vector<PrefillShape> shapes = plan(*o);
-    BenchSession session(kCommand, RateUnit::kTflops, o->common, static_cast<int>(shapes.size()));
+    BenchSession session(kCommand, RateUnit::kTflops, Ceiling::kGemm, o->common,
+                         static_cast<int>(shapes.size()));
     for (const PrefillShape& s : shapes) {
       session.run_row(row_of(s), [&](BenchRow&) { return measure(session, s); });
     }

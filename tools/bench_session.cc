@@ -19,6 +19,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+
+#include "read_ceiling.h"
 #endif
 
 namespace attnkit::tools {
@@ -179,19 +181,17 @@ DeviceBuffer upload(const void* host, size_t bytes) {
 #if defined(ATTNKIT_WITH_CUDA)
 namespace {
 
-// (read + write) bytes per second of a 1 GiB device-to-device copy, in TB/s.
-double measure_copy_tbps(cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 30;
-  DeviceBuffer src(bytes), dst(bytes);
-  cuda_ok(cudaMemsetAsync(src.get(), 0x3c, bytes, stream), "cudaMemset");
+// Median seconds of `op` on `stream` over 20 samples after 3 warm-up runs, each sample between
+// two events; nullopt as soon as `op` returns false.
+std::optional<double> median_op_seconds(cudaStream_t stream, const std::function<bool()>& op) {
   cudaEvent_t start, stop;
   cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
   cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
   std::vector<double> seconds;
-  for (int i = 0; i < 23; ++i) {
+  bool ok = true;
+  for (int i = 0; i < 23 && ok; ++i) {
     cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    cuda_ok(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream),
-            "cudaMemcpyAsync");
+    ok = op();
     cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
     cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
@@ -200,7 +200,35 @@ double measure_copy_tbps(cudaStream_t stream) {
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  return 2.0 * static_cast<double>(bytes) / median(seconds) * 1e-12;
+  if (!ok) return std::nullopt;
+  return median(seconds);
+}
+
+// Bytes read per second by a reduction over 1 GiB (read_ceiling.cu), in TB/s: the ceiling of a
+// kernel that only reads, such as decode.
+double measure_read_tbps(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceBuffer data(bytes), sink(sizeof(unsigned));
+  cuda_ok(cudaMemsetAsync(data.get(), 0x3c, bytes, stream), "cudaMemset");
+  const std::optional<double> seconds = median_op_seconds(stream, [&] {
+    cuda_ok(launch_read_reduction(data.get(), bytes, sink.as<unsigned>(), stream),
+            "read ceiling kernel");
+    return true;
+  });
+  return static_cast<double>(bytes) / *seconds * 1e-12;
+}
+
+// (read + write) bytes per second of a 1 GiB device-to-device copy, in TB/s.
+double measure_copy_tbps(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceBuffer src(bytes), dst(bytes);
+  cuda_ok(cudaMemsetAsync(src.get(), 0x3c, bytes, stream), "cudaMemset");
+  const std::optional<double> seconds = median_op_seconds(stream, [&] {
+    cuda_ok(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream),
+            "cudaMemcpyAsync");
+    return true;
+  });
+  return 2.0 * static_cast<double>(bytes) / *seconds * 1e-12;
 }
 
 // cuBLAS bf16 GEMM 8192^3 (fp32 accumulation) in TFLOP/s, through dlopen so that the program
@@ -234,27 +262,14 @@ std::optional<double> measure_gemm_tflops(cudaStream_t stream) {
   fill_random(a, DType::kBF16, 11);
   fill_random(b, DType::kBF16, 12);
   const float alpha = 1.f, beta = 0.f;
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> seconds;
-  bool ok = true;
-  for (int i = 0; i < 23 && ok; ++i) {
-    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    ok = gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n, b.get(),
-              CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-              CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
-    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (i >= 3) seconds.push_back(ms * 1e-3);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  const std::optional<double> seconds = median_op_seconds(stream, [&] {
+    return gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n, b.get(),
+                CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+  });
   destroy(handle);
-  if (!ok) return std::nullopt;
-  return 2.0 * n * n * static_cast<double>(n) / median(seconds) * 1e-12;
+  if (!seconds) return std::nullopt;
+  return 2.0 * n * n * static_cast<double>(n) / *seconds * 1e-12;
 }
 
 // A graph of `calls` launches, or nullptr when they cannot be captured (the error is cleared).
@@ -294,14 +309,15 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   return *this;
 }
 
-BenchSession::BenchSession(std::string subcommand, RateUnit unit, const CommonBenchOptions& options,
-                           int planned_rows)
+BenchSession::BenchSession(std::string subcommand, RateUnit unit, Ceiling ceiling,
+                           const CommonBenchOptions& options, int planned_rows)
     : subcommand_(std::move(subcommand)),
       progress_(stderr, stderr_is_tty(), planned_rows),
       iters_(options.iters) {
   check_iters(subcommand_, options.iters);
   report_.subcommand = subcommand_;
   report_.unit = unit;
+  report_.ceiling = ceiling;
   report_.date = iso8601_utc_now();
   const char* device_env = std::getenv("ATTNKIT_BENCH_DEVICE");
   if (device_env != nullptr && std::string(device_env) == "cpu") {
@@ -336,7 +352,9 @@ BenchSession::BenchSession(std::string subcommand, RateUnit unit, const CommonBe
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
   if (!options.no_ceilings) {
-    progress_.message("measuring the ceilings: D2D copy 1 GiB, cuBLAS bf16 GEMM 8192^3 ...");
+    progress_.message(
+        "measuring the ceilings: read 1 GiB, D2D copy 1 GiB, cuBLAS bf16 GEMM 8192^3 ...");
+    report_.ceilings.read_tbps = measure_read_tbps(stream);
     report_.ceilings.copy_tbps = measure_copy_tbps(stream);
     report_.ceilings.gemm_bf16_tflops = measure_gemm_tflops(stream);
   }
@@ -463,7 +481,7 @@ void BenchSession::run_row(BenchRow row, const std::function<Measurement(BenchRo
   timing_note_.clear();
   try {
     const Measurement m = measure(row);
-    set_measurement(row, report_.unit, report_.ceilings, m.time_ms, m.rate);
+    set_measurement(row, report_.ceiling, report_.ceilings, m.time_ms, m.rate);
     row.note = timing_note_;
     char text[160];
     std::snprintf(text, sizeof(text), "%.4f ms, %.3f %s", m.time_ms, m.rate,

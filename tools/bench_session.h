@@ -73,8 +73,8 @@ class BenchSession {
   // Checks the common options, that this build has CUDA and that a device is visible (throws
   // Error "bench <subcommand>: ..." otherwise), opens the JSON target, measures the ceilings.
   // With ATTNKIT_BENCH_DEVICE=cpu: the self-test mode (below) instead.
-  BenchSession(std::string subcommand, RateUnit unit, const CommonBenchOptions& options,
-               int planned_rows);
+  BenchSession(std::string subcommand, RateUnit unit, Ceiling ceiling,
+               const CommonBenchOptions& options, int planned_rows);
   ~BenchSession();
   BenchSession(const BenchSession&) = delete;
   BenchSession& operator=(const BenchSession&) = delete;

@@ -36,14 +36,16 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 // A report with random shapes and numbers; every third row failed (unsupported or error).
-BenchReport random_report(std::mt19937_64& rng, RateUnit unit, bool with_ceilings) {
+BenchReport random_report(std::mt19937_64& rng, RateUnit unit, Ceiling ceiling,
+                          bool with_ceilings) {
   std::uniform_real_distribution<double> u(0.01, 2.0);
   BenchReport r;
   r.subcommand = unit == RateUnit::kTbps ? "decode" : "dense";
   r.unit = unit;
+  r.ceiling = ceiling;
   r.device = {"NVIDIA Test GPU", 1 + static_cast<int>(rng() % 200), "9.0"};
   r.date = iso8601_utc_now();
-  if (with_ceilings) r.ceilings = {u(rng) * 4, u(rng) * 800};
+  if (with_ceilings) r.ceilings = {u(rng) * 4, u(rng) * 4, u(rng) * 800};
   const int rows = 2 + static_cast<int>(rng() % 6);
   for (int i = 0; i < rows; ++i) {
     BenchRow row;
@@ -57,7 +59,7 @@ BenchReport random_report(std::mt19937_64& rng, RateUnit unit, bool with_ceiling
       set_failure(row, i % 2 ? "dense: backend 'fused' cannot serve this call: quant (SAGE): no"
                              : "bench: cudaMalloc: out of memory");
     } else {
-      set_measurement(row, unit, r.ceilings, u(rng), u(rng) * 100);
+      set_measurement(row, ceiling, r.ceilings, u(rng), u(rng) * 100);
       if (i % 2) row.extra["kv_mb"] = u(rng) * 1000;
     }
     r.rows.push_back(row);
@@ -68,9 +70,13 @@ BenchReport random_report(std::mt19937_64& rng, RateUnit unit, bool with_ceiling
 TEST(BenchReport, JsonRoundTripHasTheSchema) {
   const uint64_t seed = test::test_seed();
   std::mt19937_64 rng(seed);
-  for (RateUnit unit : {RateUnit::kTbps, RateUnit::kTflops}) {
+  // The pairs the subcommands use: decode, append, prefill / dense.
+  const std::pair<RateUnit, Ceiling> kinds[] = {{RateUnit::kTbps, Ceiling::kReadBandwidth},
+                                                {RateUnit::kTbps, Ceiling::kCopyBandwidth},
+                                                {RateUnit::kTflops, Ceiling::kGemm}};
+  for (const auto& [unit, ceiling_kind] : kinds) {
     for (bool with_ceilings : {true, false}) {
-      const BenchReport report = random_report(rng, unit, with_ceilings);
+      const BenchReport report = random_report(rng, unit, ceiling_kind, with_ceilings);
       const std::string text = report_to_json(report).dump(2);
       const json j = json::parse(text);
       // The documented key order, read back with an order-keeping parser.
@@ -78,27 +84,35 @@ TEST(BenchReport, JsonRoundTripHasTheSchema) {
       const ordered_json ordered = ordered_json::parse(text);
       for (const auto& item : ordered.items()) keys.push_back(item.key());
       EXPECT_EQ(keys, (std::vector<std::string>{"tool", "version", "subcommand", "device", "date",
-                                                "ceilings", "rows"}));
+                                                "ceilings", "pct_of", "rows"}));
       EXPECT_EQ(j["tool"], "attnkit bench");
       EXPECT_EQ(j["version"], version());
       EXPECT_EQ(j["subcommand"], report.subcommand);
       EXPECT_EQ(j["device"],
                 json({{"name", "NVIDIA Test GPU"}, {"sms", report.device.sms}, {"cc", "9.0"}}));
       EXPECT_EQ(j["date"], report.date);
+      ASSERT_TRUE(j["ceilings"].contains("read_tbps"));
       ASSERT_TRUE(j["ceilings"].contains("copy_tbps"));
       ASSERT_TRUE(j["ceilings"].contains("gemm_bf16_tflops"));
+      const char* expected_pct_of = ceiling_kind == Ceiling::kReadBandwidth   ? "read_tbps"
+                                    : ceiling_kind == Ceiling::kCopyBandwidth ? "copy_tbps"
+                                                                              : "gemm_bf16_tflops";
+      EXPECT_EQ(j["pct_of"], expected_pct_of);
       if (with_ceilings) {
+        EXPECT_DOUBLE_EQ(j["ceilings"]["read_tbps"].get<double>(), *report.ceilings.read_tbps);
         EXPECT_DOUBLE_EQ(j["ceilings"]["copy_tbps"].get<double>(), *report.ceilings.copy_tbps);
         EXPECT_DOUBLE_EQ(j["ceilings"]["gemm_bf16_tflops"].get<double>(),
                          *report.ceilings.gemm_bf16_tflops);
       } else {
+        EXPECT_TRUE(j["ceilings"]["read_tbps"].is_null());
         EXPECT_TRUE(j["ceilings"]["copy_tbps"].is_null());
         EXPECT_TRUE(j["ceilings"]["gemm_bf16_tflops"].is_null());
       }
       const char* rate = unit == RateUnit::kTbps ? "tbps" : "tflops";
       const char* other_rate = unit == RateUnit::kTbps ? "tflops" : "tbps";
-      const double ceiling = unit == RateUnit::kTbps ? report.ceilings.copy_tbps.value_or(0)
-                                                     : report.ceilings.gemm_bf16_tflops.value_or(0);
+      const double ceiling = j["ceilings"][expected_pct_of].is_null()
+                                 ? 0
+                                 : j["ceilings"][expected_pct_of].get<double>();
       ASSERT_EQ(j["rows"].size(), report.rows.size());
       for (size_t i = 0; i < report.rows.size(); ++i) {
         const json& row = j["rows"][i];
@@ -138,7 +152,13 @@ TEST(BenchReport, JsonRoundTripHasTheSchema) {
 
 TEST(BenchReport, FailuresSayUnsupportedWithTheDispatchReason) {
   BenchRow row;
-  set_measurement(row, RateUnit::kTflops, {1.0, 500.0}, 2.0, 250.0);
+  // Each kind of row against its own ceiling (read, copy, GEMM).
+  const Ceilings ceilings{4.0, 2.0, 500.0};
+  set_measurement(row, Ceiling::kReadBandwidth, ceilings, 1.0, 3.0);
+  EXPECT_DOUBLE_EQ(*row.pct_of_ceiling, 75.0);
+  set_measurement(row, Ceiling::kCopyBandwidth, ceilings, 1.0, 3.0);
+  EXPECT_DOUBLE_EQ(*row.pct_of_ceiling, 150.0);
+  set_measurement(row, Ceiling::kGemm, ceilings, 2.0, 250.0);
   EXPECT_DOUBLE_EQ(*row.pct_of_ceiling, 50.0);
   set_failure(row, "dense: backend 'fused' cannot serve this call: skip_softmax: not yet");
   EXPECT_EQ(row.note, "unsupported: skip_softmax: not yet");
@@ -176,9 +196,10 @@ std::vector<std::string> cells_of(const std::string& line) {
 
 TEST(BenchTable, MarkdownRowsWithEveryColumn) {
   std::mt19937_64 rng(test::test_seed());
-  BenchReport report = random_report(rng, RateUnit::kTbps, true);
+  BenchReport report = random_report(rng, RateUnit::kTbps, Ceiling::kReadBandwidth, true);
   report.rows[0].note = "a | b";
   const std::string text = format_table(report);
+  EXPECT_NE(text.find("% of ceiling: TB/s / read bandwidth"), std::string::npos) << text;
   const std::vector<std::string> lines = lines_of(text);
   EXPECT_NE(text.find("device: NVIDIA Test GPU (" + std::to_string(report.device.sms) +
                       " SMs, cc 9.0), date: " + report.date),
@@ -229,7 +250,7 @@ std::filesystem::path temp_path(const std::string& tag) {
 
 TEST(BenchJsonSink, WritesTheFileAndRejectsABadPath) {
   std::mt19937_64 rng(test::test_seed());
-  const BenchReport report = random_report(rng, RateUnit::kTflops, true);
+  const BenchReport report = random_report(rng, RateUnit::kTflops, Ceiling::kGemm, true);
   const auto path = temp_path("out.json");
   {
     JsonSink sink("dense", path.string());
