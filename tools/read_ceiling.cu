@@ -1,6 +1,6 @@
-// A streaming reduction: every thread keeps four 16-byte loads in flight per iteration, one wave of
-// fully occupied SMs, so that the rate measured is the device's read bandwidth and not the
-// kernel's.
+// A streaming reduction: every thread keeps several 16-byte loads in flight per iteration, one wave
+// of fully occupied SMs, so that the rate measured is the device's read bandwidth and not the
+// kernel's. Variants differ in loads in flight per thread; the bench keeps the fastest.
 #include <cstdint>
 
 #include "read_ceiling.h"
@@ -9,8 +9,8 @@ namespace attnkit::tools {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 
+template <int kUnroll>
 __global__ void __launch_bounds__(kThreads)
     read_reduction_kernel(const uint4* __restrict__ data, size_t count, unsigned* sink) {
   const size_t stride = size_t{gridDim.x} * kThreads;
@@ -30,18 +30,31 @@ __global__ void __launch_bounds__(kThreads)
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
-}  // namespace
-
-cudaError_t launch_read_reduction(const void* data, size_t bytes, unsigned* sink,
-                                  cudaStream_t stream) {
+template <int kUnroll>
+cudaError_t launch(const void* data, size_t bytes, unsigned* sink, cudaStream_t stream) {
   int device = 0, sms = 0, blocks_per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, read_reduction_kernel, kThreads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, read_reduction_kernel<kUnroll>,
+                                                kThreads, 0);
   const int blocks = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
-  read_reduction_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(data),
-                                                         bytes / sizeof(uint4), sink);
+  read_reduction_kernel<kUnroll><<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(data),
+                                                                  bytes / sizeof(uint4), sink);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_read_reduction(int variant, const void* data, size_t bytes, unsigned* sink,
+                                  cudaStream_t stream) {
+  switch (variant) {
+    case 0:
+      return launch<2>(data, bytes, sink, stream);
+    case 1:
+      return launch<4>(data, bytes, sink, stream);
+    default:
+      return launch<8>(data, bytes, sink, stream);
+  }
 }
 
 }  // namespace attnkit::tools
