@@ -1,7 +1,8 @@
 // Fused GQA decode (src/cuda/decode) against an fp64 oracle written here: every head_dim, page
 // size, GQA ratio, KV dtype (fp8 / int8 against the same quantization), split-KV forced and
 // chosen by the heuristic, sliding window + sinks over a cyclic cache, ALiBi, soft-cap, beams,
-// cross attention. Outputs and unused cache slots are poisoned with NaN so that unwritten
+// cross attention, split calls in flight on two streams and inside a CUDA graph, 8-bit caches on
+// wide and narrow grids. Outputs and unused cache slots are poisoned with NaN so that unwritten
 // outputs and out-of-range reads fail. Tolerance (DESIGN.md 6): max |out - ref64| <=
 // 2 * max |naive_same_precision - ref64| + 1e-3.
 #include <gtest/gtest.h>
@@ -247,78 +248,109 @@ void oracle(const DecodeCase& c, const HostCache& h, const HostTensor& q, Result
   }
 }
 
+// One case on the device: the cache, q, poisoned outputs and the DecodeArgs that point at them.
+// run() launches on a stream (no synchronization); check() compares with the oracle.
+struct PreparedCase {
+  DecodeCase c;
+  HostCache h;
+  HostTensor q, out, lse;
+  DeviceTensor d_q, d_out, d_lse, d_pool, d_table, d_lens, d_ks, d_vs, d_ind;
+  AttentionSpec spec;
+  DecodeArgs args;
+
+  PreparedCase(const DecodeCase& dc, uint64_t salt) : c(dc) {
+    std::mt19937_64 rng(test_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+    h = build_cache(c, rng);
+    const int64_t rows = static_cast<int64_t>(c.seq_lens.size());
+    q = HostTensor(c.dtype, {rows, c.hq, c.head_dim});
+    q.fill_uniform(rng, -c.q_range, c.q_range);
+    out = HostTensor(c.dtype, {rows, c.hq, c.head_dim});
+    out.fill(NAN);
+    lse = HostTensor(DType::kF32, {rows, c.hq});
+    lse.fill(NAN);
+    d_q = DeviceTensor(q);
+    d_out = DeviceTensor(out);
+    d_lse = DeviceTensor(lse);
+    d_pool = DeviceTensor(h.pool);
+    d_table = DeviceTensor(h.block_table);
+    d_lens = DeviceTensor(h.seq_lens);
+    d_ks = DeviceTensor(h.k_scale);
+    d_vs = DeviceTensor(h.v_scale);
+    if (c.beam_width > 1) d_ind = DeviceTensor(h.indirection);
+
+    spec.num_q_heads = c.hq;
+    spec.num_kv_heads = c.hkv;
+    spec.head_dim = c.head_dim;
+    spec.mask = c.mask;
+    spec.alibi = c.alibi;
+    spec.logit_softcap = c.softcap;
+    spec.backend = c.backend;
+
+    args.q = d_q;
+    args.out = d_out;
+    if (c.with_lse) args.lse = d_lse;
+    KvCacheView& cache = args.kv_cache;
+    const int64_t elt = static_cast<int64_t>(dtype_size(c.kv_dtype));
+    const int64_t half = static_cast<int64_t>(c.hkv) * h.tokens_per_block * c.head_dim * elt;
+    cache.k_base = d_pool.data();
+    cache.v_base = static_cast<uint8_t*>(d_pool.data()) + half;
+    cache.block_stride_bytes = 2 * half;
+    cache.num_blocks = h.num_blocks;
+    cache.dtype = c.kv_dtype;
+    cache.device = Device::cuda(0);
+    cache.num_kv_heads = c.hkv;
+    cache.tokens_per_block = h.tokens_per_block;
+    cache.head_dim = c.head_dim;
+    cache.paged = c.paged;
+    if (c.paged) cache.block_table = d_table;
+    cache.seq_lens = d_lens;
+    cache.k_scale = d_ks;
+    cache.v_scale = d_vs;
+    cache.window_slots = h.window_slots;
+    cache.sink_tokens = c.cyclic ? c.mask.sink_tokens : 0;
+    args.beam_width = c.beam_width;
+    if (c.beam_width > 1) args.cache_indirection = d_ind;
+    args.num_splits = c.num_splits;
+  }
+
+  // Poisons the device outputs again (NaN), stream-ordered.
+  void poison(cudaStream_t stream) {
+    ATTNKIT_CUDA_OK(cudaMemcpyAsync(d_out.data(), out.view().data, d_out.bytes(),
+                                    cudaMemcpyHostToDevice, stream));
+    ATTNKIT_CUDA_OK(cudaMemcpyAsync(d_lse.data(), lse.view().data, d_lse.bytes(),
+                                    cudaMemcpyHostToDevice, stream));
+  }
+
+  // Downloads the outputs (after the caller synchronized) and compares them with the oracle.
+  void check() {
+    SCOPED_TRACE(c.str());
+    HostTensor got_out(c.dtype, {static_cast<int64_t>(c.seq_lens.size()), c.hq, c.head_dim});
+    HostTensor got_lse(DType::kF32, {static_cast<int64_t>(c.seq_lens.size()), c.hq});
+    d_out.download(got_out);
+    d_lse.download(got_lse);
+    Result ref, naive;
+    oracle(c, h, q, ref, naive);
+    const std::vector<double> got = got_out.to_double();
+    ASSERT_FALSE(any_nan(got)) << "unwritten (NaN) output elements";
+    const double err = max_abs_diff(got, ref.out);
+    const double bound = 2.0 * max_abs_diff(naive.out, ref.out) + 1e-3;
+    EXPECT_LE(err, bound) << "max |out - ref64|";
+    if (c.with_lse) {
+      const std::vector<double> lse_values = got_lse.to_double();
+      ASSERT_FALSE(any_nan(lse_values)) << "unwritten (NaN) lse elements";
+      const double lse_err = max_abs_diff(lse_values, ref.lse);
+      EXPECT_LE(lse_err, 2.0 * max_abs_diff(naive.lse, ref.lse) + 1e-3) << "max |lse - ref64|";
+    }
+  }
+};
+
 // Runs the case on the GPU (outputs poisoned first) and compares with the oracle.
 void run_case(const DecodeCase& c, uint64_t salt) {
   SCOPED_TRACE(c.str());
-  std::mt19937_64 rng(test_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
-  const HostCache h = build_cache(c, rng);
-  const int64_t rows = static_cast<int64_t>(c.seq_lens.size());
-  HostTensor q(c.dtype, {rows, c.hq, c.head_dim});
-  q.fill_uniform(rng, -c.q_range, c.q_range);
-  HostTensor out(c.dtype, {rows, c.hq, c.head_dim});
-  out.fill(NAN);
-  HostTensor lse(DType::kF32, {rows, c.hq});
-  lse.fill(NAN);
-
-  DeviceTensor d_q(q), d_out(out), d_lse(lse), d_pool(h.pool), d_table(h.block_table),
-      d_lens(h.seq_lens), d_ks(h.k_scale), d_vs(h.v_scale);
-  DeviceTensor d_ind;
-  if (c.beam_width > 1) d_ind = DeviceTensor(h.indirection);
-
-  AttentionSpec spec;
-  spec.num_q_heads = c.hq;
-  spec.num_kv_heads = c.hkv;
-  spec.head_dim = c.head_dim;
-  spec.mask = c.mask;
-  spec.alibi = c.alibi;
-  spec.logit_softcap = c.softcap;
-  spec.backend = c.backend;
-
-  DecodeArgs args;
-  args.q = d_q;
-  args.out = d_out;
-  if (c.with_lse) args.lse = d_lse;
-  KvCacheView& cache = args.kv_cache;
-  const int64_t elt = static_cast<int64_t>(dtype_size(c.kv_dtype));
-  const int64_t half = static_cast<int64_t>(c.hkv) * h.tokens_per_block * c.head_dim * elt;
-  cache.k_base = d_pool.data();
-  cache.v_base = static_cast<uint8_t*>(d_pool.data()) + half;
-  cache.block_stride_bytes = 2 * half;
-  cache.num_blocks = h.num_blocks;
-  cache.dtype = c.kv_dtype;
-  cache.device = Device::cuda(0);
-  cache.num_kv_heads = c.hkv;
-  cache.tokens_per_block = h.tokens_per_block;
-  cache.head_dim = c.head_dim;
-  cache.paged = c.paged;
-  if (c.paged) cache.block_table = d_table;
-  cache.seq_lens = d_lens;
-  cache.k_scale = d_ks;
-  cache.v_scale = d_vs;
-  cache.window_slots = h.window_slots;
-  cache.sink_tokens = c.cyclic ? c.mask.sink_tokens : 0;
-  args.beam_width = c.beam_width;
-  if (c.beam_width > 1) args.cache_indirection = d_ind;
-  args.num_splits = c.num_splits;
-
-  ASSERT_NO_THROW(decode(spec, args, nullptr));
+  PreparedCase pc(c, salt);
+  ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
   ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-  d_out.download(out);
-  d_lse.download(lse);
-
-  Result ref, naive;
-  oracle(c, h, q, ref, naive);
-  const std::vector<double> got = out.to_double();
-  ASSERT_FALSE(any_nan(got)) << "unwritten (NaN) output elements";
-  const double err = max_abs_diff(got, ref.out);
-  const double bound = 2.0 * max_abs_diff(naive.out, ref.out) + 1e-3;
-  EXPECT_LE(err, bound) << "max |out - ref64|";
-  if (c.with_lse) {
-    const std::vector<double> got_lse = lse.to_double();
-    ASSERT_FALSE(any_nan(got_lse)) << "unwritten (NaN) lse elements";
-    const double lse_err = max_abs_diff(got_lse, ref.lse);
-    EXPECT_LE(lse_err, 2.0 * max_abs_diff(naive.lse, ref.lse) + 1e-3) << "max |lse - ref64|";
-  }
+  pc.check();
 }
 
 // Random lengths that include 1, a block boundary and its neighbours.
@@ -531,6 +563,130 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
     for (int splits : {1, 0, 5}) {
       c.num_splits = splits;
       run_case(c, salt++);
+    }
+  }
+}
+
+// Split-KV calls in flight together on two streams, and one captured in a CUDA graph and replayed
+// between eager calls: each call's workspace and arrival counters must be its own. Context
+// lengths are not multiples of the 64-key tile nor of the page, so every split's last tile is
+// partial.
+TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  DecodeCase a;
+  a.hq = 32;
+  a.hkv = 8;
+  a.page = 32;
+  a.seq_lens = {1, 77, 1000, 4097};
+  a.num_splits = 7;
+  DecodeCase b = a;
+  b.hq = 16;
+  b.hkv = 2;
+  b.dtype = b.kv_dtype = DType::kF16;
+  b.seq_lens = {3001, 33, 65};
+  b.num_splits = 0;  // the heuristic splits a batch this small
+  DecodeCase m = a;  // MQA: one CTA per row unless split
+  m.hq = 32;
+  m.hkv = 1;
+  m.seq_lens = {2000, 999};
+  m.num_splits = 13;
+  PreparedCase pa(a, 900), pb(b, 901), pm(m, 902);
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  for (int round = 0; round < 3; ++round) {
+    pa.poison(s1);
+    pb.poison(s2);
+    pm.poison(s2);
+    ASSERT_NO_THROW(decode(pa.spec, pa.args, s1));
+    ASSERT_NO_THROW(decode(pb.spec, pb.args, s2));
+    ASSERT_NO_THROW(decode(pm.spec, pm.args, s2));
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    pa.check();
+    pb.check();
+    pm.check();
+  }
+  // Capture case a on s1, then replay it while eager split calls run on both streams.
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+  ASSERT_NO_THROW(decode(pa.spec, pa.args, s1));
+  ATTNKIT_CUDA_OK(cudaStreamEndCapture(s1, &graph));
+  ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int round = 0; round < 3; ++round) {
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    pa.poison(s1);
+    pb.poison(s2);
+    pm.poison(s1);
+    ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, s1));
+    ASSERT_NO_THROW(decode(pb.spec, pb.args, s2));
+    ASSERT_NO_THROW(decode(pm.spec, pm.args, s1));
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    pa.check();
+    pb.check();
+    pm.check();
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+}
+
+// The split workspace comes from the stream's pool, whose memory holds whatever earlier users
+// left (fill patterns here, and the partials and counters of the first of two back-to-back calls):
+// every call must write all of its outputs itself and not depend on it.
+TEST(DecodeFused, SplitWorkspaceFromADirtyPool) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  DecodeCase c;
+  c.hq = 32;
+  c.hkv = 8;
+  c.page = 16;
+  c.seq_lens = {4000, 1, 2500, 100};
+  PreparedCase pc(c, 950);
+  cudaStream_t stream = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int pattern : {0xFF, 0x01, 0x00, 0x5A}) {
+    for (int splits : {2, 9, 64, 128}) {
+      // Leave the pattern in the pool's free memory, then let the call allocate from it.
+      void* filler = nullptr;
+      ATTNKIT_CUDA_OK(cudaMallocAsync(&filler, size_t{8} << 20, stream));
+      ATTNKIT_CUDA_OK(cudaMemsetAsync(filler, pattern, size_t{8} << 20, stream));
+      ATTNKIT_CUDA_OK(cudaFreeAsync(filler, stream));
+      pc.args.num_splits = splits;
+      pc.c.num_splits = splits;
+      pc.poison(stream);
+      ASSERT_NO_THROW(decode(pc.spec, pc.args, stream));
+      // Again, likely over the first call's workspace and counters: it must write every
+      // output itself.
+      pc.poison(stream);
+      ASSERT_NO_THROW(decode(pc.spec, pc.args, stream));
+      ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+      SCOPED_TRACE(detail::concat("pattern=", pattern));
+      pc.check();
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+// 8-bit caches at head_dim 128 with groups of up to 8 heads run a 4-CTA-per-SM kernel when the
+// grid fills four CTAs per SM (64 rows x 8 KV heads on a 132-SM H200) and the 6-stage 2-CTA
+// kernel otherwise (4 rows, unsplit or split): both against the quantized reference.
+TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 11);
+  uint64_t salt = 960;
+  for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+    for (int rows : {64, 4}) {
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.hq = 32;
+      c.hkv = 8;
+      c.page = 32;
+      c.seq_lens = lengths(rng, rows, c.page, rows == 64 ? 200 : 3000);
+      for (int splits : {1, 0}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
     }
   }
 }

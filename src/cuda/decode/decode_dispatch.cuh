@@ -32,34 +32,36 @@ void prepare_kernel() {
   });
 }
 
+template <typename Traits, DecodeLogits kLogits>
+void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  prepare_kernel<Traits, kLogits>();
+  decode_kernel<Traits, kLogits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  check_launch("decode_kernel");
+}
+
 template <typename Traits>
-void launch_traits(const DecodeParams& p, bool transformed, cudaStream_t stream) {
+void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
-  // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits: 4 CTAs per SM (2 pipeline
-  // stages each, <= 128 registers) rather than 2 CTAs of 6 stages. These kernels are bound by
-  // instruction latency, not by bytes in flight: twice the warps hide it. Measured on the H200 at
-  // 64 x 4k: fp8 3.48 -> 3.90 TB/s, int8 3.34 -> 3.90 (3 CTAs of 4 stages: 2.9). Other head_dims,
-  // tiles and logit policies were not measured and keep 2. The split heuristic still counts 2.
+  // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits, and a grid that fills four
+  // CTAs per SM: 4 CTAs per SM (2 pipeline stages each, <= 128 registers) rather than 2 CTAs of 6
+  // stages. These kernels are bound by instruction latency, not by bytes in flight: twice the
+  // warps hide it. Measured on the H200 at 64 x 4k: fp8 3.48 -> 3.90 TB/s, int8 3.34 -> 3.90 (3
+  // CTAs of 4 stages: 2.9). A grid of about two CTAs per SM keeps the 6 stages: fp8 32 x 4k 3.24
+  // -> 3.34 TB/s, 16 x 8k 3.13 -> 3.23 (1 x 32k, split 32 ways: the same). Other head_dims,
+  // tiles and logit policies were not measured and keep 2.
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
-    if (!transformed) {
+    if (!transformed && wide_grid) {
       using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
-      prepare_kernel<T4, DecodeLogits::kPlain>();
-      decode_kernel<T4, DecodeLogits::kPlain><<<grid, T4::kThreads, T4::kSmemBytes, stream>>>(p);
-      check_launch("decode_kernel");
+      launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);
       return;
     }
   }
   if (transformed) {
-    prepare_kernel<Traits, DecodeLogits::kTransformed>();
-    decode_kernel<Traits, DecodeLogits::kTransformed>
-        <<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+    launch_kernel_instance<Traits, DecodeLogits::kTransformed>(p, grid, stream);
   } else {
-    prepare_kernel<Traits, DecodeLogits::kPlain>();
-    decode_kernel<Traits, DecodeLogits::kPlain>
-        <<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+    launch_kernel_instance<Traits, DecodeLogits::kPlain>(p, grid, stream);
   }
-  check_launch("decode_kernel");
 }
 
 template <typename Traits>
@@ -119,10 +121,11 @@ namespace decode_detail {
 struct LaunchOp {
   const DecodeParams& p;
   bool transformed;
+  bool wide_grid;
   cudaStream_t stream;
   template <typename Traits>
   void operator()() const {
-    launch_traits<Traits>(p, transformed, stream);
+    launch_traits<Traits>(p, transformed, wide_grid, stream);
   }
 };
 struct InfoOp {
@@ -137,7 +140,8 @@ template <int kHeadDim>
 void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
                    DecodeKernelChoice choice, cudaStream_t stream) {
   decode_detail::with_traits<kHeadDim, void>(
-      q_dtype, kv_dtype, choice, decode_detail::LaunchOp{p, transformed_logits, stream});
+      q_dtype, kv_dtype, choice,
+      decode_detail::LaunchOp{p, transformed_logits, choice.wide_grid, stream});
 }
 
 template <int kHeadDim>

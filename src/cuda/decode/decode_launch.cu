@@ -219,27 +219,31 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   if (cache.paged) {
     while ((1 << params.page_shift) < cache.tokens_per_block) ++params.page_shift;
   }
+  const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
   if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
+    // The heuristic counts the resident CTAs of the 2-CTA-per-SM kernels (8-bit caches included:
+    // their 4-CTA kernel is only taken by grids that fill it, below).
     const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
     int64_t max_keys = p.max_seq_len;
     if (params.window > 0) {
       max_keys =
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
-    const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
-    params.num_splits = decode_num_splits(ctas, info.ctas_per_sm,
-                                          device_attribute(cudaDevAttrMultiProcessorCount, device),
-                                          max_keys, info.tile_n);
+    params.num_splits = decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
   }
+  // Four CTAs per SM, at 95% of a wave: the grid keeps the 4-CTA 8-bit kernel busy.
+  choice.wide_grid = ctas * params.num_splits * 100 >= static_cast<int64_t>(sm_count) * 380;
 
   if (params.num_splits == 1) {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);
     return;
   }
-  // Stream-ordered workspace: no host synchronization, and capturable in a CUDA graph. Layout:
-  // partial outputs, partial LSEs, then the arrival counters of the last-CTA merge.
+  // Stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a memory
+  // node and a memset node). Layout: partial outputs, partial LSEs, then the arrival counters of
+  // the last-CTA merge, zeroed by the memset.
   const size_t partial_values =
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
   const size_t counters =

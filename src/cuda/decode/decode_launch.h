@@ -17,6 +17,9 @@ struct DecodeKernelInfo {
 // groups <= 8; 16; 32: two M blocks, groups > 16).
 struct DecodeKernelChoice {
   int heads_per_cta = 16;
+  // The grid (splits included) has CTAs for about four per SM: 8-bit caches may then take the
+  // 4-CTA, 2-stage kernel (launch_traits).
+  bool wide_grid = true;
 };
 
 // Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits
