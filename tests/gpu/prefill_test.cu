@@ -47,6 +47,7 @@ struct Case {
   DType kv_dtype = DType::kBF16;  // paged only: q dtype, fp8_e4m3 or int8
   bool per_head_scales = false;
   std::optional<PrefillTile> tile;
+  int section_pairs = 0;  // > 0: forced CTA-order section size (run_prefill)
   bool with_lse = true;
 
   std::string str() const {
@@ -57,7 +58,8 @@ struct Case {
       << (source == KvSource::kPaged ? " paged page=" : " packed")
       << (source == KvSource::kPaged ? std::to_string(page) : std::string())
       << " kv=" << dtype_name(kv_dtype)
-      << " tile=" << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto") << " q_lens=";
+      << " tile=" << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto")
+      << " section=" << section_pairs << " q_lens=";
     for (int n : q_lens) s << n << ",";
     s << " kv_lens=";
     for (int n : kv_lens) s << n << ",";
@@ -328,9 +330,9 @@ void run_and_check(const Case& c) {
     view.v_scale = d_vs;
     args.kv_cache = &view;
   }
-  if (c.tile) {
+  if (c.tile || c.section_pairs > 0) {
     const detail::PrefillProblem problem = detail::validate_prefill(spec, args);
-    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile);
+    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile, c.section_pairs);
   } else {
     prefill(spec, args);
   }
@@ -382,6 +384,32 @@ TEST(PrefillLengths, TileBoundariesEveryTile) {
           c.mask = mask_of(mask);
           c.q_lens = {n};
           c.tile = tile;
+          run_and_check(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// ---- CTA order: sections of every size (1 pair, uneven, one section) visit every query block ----
+TEST(PrefillSchedule, UnevenSectionsCoverEveryBlock) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
+      for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
+        // 5 sequences x 3 query heads (GQA onto one KV head) = 15 pairs; the longest has 4
+        // query blocks of 64 rows, the shortest one row.
+        for (int section : {1, 2, 4, 7, 14, 15, 1000}) {
+          Case c;
+          c.head_dim = d;
+          c.hq = 3;
+          c.hkv = 1;
+          c.mask = mask_of(mask);
+          c.q_lens = {200, 1, 65, 129, 7};
+          c.kv_lens = {230, 1, 65, 140, 64};
+          c.tile = tile;
+          c.section_pairs = section;
           run_and_check(c);
           if (HasFatalFailure()) return;
         }

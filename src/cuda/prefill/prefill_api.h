@@ -21,11 +21,14 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
 std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype);
 
 // Runs a validated call. `forced_tile` overrides the heuristic (tests force every tile); a tile
-// that is not compiled for the head_dim raises.
+// that is not compiled for the head_dim raises. `forced_section_pairs` > 0 overrides the CTA
+// order's section size (PrefillParams::section_pairs; tests force uneven sections).
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  const detail::PrefillProblem& p, void* stream,
-                 std::optional<PrefillTile> forced_tile = std::nullopt);
+                 std::optional<PrefillTile> forced_tile = std::nullopt,
+                 int forced_section_pairs = 0);
 void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
-               void* stream, std::optional<PrefillTile> forced_tile = std::nullopt);
+               void* stream, std::optional<PrefillTile> forced_tile = std::nullopt,
+               int forced_section_pairs = 0);
 
 }  // namespace attnkit::cuda::prefill

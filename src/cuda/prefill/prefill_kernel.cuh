@@ -50,18 +50,39 @@ __device__ __forceinline__ float fast_tanh(float y) {
   return copysignf(__fdividef(1.f - e, 1.f + e), y);
 }
 
-// The work item of one CTA. Longest first: the grid's slowest dimension walks the query blocks
-// from the last (the most keys under a causal mask) to the first, so the heavy tiles start
-// early and the light ones fill the tail. A persistent scheduler would return the same struct.
+// The work item of one CTA. The launch index (x fastest, the hardware's dispatch order) walks the
+// (head, sequence) pairs in sections of p.section_pairs pairs (heads fastest, so GQA heads that
+// share a KV head are neighbours); inside a section the query blocks run from the last (the most
+// keys under a causal mask) to the first, the section's pairs fastest. A section of about one
+// resident wave of CTAs reads each K/V tile from DRAM once and from L2 for its other query
+// blocks, and its light blocks fill the tail. A persistent scheduler would return the same struct.
 struct PrefillWorkTile {
   int32_t head;
   int32_t batch;
   int32_t m_block;
 };
 struct LongestFirstScheduler {
+  template <class I>
+  __device__ static PrefillWorkTile decompose(const PrefillParams& p, I linear) {
+    const I heads = gridDim.x, pairs = heads * gridDim.y, m_blocks = gridDim.z;
+    const I per_section = min(static_cast<I>(p.section_pairs), pairs);
+    const I section = linear / (per_section * m_blocks);
+    const I rest = linear - section * (per_section * m_blocks);
+    const I first = section * per_section;
+    const I in_section = min(per_section, pairs - first);  // the last section may be short
+    const I m_rev = rest / in_section;
+    const I pair = first + (rest - m_rev * in_section);
+    const I batch = pair / heads;
+    return {static_cast<int32_t>(pair - batch * heads), static_cast<int32_t>(batch),
+            static_cast<int32_t>(m_blocks - 1 - m_rev)};
+  }
   __device__ static PrefillWorkTile get(const PrefillParams& p) {
-    return {static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y),
-            p.num_m_blocks - 1 - static_cast<int32_t>(blockIdx.z)};
+    const uint64_t linear = blockIdx.x + static_cast<uint64_t>(gridDim.x) *
+                                             (blockIdx.y + uint64_t{gridDim.y} * blockIdx.z);
+    const uint64_t total = static_cast<uint64_t>(gridDim.x) * gridDim.y * gridDim.z;
+    // 32-bit divisions where the grid allows (every practical launch).
+    if (total <= 0xffffffffull) return decompose<uint32_t>(p, static_cast<uint32_t>(linear));
+    return decompose<uint64_t>(p, linear);
   }
   static dim3 grid(const PrefillParams& p) { return dim3(p.num_q_heads, p.batch, p.num_m_blocks); }
 };

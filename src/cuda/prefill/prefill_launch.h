@@ -24,5 +24,7 @@ int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv);
 int prefill_block_m(PrefillTile tile);
 // Keys per tile.
 int prefill_block_n(PrefillTile tile);
+// Threads per CTA.
+int prefill_threads(PrefillTile tile);
 
 }  // namespace attnkit::cuda::prefill

@@ -68,6 +68,11 @@ struct PrefillParams {
   int32_t num_kv_heads = 0;
   int32_t group_size = 1;    // num_q_heads / num_kv_heads
   int32_t num_m_blocks = 0;  // ceil(max_seqlen_q / kBlockM)
+  // CTA order (LongestFirstScheduler): the (head, sequence) pairs are walked in sections of
+  // section_pairs pairs; inside a section the query blocks run from the last to the first, pairs
+  // fastest. A section of about one resident wave keeps its K/V in L2 while every query block
+  // of its pairs reads them; >= batch * num_q_heads gives one section (heaviest blocks first).
+  int32_t section_pairs = 1;
 
   float softmax_scale = 0.f;
   // Mask (kMasked kernels): causal bottom-right; window > 0 adds p - window < j, sinks j < sink.
