@@ -376,7 +376,7 @@ TEST(PrefillLengths, TileBoundariesEveryTile) {
   for (int d : {128, 64, 256}) {
     for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
       for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
-        for (int n : {1, 2, 63, 64, 65, 127, 128, 129, 37, 191, 257}) {
+        for (int n : {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 37, 191, 257}) {
           Case c;
           c.head_dim = d;
           c.hq = 2;
