@@ -248,6 +248,34 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
   };
   const int32_t key0 = n_block * T::kBlockN;
   const int tid = threadIdx.x;
+  // 64-key tiles only: the 128-key tile (head_dim 64) keeps its registers for the S tile.
+  if constexpr (T::kThreads % kChunksPerRow == 0 && T::kBlockN <= 64) {
+    if (p.paged && src.fast_pages && (T::kBlockN >> src.page_shift) <= 1) {
+      // The tile lies inside one page: rows are kRowBytes apart from the page's row of key0, so
+      // a thread copies the same chunk of rows r0, r0 + kRowStep, ... by pointer increments, with
+      // no per-chunk block-table arithmetic. entry < 0: the tile starts past the sequence, every
+      // row is zero-filled (the address is never read).
+      constexpr int kRowBytes = T::kHeadDim * kElemBytes;
+      constexpr int kRowStep = T::kThreads / kChunksPerRow;
+      const int r0 = tid / kChunksPerRow;
+      const int ch = tid % kChunksPerRow;
+      const int32_t token = (key0 & ((1 << src.page_shift) - 1)) + r0;
+      const int64_t off =
+          (entry < 0 ? 0 : static_cast<int64_t>(entry) * p.kv.block_stride_bytes) +
+          static_cast<int64_t>((src.kv_head << src.page_shift) + token) * kRowBytes + ch * 16;
+#pragma unroll
+      for (int i = 0; i < kIters; ++i) {
+        const int r = r0 + i * kRowStep;
+        if (kChunks % T::kThreads == 0 || r < T::kBlockN) {
+          const bool valid = key0 + r < src.kv_len;
+          const int64_t row_off = off + static_cast<int64_t>(i) * kRowStep * kRowBytes;
+          cp_async_16(smem_u32(dst0 + dst_off(r, ch)), cache0 + row_off, valid);
+          if constexpr (kTwo) cp_async_16(smem_u32(dst1 + dst_off(r, ch)), cache1 + row_off, valid);
+        }
+      }
+      return;
+    }
+  }
   if (p.paged) {
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
