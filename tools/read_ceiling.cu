@@ -31,13 +31,18 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int kUnroll>
-cudaError_t launch(const void* data, size_t bytes, unsigned* sink, cudaStream_t stream) {
+int blocks_for() {
   int device = 0, sms = 0, blocks_per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, read_reduction_kernel<kUnroll>,
                                                 kThreads, 0);
-  const int blocks = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  return sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+}
+
+template <int kUnroll>
+cudaError_t launch(int blocks, const void* data, size_t bytes, unsigned* sink,
+                   cudaStream_t stream) {
   read_reduction_kernel<kUnroll><<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(data),
                                                                   bytes / sizeof(uint4), sink);
   return cudaGetLastError();
@@ -45,16 +50,15 @@ cudaError_t launch(const void* data, size_t bytes, unsigned* sink, cudaStream_t 
 
 }  // namespace
 
-cudaError_t launch_read_reduction(int variant, const void* data, size_t bytes, unsigned* sink,
-                                  cudaStream_t stream) {
-  switch (variant) {
-    case 0:
-      return launch<2>(data, bytes, sink, stream);
-    case 1:
-      return launch<4>(data, bytes, sink, stream);
-    default:
-      return launch<8>(data, bytes, sink, stream);
-  }
+int read_reduction_blocks(int variant) {
+  return variant == 0 ? blocks_for<2>() : variant == 1 ? blocks_for<4>() : blocks_for<8>();
+}
+
+cudaError_t launch_read_reduction(int variant, int blocks, const void* data, size_t bytes,
+                                  unsigned* sink, cudaStream_t stream) {
+  return variant == 0   ? launch<2>(blocks, data, bytes, sink, stream)
+         : variant == 1 ? launch<4>(blocks, data, bytes, sink, stream)
+                        : launch<8>(blocks, data, bytes, sink, stream);
 }
 
 }  // namespace attnkit::tools
