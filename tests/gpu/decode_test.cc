@@ -691,6 +691,34 @@ TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
   }
 }
 
+// The K/V pipeline (halves of a tile in flight, refilled per warp) at every boundary a ring of
+// pipeline units can get wrong: lengths just below, at and above multiples of the 64-key tile
+// and of the page, a single key, more tiles than pipeline units, and splits whose last tile is
+// partial; 16-bit and 8-bit caches, groups of 8 and 4 heads (keys as rows), head_dim 64 / 128 /
+// 256.
+TEST(DecodeFused, PipelineTileAndPageBoundaries) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  uint64_t salt = 1200;
+  const std::vector<int32_t> boundary_lens{1,   15,  16,  17,  63,  64,  65,   127, 128,
+                                           129, 191, 193, 447, 448, 449, 1000, 1023};
+  for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
+    for (int head_dim : {128, 64, 256}) {
+      if (kv != DType::kBF16 && head_dim != 128) continue;
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.head_dim = head_dim;
+      c.hkv = 2;
+      c.hq = head_dim == 64 ? 8 : 16;  // groups of 4 and 8 heads
+      c.page = head_dim == 256 ? 64 : (kv == DType::kBF16 ? 16 : 32);
+      c.seq_lens = boundary_lens;
+      for (int splits : {1, 2, 5, 0}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
+    }
+  }
+}
+
 TEST(DecodeFused, RejectsUnsupportedCallsBeforeLaunch) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   // head_dim 48 is valid for the reference but has no fused kernel: backend=fused raises and

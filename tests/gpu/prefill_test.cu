@@ -514,6 +514,36 @@ TEST(PrefillPaged, EveryTileEveryPageForced) {
   }
 }
 
+// Paged row runs (each thread copies consecutive rows of one page): every page size 8..128 with
+// every tile and every cache dtype, chunks after cached prefixes, sequence lengths of 1, tile - 1,
+// tile, tile + 1 and odd, so runs end inside a page, pages end inside a tile, and whole runs or
+// pages start past the sequence (block-table entries of -1 that must never be read).
+TEST(PrefillPaged, RowRunsEveryPageEveryCacheEveryTile) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64, 256}) {
+    for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
+      for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
+        for (int page : {8, 16, 32, 64, 128}) {
+          Case c;
+          c.head_dim = d;
+          c.source = KvSource::kPaged;
+          c.kv_dtype = kv;
+          c.page = page;
+          c.hq = 2;
+          c.hkv = 1;
+          c.per_head_scales = page == 16;
+          c.mask = mask_of(page == 32 ? MaskKind::kNone : MaskKind::kCausal);
+          c.q_lens = {1, 63, 64, 65, 37, 1};
+          c.kv_lens = {1, 63, 64 + 64, 65 + 70, 37 + 3 * page + 1, 129};
+          c.tile = tile;
+          run_and_check(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
 TEST(PrefillPaged, ChunkedEqualsWhole) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   // The last chunk of a prompt over the cache equals those rows of the whole-prompt result: both
@@ -595,6 +625,9 @@ TEST(PrefillQuantKv, Fp8AndInt8PerTensorAndPerHead) {
   c.kv_dtype = DType::kFp8E4M3;
   c.q_lens = {70};
   c.kv_lens = {150};
+  if (compiled(128, DType::kF16)) run_and_check(c);
+  // f16 queries over an int8 cache (the int8 widening differs per 16-bit type).
+  c.kv_dtype = DType::kInt8;
   if (compiled(128, DType::kF16)) run_and_check(c);
   c.dtype = DType::kBF16;
   c.kv_dtype = DType::kInt8;

@@ -73,12 +73,38 @@ struct KvInt8 {
 // configuration sizes its pipeline for two (or three) CTAs per SM from it.
 constexpr int kDecodeSmemPerSm = 228 * 1024;
 
+// How the K/V pipeline is organised. With one M block (groups <= 16) every warp copies exactly
+// the keys it reads and waits for them with a warp barrier; two M blocks share each copy and use a
+// CTA barrier.
+// kStages: a stage holds K and V of a tile.
+// kSwizzledHalves: K and V of a tile are separate units of the ring, so K(t)'s buffer is refilled
+//   while V(t) is still read; rows are unpadded, their 16-byte chunks XOR-swizzled by the row
+//   (conflict-free ldmatrix), and Q is staged in the ring's last buffer, so that at head_dim 128
+//   seven halves of 16 KB fit next to a second CTA: 6 in flight (3 tiles) against the 2 tiles of
+//   three padded stages.
+enum class DecodePipe { kStages, kSwizzledHalves };
+
+// The pipeline of a tile configuration: swizzled halves for keys as rows with 8 or more chunks a
+// row, for 16-bit caches and for the 2-CTA 8-bit kernel at head_dim 128. Measured on the H200
+// (same run, 2026-11-29 16:27, against kStages with CTA barriers): bf16 64 x 4k 4.03 -> 4.32 TB/s,
+// 32 x 32k 4.16 -> 4.48, 1 x 32k 2.85 -> 3.02; fp8 1 x 32k 2.01 -> 2.04. Padded halves (6) and warp
+// barriers alone were within 0.5%; the 4-CTA 8-bit kernel lost with halves (fp8 64 x 4k 3.85 ->
+// 3.16 swizzled, 3.77 padded) and keeps stages.
+constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_per_cta,
+                                         int ctas_per_sm) {
+  if (heads_per_cta != 8 || (head_dim * kv_bytes / 16) % 8 != 0) return DecodePipe::kStages;
+  if (kv_bytes == 2 || (head_dim == 128 && ctas_per_sm == 2)) return DecodePipe::kSwizzledHalves;
+  return DecodePipe::kStages;
+}
+
 // Compile-time configuration. kHeadsPerCta: query heads of one KV-head group that a CTA serves.
 // 8: the keys are the MMA rows and the heads its n8 columns (S^T = K Q^T, O^T = V^T P^T), half
 // the MMAs of a 16-row tile for groups of up to 8 heads. 16: the heads are the 16 MMA rows. 32:
 // two 16-row M blocks (MQA 32/1 reads K/V once); the warps form two groups of four that share
 // every tile.
-template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2>
+template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
+          DecodePipe kPipe_ =
+              decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_)>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -116,9 +142,18 @@ struct DecodeTraits {
   static constexpr int kRowBytes = kRowStride * 2;
   static constexpr int kChunksPerToken = kHeadDim * Kv::kBytes / 16;  // 16-byte copies per row
   static constexpr int kQBytes = kM * kRowBytes;
+  static constexpr bool kSwizzle = kPipe_ == DecodePipe::kSwizzledHalves && kKeysAsRows &&
+                                   kMBlocks == 1 && kChunksPerToken % 8 == 0;
+  // K/V rows in shared memory: padded (kRowBytes, 8-bit kRawRowBytes), or unpadded with their
+  // 16-byte chunks XOR-swizzled by the row.
+  static constexpr int kKvRowBytes =
+      kSwizzle ? kChunksPerToken * 16 : (Kv::kBytes == 1 ? kRawRowBytes : kRowBytes);
+  static constexpr int kKvRowStride = kKvRowBytes / 2;  // in 16-bit elements
+  // Q in the pipeline's last buffer (the prologue leaves it empty; the loop first refills it
+  // after a CTA barrier that follows the Q fragment loads).
+  static constexpr int kQOutside = kSwizzle ? 0 : kQBytes;
   // One pipeline stage: K and V of kTileN keys, stored (8-bit: unpadded) or ready for ldmatrix.
-  static constexpr int kStageHalfBytes =
-      k8Bit ? kTileN * kRawRowBytes : kTileN * kRowBytes;  // K (or V) of one stage
+  static constexpr int kStageHalfBytes = kTileN * kKvRowBytes;  // K (or V) of one stage
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
   // As many stages as fit next to the other CTAs of the SM.
   static constexpr int kCtaBudget = kDecodeSmemPerSm / kTargetCtasPerSm - 1024;
@@ -126,14 +161,24 @@ struct DecodeTraits {
   static constexpr int kMaxStages = 6;
   static constexpr int kStages =
       kStagesFit < 2 ? 2 : (kStagesFit > kMaxStages ? kMaxStages : kStagesFit);
+  // Warp-local pipeline: every warp copies exactly the keys it reads (one M block).
+  static constexpr bool kWarpLocal = kMBlocks == 1;
+  static constexpr bool kHalves = kPipe_ == DecodePipe::kSwizzledHalves && kMBlocks == 1;
+  // Pipeline units: a tile's K and V (full stages) or its K, then its V (halves).
+  static constexpr int kUnitsPerTile = kHalves ? 2 : 1;
+  static constexpr int kUnitBytes = kHalves ? kStageHalfBytes : kStageBytes;
+  static constexpr int kHalvesFit = (kCtaBudget - kQOutside) / kStageHalfBytes;
+  static constexpr int kUnits =
+      kHalves ? (kHalvesFit < 4 ? 4 : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
+              : kStages;
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
   // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
       kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) * static_cast<int>(sizeof(float));
   static constexpr int kCombineBytes = kM * kDecodeMaxSplits * static_cast<int>(sizeof(float));
-  static constexpr int kPipelineBytes =
-      std::max({kStages * kStageBytes, kMergeBytes, kCombineBytes});
-  static constexpr int kSmemBytes = kQBytes + kPipelineBytes;
+  static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
+  static constexpr int kSmemBytes = kQOutside + kPipelineBytes;
+  static_assert(!kSwizzle || kQBytes <= kUnitBytes);
   static constexpr int kMinCtasPerSm =
       std::max(1, std::min(std::max(kTargetCtasPerSm, 3), kDecodeSmemPerSm / (kSmemBytes + 1024)));
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
@@ -334,7 +379,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   using Kv = typename Traits::Kv;
   constexpr int kD = Traits::kHeadDim;
   constexpr int kTileN = Traits::kTileN;
-  constexpr int kStages = Traits::kStages;
   constexpr int kRowStride = Traits::kRowStride;
   constexpr int kM = Traits::kM;
   constexpr int kMB = kDecodeHeadsPerCta;  // rows of one M block
@@ -342,8 +386,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) uint8_t smem[];
-  MT* q_smem = reinterpret_cast<MT*>(smem);
-  uint8_t* pipe_smem = smem + Traits::kQBytes;
+  uint8_t* pipe_smem = smem + Traits::kQOutside;
+  MT* q_smem = reinterpret_cast<MT*>(
+      Traits::kSwizzle ? pipe_smem + (Traits::kUnits - 1) * Traits::kUnitBytes : smem);
+  constexpr int kKvRowStride = Traits::kKvRowStride;
+  // Byte offset of (row, 16-byte chunk) in a K/V buffer, and the same in 16-bit elements.
+  auto kv_byte = [](int r, int chunk) -> int {
+    if constexpr (Traits::kSwizzle) {
+      return r * Traits::kKvRowBytes + ((chunk ^ (r & 7)) * 16);
+    } else {
+      return r * Traits::kKvRowBytes + chunk * 16;
+    }
+  };
+  auto kv_at = [&](int r, int chunk) -> int { return kv_byte(r, chunk) / 2; };
 
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
@@ -399,10 +454,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
     return p.kv.byte_offset_shift(src_row, p.kv.slot_of(pos), kv_head, 0, p.page_shift);
   };
-  auto copy_tile = [&](int64_t my_offset, int stage) {
-    uint8_t* k_dst = pipe_smem + stage * Traits::kStageBytes;
-    uint8_t* v_dst = k_dst + Traits::kStageHalfBytes;
-    constexpr int kDstRowBytes = Traits::k8Bit ? Traits::kRawRowBytes : Traits::kRowBytes;
+  // Copies K (copy_k) and / or V (copy_v) of a tile's keys into k_dst / v_dst.
+  auto copy_tile = [&](int64_t my_offset, uint8_t* k_dst, uint8_t* v_dst, bool copy_k,
+                       bool copy_v) {
+    constexpr int kDstRowBytes = Traits::kKvRowBytes;
     constexpr int kChunks = kCopyKeys * Traits::kChunksPerToken;
     constexpr int kTokenBytes = Traits::kChunksPerToken * 16;
     // Fast path (warp-uniform): the warp's keys are consecutive tokens of one page run (the usual
@@ -415,24 +470,30 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const uint8_t* v_src = p.kv.v_base + first + lane * 16;
       // This lane's destination for base = 0; the per-iteration part is a constant when the
       // pieces of a token divide (or are a multiple of) the 32 lanes.
-      const uint32_t k_lane =
-          smem_u32(k_dst) + warp * kCopyKeys * kDstRowBytes +
+      const uint32_t lane_dst =
+          warp * kCopyKeys * kDstRowBytes +
           (32 % kCpt == 0 ? (lane / kCpt) * kDstRowBytes + (lane % kCpt) * 16 : lane * 16);
-      const uint32_t v_lane = k_lane + Traits::kStageHalfBytes;
+      const uint32_t k_lane = smem_u32(k_dst) + lane_dst;
+      const uint32_t v_lane = smem_u32(v_dst) + lane_dst;
 #pragma unroll
       for (int base = 0; base < kChunks; base += 32) {
         const int c = base + lane;
         if (c < kChunks) {
           int dst;
-          if constexpr (32 % kCpt == 0) {
+          if constexpr (Traits::kSwizzle) {
+            // The row's chunks are XOR-swizzled by the row (the warp's first row is a multiple
+            // of 8, so the row within the warp decides).
+            const int r = base / kCpt + lane / kCpt;
+            dst = (base / kCpt) * kDstRowBytes + (((lane % kCpt) ^ (r & 7)) - (lane % kCpt)) * 16;
+          } else if constexpr (32 % kCpt == 0) {
             dst = (base / kCpt) * kDstRowBytes;
           } else if constexpr (kCpt % 32 == 0) {
             dst = (base / kCpt) * kDstRowBytes + (base % kCpt) * 16;
           } else {
             dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
           }
-          decode_cp_async_16_full(k_lane + dst, k_src + base * 16);
-          decode_cp_async_16_full(v_lane + dst, v_src + base * 16);
+          if (copy_k) decode_cp_async_16_full(k_lane + dst, k_src + base * 16);
+          if (copy_v) decode_cp_async_16_full(v_lane + dst, v_src + base * 16);
         }
       }
       return;
@@ -447,9 +508,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const bool valid = key_offset >= 0;
       const int64_t offset = key_offset + part * 16;
       if (c < kChunks) {
-        const int dst = (warp * kCopyKeys + token) * kDstRowBytes + part * 16;
-        cp_async_16(smem_u32(k_dst + dst), valid ? p.kv.k_base + offset : p.kv.k_base, valid);
-        cp_async_16(smem_u32(v_dst + dst), valid ? p.kv.v_base + offset : p.kv.v_base, valid);
+        const int dst = (warp * kCopyKeys + token) * kDstRowBytes +
+                        (Traits::kSwizzle ? part ^ (token & 7) : part) * 16;
+        if (copy_k) {
+          cp_async_16(smem_u32(k_dst + dst), valid ? p.kv.k_base + offset : p.kv.k_base, valid);
+        }
+        if (copy_v) {
+          cp_async_16(smem_u32(v_dst + dst), valid ? p.kv.v_base + offset : p.kv.v_base, valid);
+        }
       }
     }
   };
@@ -474,19 +540,71 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   float l_run[2] = {0.0f, 0.0f};            // this thread's share of the row sums
 
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + kTileN - 1) / kTileN : 0;
-  int64_t next_offset = -1;
+  // The pipeline is a ring of kUnits buffers; unit u is tile u / kUnitsPerTile (with halves: its
+  // K for even u, its V for odd u) and lives in buffer u % kUnits. Consuming a unit first refills
+  // the buffer of the unit consumed before it with unit u + kUnits - 1.
+  constexpr int kUnits = Traits::kUnits;
+  constexpr int kUnitsPerTile = Traits::kUnitsPerTile;
+  // Offsets (per copy lane) of the tile of the next unit to issue and, with halves, of the tile
+  // after it (a half's math is too short to hide a block-table read).
+  int64_t issue_offset = -1, ahead_offset = -1;
   {
     // The prologue's block-table reads are issued together, then its copies.
-    int64_t offsets[kStages];
+    constexpr int kIssueTile = (kUnits - 1) / kUnitsPerTile;
+    constexpr int kOffsetTiles = kIssueTile + (Traits::kHalves ? 2 : 1);
+    int64_t offsets[kOffsetTiles];
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) offsets[s] = s < num_tiles ? key_offset(s) : -1;
+    for (int s = 0; s < kOffsetTiles; ++s) offsets[s] = s < num_tiles ? key_offset(s) : -1;
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < num_tiles) copy_tile(offsets[s], s);
+    for (int u = 0; u < kUnits - 1; ++u) {
+      const int tile = u / kUnitsPerTile;
+      uint8_t* dst = pipe_smem + u * Traits::kUnitBytes;
+      if (tile < num_tiles) {
+        if constexpr (Traits::kHalves) {
+          copy_tile(offsets[tile], dst, dst, u % 2 == 0, u % 2 == 1);
+        } else {
+          copy_tile(offsets[tile], dst, dst + Traits::kStageHalfBytes, true, true);
+        }
+      }
       cp_async_commit();
     }
-    next_offset = offsets[kStages - 1];
+    issue_offset = offsets[kIssueTile];
+    if constexpr (Traits::kHalves) ahead_offset = offsets[kOffsetTiles - 1];
   }
+  int read_buffer = 0, write_buffer = kUnits - 1;
+  // Waits for the next unit (its buffer is read_buffer), refills write_buffer with the unit
+  // kUnits - 1 ahead (a tile's K for part 0, its V for part 1; both for full stages), and returns
+  // the shared memory of the unit to consume.
+  auto next_unit = [&](int issue_tile, int part) -> uint8_t* {
+    cp_async_wait<kUnits - 2>();
+    if constexpr (Traits::kWarpLocal) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
+    uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
+    if (issue_tile < num_tiles) {
+      if constexpr (Traits::kHalves) {
+        copy_tile(issue_offset, dst, dst, part == 0, part == 1);
+      } else {
+        copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
+      }
+    }
+    cp_async_commit();
+    // The next block-table read overlaps this tile's math.
+    if constexpr (Traits::kHalves) {
+      if (part == 1) {
+        issue_offset = ahead_offset;
+        ahead_offset = key_offset(issue_tile + 2);
+      }
+    } else {
+      issue_offset = key_offset(issue_tile + 1);
+    }
+    uint8_t* unit = pipe_smem + read_buffer * Traits::kUnitBytes;
+    read_buffer = read_buffer + 1 == kUnits ? 0 : read_buffer + 1;
+    write_buffer = write_buffer + 1 == kUnits ? 0 : write_buffer + 1;
+    return unit;
+  };
   // Query rows of this head block (rows past the group are zero), loaded after the pipeline
   // prologue so that their latency overlaps the first K/V copies. All loads are issued before
   // the stores (the compiler cannot reorder global loads across shared stores itself).
@@ -543,31 +661,33 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
+  // The warp-local pipeline has no CTA barrier in the loop: Q's stores need one here (and Q in
+  // the last pipeline buffer must be read by every warp before the loop refills that buffer).
+  if constexpr ((Traits::kWarpLocal && !Traits::kKeysAsRows) || Traits::kSwizzle) __syncthreads();
+
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    {
-      const int next = tile + kStages - 1;
-      if (next < num_tiles) copy_tile(next_offset, next % kStages);
-      cp_async_commit();
-      // Next iteration's offsets (-1 past the split): issued here so that the block-table read
-      // overlaps this tile's math.
-      next_offset = key_offset(tile + kStages);
-    }
-    const int stage = tile % kStages;
+    // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
+    const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
+    // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
+    // while V is still in flight.
+    auto v_unit = [&]() -> const uint8_t* {
+      if constexpr (Traits::kHalves) {
+        return next_unit(tile + kUnits / 2, kUnits % 2);
+      } else {
+        return k_smem + Traits::kStageHalfBytes;
+      }
+    };
     if constexpr (Traits::kKeysAsRows) {
       // S^T = K Q^T: lane (g, t) holds keys g, g + 8 x heads 2t, 2t + 1. Two accumulators halve
       // the MMA dependency chain.
       float s[4] = {}, s_odd[4] = {};
       if constexpr (Traits::kDirect) {
-        const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
-                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+        const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int kk = 0; kk < kD / 16; kk += 2) {
           uint32_t x[4];
           ldmatrix_x4(x,
-                      smem_u32(k_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                               (kk + lane / 16) * 16));
+                      smem_u32(k_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, kk + lane / 16)));
 #pragma unroll
           for (int step = 0; step < 2; ++step) {
             if (kk + step < kD / 16) {
@@ -584,12 +704,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           }
         }
       } else {
-        const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
-                           key_warp * Traits::kKeysPerWarp * kRowStride;
+        const QT* k_rows =
+            reinterpret_cast<const QT*>(k_smem) + key_warp * Traits::kKeysPerWarp * kKvRowStride;
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
           uint32_t a[4];
-          ldmatrix_x4(a, smem_u32(k_rows + (lane % 16) * kRowStride + kk * 16 + (lane / 16) * 8));
+          ldmatrix_x4(a, smem_u32(k_rows + kv_at(lane % 16, 2 * kk + lane / 16)));
           if (kk % 2 == 0) {
             mma_m16n8k16<MmaTag>(s, a, q_frag[kk]);
           } else {
@@ -644,18 +764,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           o[c][3] *= alpha[1];
         }
       }
+      const uint8_t* v_smem = v_unit();
       // O^T += V^T P^T: 16 d's per MMA (A from ldmatrix.trans of the V rows).
       if constexpr (Traits::kDirect) {
         // Byte rows through .trans: lane (g, t) gets V[2t][2g], V[2t][2g+1], V[2t+1][2g],
         // V[2t+1][2g+1] of a 16-d chunk; MMA row g is d = 2g, row g + 8 is d = 2g + 1.
-        const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
-                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+        const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int cc = 0; cc < kD / 16; cc += 2) {
           uint32_t x[4];
           ldmatrix_x4_trans(
-              x, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                          (cc + lane / 16) * 16));
+              x, smem_u32(v_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, cc + lane / 16)));
 #pragma unroll
           for (int step = 0; step < 2; ++step) {
             if (cc + step < kD / 16) {
@@ -668,14 +787,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           }
         }
       } else {
-        const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
-                                                       Traits::kStageHalfBytes) +
-                           key_warp * Traits::kKeysPerWarp * kRowStride;
+        const QT* v_rows =
+            reinterpret_cast<const QT*>(v_smem) + key_warp * Traits::kKeysPerWarp * kKvRowStride;
 #pragma unroll
         for (int c = 0; c < kD / 16; ++c) {
           uint32_t a[4];
-          ldmatrix_x4_trans(a, smem_u32(v_rows + ((lane / 16) * 8 + lane % 8) * kRowStride +
-                                        c * 16 + ((lane / 8) % 2) * 8));
+          ldmatrix_x4_trans(
+              a, smem_u32(v_rows + kv_at((lane / 16) * 8 + lane % 8, 2 * c + (lane / 8) % 2)));
           mma_m16n8k16<MmaTag>(o[c], a, pb);
         }
       }
@@ -683,16 +801,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       // S = Q K^T for this warp's 16 keys: two n8 tiles.
       float s[2][4] = {};
       if constexpr (Traits::kDirect) {
-        const uint8_t* k_rows = pipe_smem + stage * Traits::kStageBytes +
-                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+        const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int kk = 0; kk < kD / 16; kk += 2) {
           // Matrices: keys 0-7 / 8-15 of steps kk and kk + 1 (for D = 80 the last step's second
           // half reads row padding and is not used).
           uint32_t b[4];
           ldmatrix_x4(b,
-                      smem_u32(k_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                               (kk + lane / 16) * 16));
+                      smem_u32(k_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, kk + lane / 16)));
 #pragma unroll
           for (int step = 0; step < 2; ++step) {
             if (kk + step < kD / 16) {
@@ -710,14 +826,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           }
         }
       } else {
-        const QT* k_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes) +
-                           key_warp * Traits::kKeysPerWarp * kRowStride;
+        const QT* k_rows =
+            reinterpret_cast<const QT*>(k_smem) + key_warp * Traits::kKeysPerWarp * kKvRowStride;
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
           uint32_t a[4], b[4];
           ldmatrix_x4(a, smem_u32(q_smem + (m_block * kMB + lane % 16) * kRowStride + kk * 16 +
                                   (lane / 16) * 8));
-          ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kRowStride + kk * 16 +
+          ldmatrix_x4(b, smem_u32(k_rows + ((lane / 16) * 8 + lane % 8) * kKvRowStride + kk * 16 +
                                   ((lane / 8) % 2) * 8));
           const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
           mma_m16n8k16<MmaTag>(s[0], a, b0);
@@ -775,19 +891,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           o[n][3] *= alpha[1];
         }
       }
+      const uint8_t* v_smem = v_unit();
       // O += P V: V rows are k-major, so the B fragments come from ldmatrix.trans.
       if constexpr (Traits::kDirect) {
         // On byte rows, .trans gives lane (g, t) the stored bytes V[2t][2g], V[2t][2g+1],
         // V[2t+1][2g], V[2t+1][2g+1] of a 16-d chunk: bytes 0,2 feed the n8 tile of the even d's,
         // bytes 1,3 the tile of the odd d's (the epilogue undoes this column order).
-        const uint8_t* v_rows = pipe_smem + stage * Traits::kStageBytes + Traits::kStageHalfBytes +
-                                key_warp * Traits::kKeysPerWarp * Traits::kRawRowBytes;
+        const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int cc = 0; cc < kD / 16; cc += 2) {
           uint32_t b[4];
           ldmatrix_x4_trans(
-              b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * Traits::kRawRowBytes +
-                          (cc + lane / 16) * 16));
+              b, smem_u32(v_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, cc + lane / 16)));
 #pragma unroll
           for (int step = 0; step < 2; ++step) {
             if (cc + step < kD / 16) {
@@ -802,13 +917,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           }
         }
       } else {
-        const QT* v_rows = reinterpret_cast<const QT*>(pipe_smem + stage * Traits::kStageBytes +
-                                                       Traits::kStageHalfBytes) +
-                           key_warp * Traits::kKeysPerWarp * kRowStride;
+        const QT* v_rows =
+            reinterpret_cast<const QT*>(v_smem) + key_warp * Traits::kKeysPerWarp * kKvRowStride;
 #pragma unroll
         for (int dd = 0; dd < kD / 16; ++dd) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kRowStride +
+          ldmatrix_x4_trans(b, smem_u32(v_rows + (((lane / 8) % 2) * 8 + lane % 8) * kKvRowStride +
                                         dd * 16 + (lane / 16) * 8));
           const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
           mma_m16n8k16<MmaTag>(o[2 * dd], pa, b0);
