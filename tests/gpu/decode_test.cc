@@ -41,6 +41,7 @@ struct DecodeCase {
   double softcap = 0.0;
   float q_range = 1.0f;  // larger values make soft-cap and the softmax sharper
   int32_t num_splits = 0;
+  int32_t max_seq_len = 0;  // DecodeArgs::max_seq_len (0: the longest row)
   bool with_lse = true;
   Backend backend = Backend::kFused;
 
@@ -311,6 +312,7 @@ struct PreparedCase {
     args.beam_width = c.beam_width;
     if (c.beam_width > 1) args.cache_indirection = d_ind;
     args.num_splits = c.num_splits;
+    args.max_seq_len = c.max_seq_len;
   }
 
   // Poisons the device outputs again (NaN), stream-ordered.
@@ -715,6 +717,43 @@ TEST(DecodeFused, PipelineTileAndPageBoundaries) {
         c.num_splits = splits;
         run_case(c, salt++);
       }
+    }
+  }
+}
+
+// The kernel reads the block-table entries of its first tiles before seq_len arrives, at the
+// split start of a row of max_seq_len keys: rows whose start matches use them (entries past the
+// row's end hold -1 and must not be used), rows whose start differs read the table again, and a
+// max_seq_len beyond the table's columns must not read past them. Then a wide grid of short rows
+// (bf16 and f16, groups of 4 heads, heuristic and forced splits).
+TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  uint64_t salt = 1400;
+  for (int32_t page : {16, 32, 64}) {
+    DecodeCase c;
+    c.hq = 16;
+    c.hkv = 2;
+    c.page = page;
+    c.seq_lens = {1000, 999, 1000, 65, 1, 513, 64};
+    for (int32_t max_seq : {0, 1000, 2047}) {
+      for (int splits : {1, 3, 7, 0}) {
+        c.max_seq_len = max_seq;
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
+    }
+  }
+  std::mt19937_64 rng(test_seed() ^ 1401);
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    DecodeCase c;
+    c.dtype = c.kv_dtype = dtype;
+    c.hq = 32;
+    c.hkv = 8;
+    c.page = 32;
+    c.seq_lens = lengths(rng, 64, c.page, 300);
+    for (int splits : {0, 2}) {
+      c.num_splits = splits;
+      run_case(c, salt++);
     }
   }
 }

@@ -520,24 +520,34 @@ TEST(PrefillPaged, EveryTileEveryPageForced) {
 // pages start past the sequence (block-table entries of -1 that must never be read).
 TEST(PrefillPaged, RowRunsEveryPageEveryCacheEveryTile) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  for (int d : {128, 64, 256}) {
-    for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
-      for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
-        for (int page : {8, 16, 32, 64, 128}) {
-          Case c;
-          c.head_dim = d;
-          c.source = KvSource::kPaged;
-          c.kv_dtype = kv;
-          c.page = page;
-          c.hq = 2;
-          c.hkv = 1;
-          c.per_head_scales = page == 16;
-          c.mask = mask_of(page == 32 ? MaskKind::kNone : MaskKind::kCausal);
-          c.q_lens = {1, 63, 64, 65, 37, 1};
-          c.kv_lens = {1, 63, 64 + 64, 65 + 70, 37 + 3 * page + 1, 129};
-          c.tile = tile;
-          run_and_check(c);
-          if (HasFatalFailure()) return;
+  // The paged kernels (row runs of 1-8 rows per thread, one block id per run) in every compiled
+  // tile: runs that end past the sequence, pages smaller than a 16-row share (head_dim 256: two
+  // runs per thread), padded rows (80/96), both masks, 16-bit and 8-bit caches.
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int d : {128, 64, 256, 80, 96}) {
+      for (PrefillTile tile : tiles_for(d, dtype)) {
+        for (DType kv : {dtype, DType::kFp8E4M3, DType::kInt8}) {
+          for (int page : {8, 16, 32, 64, 128}) {
+            // f16 q: the pages at both ends and one in the middle.
+            if (dtype == DType::kF16 && page != 8 && page != 32 && page != 128) continue;
+            for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
+              Case c;
+              c.dtype = dtype;
+              c.head_dim = d;
+              c.source = KvSource::kPaged;
+              c.kv_dtype = kv;
+              c.page = page;
+              c.hq = 2;
+              c.hkv = 1;
+              c.per_head_scales = page == 16;
+              c.mask = mask_of(mask);
+              c.q_lens = {1, 63, 64, 65, 37, 1};
+              c.kv_lens = {1, 63, 64 + 64, 65 + 70, 37 + 3 * page + 1, 129};
+              c.tile = tile;
+              run_and_check(c);
+              if (HasFatalFailure()) return;
+            }
+          }
         }
       }
     }

@@ -413,6 +413,51 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
   const int32_t seq_len = p.seq_lens[row];
+  // Early ramp: the block-table entries of the first tiles and Q do not wait for seq_len. With a
+  // plain paged cache and no window, split s starts at s * split_keys_guess when the row has
+  // max_seq_len keys; the entries read there (columns clamped to the table) are used only when the
+  // row's own start matches, and only for keys below its end (entries past it may hold anything).
+  constexpr int kUnits = Traits::kUnits;
+  constexpr int kUnitsPerTile = Traits::kUnitsPerTile;
+  constexpr int kIssueTile = (kUnits - 1) / kUnitsPerTile;
+  constexpr int kOffsetTiles = kIssueTile + (Traits::kHalves ? 2 : 1);
+  const bool plain_paged =
+      p.kv.block_table != nullptr && p.cache_indirection == nullptr && p.kv.window_slots == 0;
+  const int32_t* table_row =
+      plain_paged ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
+  const bool early_table = plain_paged && p.window == 0;
+  const int32_t guess_begin = split * p.split_keys_guess;
+  int32_t early_block[kOffsetTiles];
+#pragma unroll
+  for (int s = 0; s < kOffsetTiles; ++s) {
+    early_block[s] = 0;
+    if (early_table && lane < kCopyKeys) {
+      const int64_t key = static_cast<int64_t>(guess_begin) + s * kTileN + warp * kCopyKeys + lane;
+      early_block[s] = table_row[min(key >> p.page_shift, static_cast<int64_t>(p.table_cols - 1))];
+    }
+  }
+  // Query rows of this head block (rows past the group are zero). All loads are issued before
+  // the shared stores (the compiler cannot reorder global loads across shared stores itself).
+  constexpr int kQIters = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
+  QT q_vals[kQIters];
+  auto load_q = [&] {
+    const QT* q = static_cast<const QT*>(p.q) + row * p.q_row_stride;
+#pragma unroll
+    for (int j = 0; j < kQIters; ++j) {
+      const int i = threadIdx.x + j * Traits::kThreads;
+      const int r = i / kD, d = i % kD;
+      int src = d;
+      if constexpr (Traits::kDirect) {
+        // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
+        // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
+        const int x = d % 16;
+        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
+      }
+      q_vals[j] =
+          i < kM * kD && r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
+    }
+  };
+  load_q();
   const int32_t q_pos = seq_len - 1;
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
@@ -430,10 +475,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // offsets one tile ahead, so that the block-table latency overlaps the math.
   // The common paged cache (no beams, not cyclic) takes a short path: one table read and one
   // multiply per key, with the per-CTA terms hoisted.
-  const bool plain_paged =
-      p.kv.block_table != nullptr && p.cache_indirection == nullptr && p.kv.window_slots == 0;
-  const int32_t* table_row =
-      plain_paged ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
   const int64_t head_bytes =
       static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * (Traits::kChunksPerToken * 16);
   const int32_t page_mask = (1 << p.page_shift) - 1;
@@ -543,18 +584,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // The pipeline is a ring of kUnits buffers; unit u is tile u / kUnitsPerTile (with halves: its
   // K for even u, its V for odd u) and lives in buffer u % kUnits. Consuming a unit first refills
   // the buffer of the unit consumed before it with unit u + kUnits - 1.
-  constexpr int kUnits = Traits::kUnits;
-  constexpr int kUnitsPerTile = Traits::kUnitsPerTile;
   // Offsets (per copy lane) of the tile of the next unit to issue and, with halves, of the tile
   // after it (a half's math is too short to hide a block-table read).
   int64_t issue_offset = -1, ahead_offset = -1;
   {
     // The prologue's block-table reads are issued together, then its copies.
-    constexpr int kIssueTile = (kUnits - 1) / kUnitsPerTile;
-    constexpr int kOffsetTiles = kIssueTile + (Traits::kHalves ? 2 : 1);
     int64_t offsets[kOffsetTiles];
+    if (early_table && key_begin == guess_begin) {
 #pragma unroll
-    for (int s = 0; s < kOffsetTiles; ++s) offsets[s] = s < num_tiles ? key_offset(s) : -1;
+      for (int s = 0; s < kOffsetTiles; ++s) {
+        const int32_t key = key_begin + s * kTileN + warp * kCopyKeys + lane;
+        offsets[s] = lane < kCopyKeys && key < key_end
+                         ? static_cast<int64_t>(early_block[s]) * p.kv.block_stride_bytes +
+                               head_bytes + (key & page_mask) * (Traits::kChunksPerToken * 16)
+                         : -1;
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kOffsetTiles; ++s) offsets[s] = s < num_tiles ? key_offset(s) : -1;
+    }
 #pragma unroll
     for (int u = 0; u < kUnits - 1; ++u) {
       const int tile = u / kUnitsPerTile;
@@ -605,33 +653,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     write_buffer = write_buffer + 1 == kUnits ? 0 : write_buffer + 1;
     return unit;
   };
-  // Query rows of this head block (rows past the group are zero), loaded after the pipeline
-  // prologue so that their latency overlaps the first K/V copies. All loads are issued before
-  // the stores (the compiler cannot reorder global loads across shared stores itself).
   {
-    const QT* q = static_cast<const QT*>(p.q) + row * p.q_row_stride;
-    constexpr int kQIters = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
-    float q_vals[kQIters];
-#pragma unroll
-    for (int j = 0; j < kQIters; ++j) {
-      const int i = threadIdx.x + j * Traits::kThreads;
-      const int r = i / kD, d = i % kD;
-      int src = d;
-      if constexpr (Traits::kDirect) {
-        // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
-        // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
-        const int x = d % 16;
-        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
-      }
-      q_vals[j] = i < kM * kD && r < heads_here
-                      ? static_cast<float>(q[(first_head + r) * p.q_head_stride + src])
-                      : 0.0f;
-    }
 #pragma unroll
     for (int j = 0; j < kQIters; ++j) {
       const int i = threadIdx.x + j * Traits::kThreads;
       if (i < kM * kD) {
-        float v = q_vals[j];
+        float v = static_cast<float>(q_vals[j]);
         if constexpr (!std::is_same_v<MmaTag, QTag>) {
           // bf16 q for f16 MMAs: exact within f16's range, saturated beyond it (NaN stays NaN).
           if (fabsf(v) > 65504.0f) v = copysignf(65504.0f, v);

@@ -218,6 +218,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
   if (cache.paged) {
     while ((1 << params.page_shift) < cache.tokens_per_block) ++params.page_shift;
+    params.table_cols = static_cast<int32_t>(cache.block_table.shape[1]);
   }
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
@@ -236,6 +237,13 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   }
   // Four CTAs per SM, at 95% of a wave: the grid keeps the 4-CTA 8-bit kernel busy.
   choice.wide_grid = ctas * params.num_splits * 100 >= static_cast<int64_t>(sm_count) * 380;
+  {
+    // The kernel's split length for a row of max_seq_len keys (DecodeKeyRange without a window).
+    constexpr int64_t kTileN = 64;
+    const int64_t per_split =
+        (static_cast<int64_t>(p.max_seq_len) + params.num_splits - 1) / params.num_splits;
+    params.split_keys_guess = static_cast<int32_t>((per_split + kTileN - 1) / kTileN * kTileN);
+  }
 
   if (params.num_splits == 1) {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);

@@ -40,6 +40,7 @@ struct DecodeParams {
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
+  int32_t table_cols = 0;                      // block_table columns (paged; validated >= 1)
   const int32_t* seq_lens = nullptr;           // [num_rows], counts the new token
   const int32_t* cache_indirection = nullptr;  // [num_rows / beam_width, beam_width, max_seq]
   int64_t indirection_seq_stride = 0;          // elements
@@ -58,6 +59,10 @@ struct DecodeParams {
   int32_t group_size = 0;   // Hq / Hkv
   int32_t head_blocks = 1;  // ceil(group_size / heads per CTA)
   int32_t num_splits = 1;
+  // Keys per split for a row of max_seq_len keys: the kernel reads the block-table entries of its
+  // first tiles before seq_len arrives, at split * split_keys_guess, and uses them only when the
+  // row's own split start matches (entries of keys past the row's end are never used).
+  int32_t split_keys_guess = 0;
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;

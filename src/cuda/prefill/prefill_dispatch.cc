@@ -39,56 +39,63 @@ using Launcher = void (*)(const PrefillParams&, cudaStream_t);
 constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 
 template <int D, PrefillTile kTile, DType kDT>
-Launcher launcher_for(bool masked, bool quant_kv) {
+Launcher launcher_for(bool masked, bool quant_kv, bool paged) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
-    if (masked) {
-      return quant_kv ? &launch_prefill<D, kTile, kDT, true, true>
-                      : &launch_prefill<D, kTile, kDT, true, false>;
+    if (quant_kv) {
+      return masked ? &launch_prefill<D, kTile, kDT, true, true, true>
+                    : &launch_prefill<D, kTile, kDT, false, true, true>;
     }
-    return quant_kv ? &launch_prefill<D, kTile, kDT, false, true>
-                    : &launch_prefill<D, kTile, kDT, false, false>;
+    if (paged) {
+      return masked ? &launch_prefill<D, kTile, kDT, true, false, true>
+                    : &launch_prefill<D, kTile, kDT, false, false, true>;
+    }
+    return masked ? &launch_prefill<D, kTile, kDT, true, false, false>
+                  : &launch_prefill<D, kTile, kDT, false, false, false>;
   } else {
     return nullptr;
   }
 }
 
 template <int D, DType kDT>
-Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv) {
+Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged) {
   switch (tile) {
     case PrefillTile::kM128:
-      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv);
+      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged);
     case PrefillTile::kM64:
-      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv);
+      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged);
     case PrefillTile::kM128W4:
-      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv);
+      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged);
     case PrefillTile::kM128W4N128:
-      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv);
+      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged);
   }
   return nullptr;
 }
 
 template <DType kDT>
-Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv) {
+Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv, bool paged) {
   switch (head_dim) {
     case 64:
-      return launcher_for<64, kDT>(tile, masked, quant_kv);
+      return launcher_for<64, kDT>(tile, masked, quant_kv, paged);
     case 80:
-      return launcher_for<80, kDT>(tile, masked, quant_kv);
+      return launcher_for<80, kDT>(tile, masked, quant_kv, paged);
     case 96:
-      return launcher_for<96, kDT>(tile, masked, quant_kv);
+      return launcher_for<96, kDT>(tile, masked, quant_kv, paged);
     case 128:
-      return launcher_for<128, kDT>(tile, masked, quant_kv);
+      return launcher_for<128, kDT>(tile, masked, quant_kv, paged);
     case 256:
-      return launcher_for<256, kDT>(tile, masked, quant_kv);
+      return launcher_for<256, kDT>(tile, masked, quant_kv, paged);
     default:
       return nullptr;
   }
 }
 
 // The one place where runtime values become template arguments.
-Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv) {
-  if (dtype == DType::kBF16) return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv);
-  if (dtype == DType::kF16) return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv);
+Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv,
+                       bool paged) {
+  if (dtype == DType::kBF16)
+    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged);
+  if (dtype == DType::kF16)
+    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged);
   return nullptr;
 }
 
@@ -293,7 +300,7 @@ int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
 std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype) {
   std::vector<PrefillTile> tiles;
   for (PrefillTile tile : kAllPrefillTiles) {
-    if (find_launcher(head_dim, tile, dtype, false, false) != nullptr) tiles.push_back(tile);
+    if (find_launcher(head_dim, tile, dtype, false, false, false) != nullptr) tiles.push_back(tile);
   }
   return tiles;
 }
@@ -393,7 +400,7 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
-  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv);
+  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }
@@ -454,7 +461,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
                 " queries per sequence, got ", p.seqlen_q);
   set_schedule(prm, shape, tile, false, false, forced_section_pairs);
-  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, false, false);
+  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, false, false, false);
   ATTNKIT_CHECK(launch != nullptr, "dense: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }

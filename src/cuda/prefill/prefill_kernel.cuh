@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/numerics.h"
 #include "cuda/common/cp_async_sm80.cuh"
@@ -449,10 +450,115 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
   }
 }
 
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kSwizzle>
+// The paged kernels' copy (kPaged): every thread copies one 16-byte column of kRun consecutive
+// rows (a "run") that lie inside one page, for every tile configuration. kRun is the thread's
+// share of the tile's chunks rounded up to a power of two and capped at 8 (the smallest page), so
+// a run never crosses a page; a thread holding more than 8 chunks (head_dim 256) copies
+// kRunsPerThread runs, each with its own block id. The packed kernels keep load_rows above.
+template <class T, int kElemBytes>
+struct PagedCopy {
+  static constexpr int kChunksPerRow = T::kHeadDim * kElemBytes / 16;
+  static constexpr int kChunks = T::kBlockN * kChunksPerRow;
+  static constexpr int kShare = (kChunks + T::kThreads - 1) / T::kThreads;
+  static constexpr int kRun = kShare <= 1 ? 1 : kShare <= 2 ? 2 : kShare <= 4 ? 4 : 8;
+  static constexpr int kRuns = T::kBlockN / kRun * kChunksPerRow;
+  static constexpr int kRunsPerThread = (kRuns + T::kThreads - 1) / T::kThreads;
+  static_assert(T::kBlockN % kRun == 0, "runs tile the key block");
+  // The first row (in the tile) and the chunk of run u.
+  __device__ static constexpr int run_row(int u) { return u / kChunksPerRow * kRun; }
+  __device__ static constexpr int run_chunk(int u) { return u % kChunksPerRow; }
+};
+
+// Block ids of a thread's runs of one tile (-1: the run starts past the sequence).
+template <int N>
+struct RunPages {
+  int32_t id[N];
+};
+
+template <class T, int kElemBytes>
+__device__ __forceinline__ RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread> lookup_runs(
+    const PrefillParams& p, const KvSource<T>& src, int32_t n_block) {
+  using C = PagedCopy<T, kElemBytes>;
+  RunPages<C::kRunsPerThread> ids;
+  const int32_t key0 = n_block * T::kBlockN;
+#pragma unroll
+  for (int j = 0; j < C::kRunsPerThread; ++j) {
+    const int u = static_cast<int>(threadIdx.x) + j * T::kThreads;
+    const int32_t page = (key0 + C::run_row(u)) >> src.page_shift;
+    const bool live = src.fast_pages && (C::kRuns % T::kThreads == 0 || u < C::kRuns) &&
+                      (page << src.page_shift) < src.kv_len;
+    ids.id[j] = live ? p.kv.block_table[src.work_row_offset(p) + page] : -1;
+  }
+  return ids;
+}
+
+// Issues the cp.async copies of key block `n_block` from the paged cache (K and V when kTwo).
+// kTwo: V lands kDst1Bytes after K in smem (a compile-time distance: no second smem address).
+template <class T, int kElemBytes, bool kTwo, int kDst1Bytes = 0>
+__device__ __forceinline__ void load_rows_paged(
+    const PrefillParams& p, const KvSource<T>& src, int32_t n_block,
+    const RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread>& ids, const uint8_t* cache0,
+    uint8_t* dst0, const uint8_t* cache1) {
+  using C = PagedCopy<T, kElemBytes>;
+  constexpr int kRowBytes = T::kHeadDim * kElemBytes;
+  constexpr bool kSwz = kElemBytes == 2 && T::kSwizzle;
+  constexpr int kDstRowBytes = kElemBytes == 1 ? T::kHeadDim : T::kRowBytes;
+  const int32_t key0 = n_block * T::kBlockN;
+  const int tid = threadIdx.x;
+  if (src.fast_pages) {
+#pragma unroll
+    for (int j = 0; j < C::kRunsPerThread; ++j) {
+      const int u = tid + j * T::kThreads;
+      if (C::kRuns % T::kThreads == 0 || u < C::kRuns) {
+        const int run0 = C::run_row(u);
+        const int ch = C::run_chunk(u);
+        const int32_t token = (key0 + run0) & ((1 << src.page_shift) - 1);
+        const int32_t entry = ids.id[j];
+        const int64_t off =
+            (entry < 0 ? 0 : static_cast<int64_t>(entry) * p.kv.block_stride_bytes) +
+            static_cast<int64_t>((src.kv_head << src.page_shift) + token) * kRowBytes + ch * 16;
+        const uint8_t* g0 = cache0 + off;
+        const uint8_t* g1 = kTwo ? cache1 + off : nullptr;
+        const int32_t rows_left = src.kv_len - key0 - run0;
+        // run0 is a multiple of kRun (a power of two <= 8): the swizzle phase of row run0 + i is
+        // (run0 & 7) ^ i, so the chunk bits flip by a constant per row.
+        const uint32_t s0 = smem_u32(dst0) + run0 * kDstRowBytes;
+        const uint32_t ch_phase = (kSwz ? ch ^ (run0 & 7) : ch) * 16;
+#pragma unroll
+        for (int i = 0; i < C::kRun; ++i) {
+          const bool valid = i < rows_left;
+          const uint32_t d = i * kDstRowBytes + (kSwz ? ch_phase ^ (i * 16) : ch_phase);
+          cp_async_16(s0 + d, g0 + i * kRowBytes, valid);
+          if constexpr (kTwo) cp_async_16(s0 + kDst1Bytes + d, g1 + i * kRowBytes, valid);
+        }
+      }
+    }
+    return;
+  }
+  // A cyclic window or a contiguous cache: every chunk resolves its own slot.
+  constexpr int kIters = (C::kChunks + T::kThreads - 1) / T::kThreads;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = tid + i * T::kThreads;
+    if (C::kChunks % T::kThreads == 0 || c < C::kChunks) {
+      const int r = c / C::kChunksPerRow;
+      const int ch = c % C::kChunksPerRow;
+      const bool valid = key0 + r < src.kv_len;
+      const int64_t off =
+          valid ? src.template paged_offset<kElemBytes>(p, false, 0, key0, r, ch) : 0;
+      const uint32_t d = kElemBytes == 1 ? r * T::kHeadDim + ch * 16 : T::offset(r, ch);
+      cp_async_16(smem_u32(dst0) + d, cache0 + off, valid);
+      if constexpr (kTwo) cp_async_16(smem_u32(dst0) + kDst1Bytes + d, cache1 + off, valid);
+    }
+  }
+}
+
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
+          bool kSwizzle>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
+  static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
@@ -464,7 +570,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   constexpr int kKvElemBytes = kQuantKv ? 1 : 2;
   // Paged row runs in the kernels that serve causal chunks and 8-bit caches; the unmasked 16-bit
   // kernel (mostly packed, non-causal) keeps its measured code: with the runs it lost 2% (H200).
-  constexpr bool kRunsAllowed = kMasked || kQuantKv;
+  constexpr bool kRunsAllowed = kMasked || kQuantKv;  // packed kernels only (kPaged: all runs)
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + T::kQBytes;
@@ -528,27 +634,46 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   src.v_packed = nullptr;
   src.k_tok_bytes = p.k_tok_stride * 2;
   src.v_tok_bytes = p.v_tok_stride * 2;
-  if (!p.paged) {
+  if (!kPaged && !p.paged) {
     src.k_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + seq.k_offset +
                                                     kv_head * p.k_head_stride);
     src.v_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.v) + seq.v_offset +
                                                     kv_head * p.v_head_stride);
   }
-  // Issues tile t's K (and V) copies; the block-table entries were read one tile earlier.
-  auto load_k = [&](int32_t t, int32_t entry, int buf) {
-    load_rows<T, 2, false, kRunsAllowed>(p, src, range.block(t), entry, src.k_packed,
-                                         src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
-                                         nullptr, 0, nullptr, nullptr);
+  // Issues tile t's K (and V) copies; the block-table entries were read one tile earlier. The
+  // paged kernels (kPaged) copy row runs; the packed kernels keep their measured code (which still
+  // holds HEAD's runtime paged paths: its SASS is unchanged).
+  using PagedIds = RunPages<PagedCopy<T, kKvElemBytes>::kRunsPerThread>;
+  using Entry = std::conditional_t<kPaged, PagedIds, int32_t>;
+  auto load_k = [&](int32_t t, Entry entry, int buf) {
+    if constexpr (kPaged) {
+      load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.k_base,
+                                              s_k + buf * T::kKvTileBytes, nullptr);
+    } else {
+      load_rows<T, 2, false, kRunsAllowed>(
+          p, src, range.block(t), entry, src.k_packed, src.k_tok_bytes, p.kv.k_base,
+          s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr, nullptr);
+    }
   };
-  auto load_v = [&](int32_t t, int32_t entry) {
-    load_rows<T, 2, false, kRunsAllowed>(p, src, range.block(t), entry, src.v_packed,
-                                         src.v_tok_bytes, p.kv.v_base, s_v, nullptr, 0, nullptr,
-                                         nullptr);
+  auto load_v = [&](int32_t t, Entry entry) {
+    if constexpr (kPaged) {
+      load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.v_base, s_v,
+                                              nullptr);
+    } else {
+      load_rows<T, 2, false, kRunsAllowed>(p, src, range.block(t), entry, src.v_packed,
+                                           src.v_tok_bytes, p.kv.v_base, s_v, nullptr, 0, nullptr,
+                                           nullptr);
+    }
   };
-  auto load_kv = [&](int32_t t, int32_t entry, int buf) {
+  auto load_kv = [&](int32_t t, Entry entry, int buf) {
     if constexpr (kQuantKv) {
-      load_rows<T, 1, true, kRunsAllowed>(p, src, range.block(t), entry, nullptr, 0, p.kv.k_base,
-                                          s_raw_k, nullptr, 0, p.kv.v_base, s_raw_v);
+      static_assert(T::kRawTileBytes > 0);  // s_raw_v = s_raw_k + kRawTileBytes
+      load_rows_paged<T, 1, true, T::kRawTileBytes>(p, src, range.block(t), entry, p.kv.k_base,
+                                                    s_raw_k, p.kv.v_base);
+    } else if constexpr (kPaged) {
+      // s_v = s_k + kKvBufs * kKvTileBytes
+      load_rows_paged<T, 2, true, kKvBufs * T::kKvTileBytes>(
+          p, src, range.block(t), entry, p.kv.k_base, s_k + buf * T::kKvTileBytes, p.kv.v_base);
     } else {
       load_rows<T, 2, true, kRunsAllowed>(p, src, range.block(t), entry, src.k_packed,
                                           src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
@@ -557,7 +682,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     }
   };
   auto lookup = [&](int32_t t) {
-    return t < num_tiles ? src.template lookup<kKvElemBytes, kRunsAllowed>(p, range.block(t)) : 0;
+    if constexpr (kPaged) {
+      return t < num_tiles ? lookup_runs<T, kKvElemBytes>(p, src, range.block(t)) : PagedIds{};
+    } else {
+      return t < num_tiles ? src.template lookup<kKvElemBytes, kRunsAllowed>(p, range.block(t)) : 0;
+    }
   };
 
   // Widens the raw 8-bit K/V into the 16-bit tiles (exact): fp8 with the sm89+ cvt, int8 with
@@ -595,8 +724,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 
   // Prologue: Q and the first tile(s) in flight. `entry` holds the block-table entries of the
   // next tile to load (K's, in the overlapped pipeline; V reuses them as `entry_v`).
-  int32_t entry = lookup(0);
-  int32_t entry_v = 0;
+  Entry entry = lookup(0);
+  Entry entry_v{};
   if constexpr (kRing) {
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
@@ -892,12 +1021,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   }
 }
 
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kSwizzle>
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
+          bool kSwizzle>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
-  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kSwizzle>;
+  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
@@ -906,9 +1036,17 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
 
 }  // namespace attnkit::cuda::prefill
 
-// One instantiation of every (tile, kMasked, kQuantKv) for a head_dim and dtype.
-#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                          \
-  template void launch_prefill<D, TILE, DT, false, false>(const PrefillParams&, cudaStream_t); \
-  template void launch_prefill<D, TILE, DT, true, false>(const PrefillParams&, cudaStream_t);  \
-  template void launch_prefill<D, TILE, DT, false, true>(const PrefillParams&, cudaStream_t);  \
-  template void launch_prefill<D, TILE, DT, true, true>(const PrefillParams&, cudaStream_t);
+// One instantiation of every (tile, kMasked, K/V source) for a head_dim and dtype: packed 16-bit,
+// paged 16-bit, paged 8-bit.
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                  \
+  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&, \
+                                                                 cudaStream_t);        \
+  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t);

@@ -1,6 +1,7 @@
 // Declarations of the explicitly instantiated prefill launchers (host-includable). One
-// instantiation per (head_dim, tile, dtype, kMasked, kQuantKv); the list is in
-// prefill_instantiate.h and the .cu files prefill_inst_d*.cu compile it per head_dim and dtype.
+// instantiation per (head_dim, tile, dtype, kMasked, kQuantKv, kPaged); the list is
+// ATTNKIT_PREFILL_INSTANTIATE_TILE (prefill_kernel.cuh), which the prefill_inst_d*.cu files
+// compile per head_dim and dtype.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,8 +14,11 @@ namespace attnkit::cuda::prefill {
 
 // kMasked: causal (bottom-right) with optional sliding window and sinks; else no mask.
 // kQuantKv: paged cache of fp8_e4m3 / int8, widened on load; else 16-bit K/V of the q dtype.
+// kPaged: K/V from the paged cache (row-run copies); else packed / dense tensors. kQuantKv
+// implies kPaged. A compile-time property, so that the paged kernels copy row runs in every tile
+// configuration while the packed kernels keep their measured code (SASS unchanged).
 // kSwizzle: XOR-swizzled smem rows (PrefillTraits); else 16-byte row padding.
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv,
+template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
           bool kSwizzle = swizzle_default(kHeadDim)>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
