@@ -222,12 +222,12 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   }
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
+  const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
   if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
     // The heuristic counts the resident CTAs of the 2-CTA-per-SM kernels (8-bit caches included:
     // their 4-CTA kernel is only taken by grids that fill it, below).
-    const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
     int64_t max_keys = p.max_seq_len;
     if (params.window > 0) {
       max_keys =
@@ -238,11 +238,11 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   // Four CTAs per SM, at 95% of a wave: the grid keeps the 4-CTA 8-bit kernel busy.
   choice.wide_grid = ctas * params.num_splits * 100 >= static_cast<int64_t>(sm_count) * 380;
   {
-    // The kernel's split length for a row of max_seq_len keys (DecodeKeyRange without a window).
-    constexpr int64_t kTileN = 64;
+    // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
+    const int64_t tile_n = info.tile_n;
     const int64_t per_split =
         (static_cast<int64_t>(p.max_seq_len) + params.num_splits - 1) / params.num_splits;
-    params.split_keys_guess = static_cast<int32_t>((per_split + kTileN - 1) / kTileN * kTileN);
+    params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
   }
 
   if (params.num_splits == 1) {
