@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -216,6 +218,14 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   }
   ATTNKIT_CHECK(!tiles.empty(), "prefill: no tile for head_dim ", c.head_dim,
                 " fits the device's shared memory (", dev.smem_optin, " bytes per block)");
+  // EXPERIMENT (pre7, removed before merge): ATTNKIT_EXP_PRE7_TILE forces a tile by name.
+  if (!forced) {
+    if (const char* e = std::getenv("ATTNKIT_EXP_PRE7_TILE")) {
+      for (PrefillTile t : kAllPrefillTiles) {
+        if (std::strcmp(e, prefill_tile_name(t)) == 0) forced = t;
+      }
+    }
+  }
   if (forced) {
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
@@ -243,9 +253,14 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
     const int by_smem = std::max(1, dev.smem_per_sm / (smem + 1024));
     const int by_regs = std::max(1, 65536 / (prefill_threads(tile) * 255));
     const int64_t resident = static_cast<int64_t>(dev.sm_count) * std::min(by_smem, by_regs);
-    const int64_t waves = masked ? 4 : 1;
+    int64_t waves = masked ? 4 : 1;
+    // EXPERIMENT (pre7, removed before merge): ATTNKIT_EXP_PRE7_WAVES = waves per section (0: one
+    // section).
+    const char* e = std::getenv("ATTNKIT_EXP_PRE7_WAVES");
+    if (e != nullptr) waves = std::atoi(e);
     section = (resident * waves + prm.num_m_blocks - 1) / prm.num_m_blocks;
-    if (masked && 4 * pairs <= resident) section = pairs;
+    if (masked && 4 * pairs <= resident && e == nullptr) section = pairs;
+    if (e != nullptr && waves == 0) section = pairs;
   }
   prm.section_pairs = static_cast<int32_t>(std::clamp<int64_t>(section, 1, pairs));
 }

@@ -99,6 +99,7 @@ struct SequenceInfo {
   int32_t kv_len;
 };
 
+template <bool kPaged>
 __device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, int b) {
   SequenceInfo s;
   if (p.cu_seqlens_q) {
@@ -115,7 +116,7 @@ __device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, in
   }
   s.k_offset = 0;
   s.v_offset = 0;
-  if (p.paged) {
+  if constexpr (kPaged) {
     s.kv_len = p.kv_seq_lens[b];
   } else if (p.cu_seqlens_kv) {
     const int32_t start = p.cu_seqlens_kv[b];
@@ -175,71 +176,26 @@ __device__ __forceinline__ bool attends(const PrefillParams& p, int32_t pos, int
   return true;
 }
 
-// How load_rows spreads the kBlockN x kChunksPerRow 16-byte chunks of a tile over the threads
-// (kElemBytes 2: 16-bit rows; 1: the raw 8-bit cache).
-template <class T, int kElemBytes, bool kRunsAllowed>
-struct TileCopy {
-  static constexpr int kChunksPerRow = T::kHeadDim * kElemBytes / 16;
-  static constexpr int kChunks = T::kBlockN * kChunksPerRow;
-  static constexpr int kIters = (kChunks + T::kThreads - 1) / T::kThreads;
-  // Paged row runs: thread t copies chunk t % kChunksPerRow of the kIters consecutive rows from
-  // kIters * (t / kChunksPerRow): one page for every page size (kIters <= 8, the smallest page),
-  // so a tile that spans 2 to 8 pages costs what one page does. 64-key tiles only: in the
-  // 128-key tile (head_dim 64) the extra path cost the packed kernel 2-4% (H200, same run), and
-  // head_dim 256 (kIters 16) keeps its measured kernel; both take the paths below.
-  static constexpr bool kRowRuns = kRunsAllowed && T::kBlockN <= 64 &&
-                                   T::kThreads % kChunksPerRow == 0 && kChunks % T::kThreads == 0 &&
-                                   (kIters & (kIters - 1)) == 0 && kIters <= 8;
-};
-
-// Where the K/V rows of one key block come from: packed / dense tensors or the paged cache. The
-// block-table entries of a tile are read one tile ahead (lookup) so that the dependent global
-// load never stalls the cp.async issue; inside a page, offsets are 32-bit.
+// Where the K/V rows of one key block come from: the packed / dense tensors (packed kernels) or
+// the paged cache (kPaged kernels), whose block-table entries are read one tile ahead
+// (lookup_runs) so that the dependent global load never stalls the cp.async issue.
 template <class T>
 struct KvSource {
   const uint8_t* k_packed;  // packed: K of (sequence, kv head), token 0
   const uint8_t* v_packed;
   int64_t k_tok_bytes, v_tok_bytes;
   int32_t kv_len, batch, kv_head;
-  // Paged fast path (a block table, no cyclic window). row_runs: every thread's rows lie in one
-  // page and the thread holds that page's block id; else lane l holds the block id of page
-  // (key0 >> page_shift) + l % pages_per_tile of the tile.
+  // Paged: a block table and no cyclic window (row runs); else every chunk resolves its slot.
   bool fast_pages;
-  bool row_runs;
   int32_t page_shift;
 
-  template <int kElemBytes, bool kRunsAllowed>
-  __device__ int32_t lookup(const PrefillParams& p, int32_t n_block) const {
-    if (!p.paged || !fast_pages) return 0;
-    using C = TileCopy<T, kElemBytes, kRunsAllowed>;
-    const int32_t key0 = n_block * T::kBlockN;
-    int32_t page;
-    if (C::kRowRuns && row_runs) {
-      page =
-          (key0 + static_cast<int32_t>(threadIdx.x) / C::kChunksPerRow * C::kIters) >> page_shift;
-    } else {
-      const int32_t pages_per_tile = max(1, T::kBlockN >> page_shift);
-      page = (key0 >> page_shift) + static_cast<int32_t>(threadIdx.x % 32) % pages_per_tile;
-    }
-    if ((page << page_shift) >= kv_len) return -1;  // past the sequence: never dereferenced
-    return p.kv.block_table[work_row_offset(p) + page];
-  }
   __device__ int64_t work_row_offset(const PrefillParams& p) const {
     return static_cast<int64_t>(batch) * p.kv.block_table_row_stride;
   }
-  // Byte offset from the cache base of 16-byte chunk `ch` of row r of the tile at key0; `entry`
-  // is the row's block id (fast path).
+  // Byte offset from the cache base of 16-byte chunk `ch` of the row of `key`, through the slot
+  // (any cache layout: cyclic window, contiguous, paged).
   template <int kElemBytes>
-  __device__ int64_t paged_offset(const PrefillParams& p, bool fast, int32_t entry, int32_t key0,
-                                  int32_t r, int ch) const {
-    constexpr int kRowBytes = T::kHeadDim * kElemBytes;
-    const int32_t key = key0 + r;
-    if (fast) {
-      const int32_t block = entry;
-      const int32_t token = key & ((1 << page_shift) - 1);
-      const int32_t in_block = ((kv_head << page_shift) + token) * kRowBytes + ch * 16;
-      return static_cast<int64_t>(block) * p.kv.block_stride_bytes + in_block;
-    }
+  __device__ int64_t slot_offset(const PrefillParams& p, int32_t key, int ch) const {
     return p.kv.byte_offset_shift(batch, p.kv.slot_of(key), kv_head, ch * (16 / kElemBytes),
                                   page_shift);
   }
@@ -310,105 +266,19 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t lane_off, int cs) {
   }
 }
 
-// Issues the cp.async copies of the kBlockN rows of key block `n_block` into smem: from the packed
-// tensor `packed` (tok_bytes apart) or from the cache bases. Rows past kv_len are zero-filled.
-// kElemBytes = 2: 16-bit K/V into T::offset() rows; 1: the raw 8-bit cache into dense rows.
-template <class T, int kElemBytes, bool kTwo, bool kRunsAllowed>
-__device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource<T>& src,
-                                          int32_t n_block, int32_t entry, const uint8_t* packed0,
-                                          int64_t tok_bytes0, const uint8_t* cache0, uint8_t* dst0,
-                                          const uint8_t* packed1, int64_t tok_bytes1,
-                                          const uint8_t* cache1, uint8_t* dst1) {
-  using C = TileCopy<T, kElemBytes, kRunsAllowed>;
-  constexpr int kChunksPerRow = C::kChunksPerRow;
-  constexpr int kChunks = C::kChunks;
-  constexpr int kIters = C::kIters;
-  auto dst_off = [](int r, int ch) {
-    return kElemBytes == 1 ? r * T::kHeadDim + ch * 16 : T::offset(r, ch);
-  };
+// Issues the cp.async copies of the kBlockN 16-bit rows of key block `n_block` from the packed
+// tensor `packed0` (and `packed1` when kTwo; tok_bytes apart) into T::offset() rows. Rows past
+// kv_len are zero-filled. The paged kernels copy with load_rows_paged below.
+template <class T, bool kTwo>
+__device__ __forceinline__ void load_rows(int32_t kv_len, int32_t n_block, const uint8_t* packed0,
+                                          int64_t tok_bytes0, uint8_t* dst0, const uint8_t* packed1,
+                                          int64_t tok_bytes1, uint8_t* dst1) {
+  constexpr int kChunksPerRow = T::kChunksPerRow;
+  constexpr int kChunks = T::kBlockN * kChunksPerRow;
+  constexpr int kIters = (kChunks + T::kThreads - 1) / T::kThreads;
   const int32_t key0 = n_block * T::kBlockN;
   const int tid = threadIdx.x;
-  if constexpr (C::kRowRuns) {
-    if (p.paged && src.row_runs) {
-      // The thread's kIters rows lie in one page, kRowBytes apart from the page's row of run0:
-      // one 64-bit offset per tile, then immediate offsets, no per-chunk block-table arithmetic
-      // (pages smaller than the tile cost what one page does). entry < 0: the run starts past
-      // the sequence, every row is zero-filled (the address is never read).
-      constexpr int kRowBytes = T::kHeadDim * kElemBytes;
-      const int run0 = tid / kChunksPerRow * kIters;
-      const int ch = tid % kChunksPerRow;
-      const int32_t token = (key0 + run0) & ((1 << src.page_shift) - 1);
-      const int64_t off =
-          (entry < 0 ? 0 : static_cast<int64_t>(entry) * p.kv.block_stride_bytes) +
-          static_cast<int64_t>((src.kv_head << src.page_shift) + token) * kRowBytes + ch * 16;
-      const uint8_t* g0 = cache0 + off;
-      const uint8_t* g1 = kTwo ? cache1 + off : nullptr;
-      const int32_t rows_left = src.kv_len - key0 - run0;
-      // Swizzled 16-bit rows: run0 is a multiple of kIters (a power of two), so the phase of row
-      // run0 + i is (run0 & 7) ^ (i & 7) and its chunk bits flip by a constant per row.
-      constexpr bool kSwz = kElemBytes == 2 && T::kSwizzle;
-      constexpr int kDstRowBytes = kElemBytes == 1 ? T::kHeadDim : T::kRowBytes;
-      const uint32_t s0 = smem_u32(dst0) + run0 * kDstRowBytes;
-      const uint32_t s1 = kTwo ? smem_u32(dst1) + run0 * kDstRowBytes : 0u;
-      const uint32_t ch_phase = (kSwz ? ch ^ (run0 & 7) : ch) * 16;
-#pragma unroll
-      for (int i = 0; i < kIters; ++i) {
-        const bool valid = i < rows_left;
-        const uint32_t d = i * kDstRowBytes + (kSwz ? ch_phase ^ ((i & 7) * 16) : ch_phase);
-        cp_async_16(s0 + d, g0 + i * kRowBytes, valid);
-        if constexpr (kTwo) cp_async_16(s1 + d, g1 + i * kRowBytes, valid);
-      }
-      return;
-    }
-  } else if constexpr (T::kThreads % kChunksPerRow == 0 && T::kBlockN <= 64) {
-    if (p.paged && src.fast_pages && (T::kBlockN >> src.page_shift) <= 1) {
-      // The tile lies inside one page: rows are kRowBytes apart from the page's row of key0, so
-      // a thread copies the same chunk of rows r0, r0 + kRowStep, ... by pointer increments, with
-      // no per-chunk block-table arithmetic. entry < 0: the tile starts past the sequence, every
-      // row is zero-filled (the address is never read).
-      constexpr int kRowBytes = T::kHeadDim * kElemBytes;
-      constexpr int kRowStep = T::kThreads / kChunksPerRow;
-      const int r0 = tid / kChunksPerRow;
-      const int ch = tid % kChunksPerRow;
-      const int32_t token = (key0 & ((1 << src.page_shift) - 1)) + r0;
-      const int64_t off =
-          (entry < 0 ? 0 : static_cast<int64_t>(entry) * p.kv.block_stride_bytes) +
-          static_cast<int64_t>((src.kv_head << src.page_shift) + token) * kRowBytes + ch * 16;
-#pragma unroll
-      for (int i = 0; i < kIters; ++i) {
-        const int r = r0 + i * kRowStep;
-        if (kChunks % T::kThreads == 0 || r < T::kBlockN) {
-          const bool valid = key0 + r < src.kv_len;
-          const int64_t row_off = off + static_cast<int64_t>(i) * kRowStep * kRowBytes;
-          cp_async_16(smem_u32(dst0 + dst_off(r, ch)), cache0 + row_off, valid);
-          if constexpr (kTwo) cp_async_16(smem_u32(dst1 + dst_off(r, ch)), cache1 + row_off, valid);
-        }
-      }
-      return;
-    }
-  }
-  if (p.paged) {
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int c = tid + i * T::kThreads;
-      if (kChunks % T::kThreads == 0 || c < kChunks) {
-        const int r = c / kChunksPerRow;
-        const int ch = c % kChunksPerRow;
-        const bool valid = key0 + r < src.kv_len;
-        // Pages smaller than the tile: the row's block id comes from the lane that read it
-        // (outside the `valid` branch: every lane of the warp takes part).
-        const bool fast = !C::kRowRuns && src.fast_pages;
-        int32_t block = entry;
-        if (fast && (T::kBlockN >> src.page_shift) > 1) {
-          block = __shfl_sync(0xffffffffu, entry, r >> src.page_shift);
-        }
-        const int64_t off =
-            valid ? src.template paged_offset<kElemBytes>(p, fast, block, key0, r, ch) : 0;
-        cp_async_16(smem_u32(dst0 + dst_off(r, ch)), cache0 + off, valid);
-        if constexpr (kTwo) cp_async_16(smem_u32(dst1 + dst_off(r, ch)), cache1 + off, valid);
-      }
-    }
-  } else if constexpr (T::kThreads % kChunksPerRow == 0) {
+  if constexpr (T::kThreads % kChunksPerRow == 0) {
     // A thread copies the same chunk of rows r0, r0 + kRowStep, ...: one 64-bit multiply per
     // tile, then pointer increments.
     constexpr int kRowStep = T::kThreads / kChunksPerRow;
@@ -419,14 +289,23 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
         kTwo ? packed1 + static_cast<int64_t>(key0 + r0) * tok_bytes1 + ch * 16 : nullptr;
     const int64_t step0 = kRowStep * tok_bytes0;
     const int64_t step1 = kRowStep * tok_bytes1;
+    // kRowStep is a power of two and r0 < kRowStep: the swizzle phase of row r0 + i * kRowStep is
+    // (r0 & 7) ^ (i * kRowStep & 7), so every row's smem address is one register XOR a constant
+    // plus an immediate (as in load_rows_paged).
+    static_assert((kRowStep & (kRowStep - 1)) == 0, "rows r0 + i * kRowStep share r0's phase bits");
+    const uint32_t s0 = smem_u32(dst0) + r0 * T::kRowBytes;
+    const uint32_t s1 = kTwo ? smem_u32(dst1) + r0 * T::kRowBytes : 0u;
+    const uint32_t ch_phase = (T::kSwizzle ? ch ^ (r0 & 7) : ch) * 16;
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const int r = r0 + i * kRowStep;
       if (kChunks % T::kThreads == 0 || r < T::kBlockN) {
-        const bool valid = key0 + r < src.kv_len;
+        const bool valid = key0 + r < kv_len;
+        const uint32_t d = i * kRowStep * T::kRowBytes +
+                           (T::kSwizzle ? ch_phase ^ ((i * kRowStep & 7) * 16) : ch_phase);
         // Rows past kv_len copy 0 bytes (zero fill): their address is never read.
-        cp_async_16(smem_u32(dst0 + dst_off(r, ch)), src0, valid);
-        if constexpr (kTwo) cp_async_16(smem_u32(dst1 + dst_off(r, ch)), src1, valid);
+        cp_async_16(s0 + d, src0, valid);
+        if constexpr (kTwo) cp_async_16(s1 + d, src1, valid);
       }
       src0 += step0;
       if constexpr (kTwo) src1 += step1;
@@ -439,11 +318,12 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
         const int r = c / kChunksPerRow;
         const int ch = c % kChunksPerRow;
         const int32_t key = key0 + r;
-        const bool valid = key < src.kv_len;
+        const bool valid = key < kv_len;
         const int64_t tok = valid ? key : 0;
-        cp_async_16(smem_u32(dst0 + dst_off(r, ch)), packed0 + tok * tok_bytes0 + ch * 16, valid);
+        cp_async_16(smem_u32(dst0 + T::offset(r, ch)), packed0 + tok * tok_bytes0 + ch * 16, valid);
         if constexpr (kTwo) {
-          cp_async_16(smem_u32(dst1 + dst_off(r, ch)), packed1 + tok * tok_bytes1 + ch * 16, valid);
+          cp_async_16(smem_u32(dst1 + T::offset(r, ch)), packed1 + tok * tok_bytes1 + ch * 16,
+                      valid);
         }
       }
     }
@@ -454,7 +334,7 @@ __device__ __forceinline__ void load_rows(const PrefillParams& p, const KvSource
 // rows (a "run") that lie inside one page, for every tile configuration. kRun is the thread's
 // share of the tile's chunks rounded up to a power of two and capped at 8 (the smallest page), so
 // a run never crosses a page; a thread holding more than 8 chunks (head_dim 256) copies
-// kRunsPerThread runs, each with its own block id. The packed kernels keep load_rows above.
+// kRunsPerThread runs, each with its own block id.
 template <class T, int kElemBytes>
 struct PagedCopy {
   static constexpr int kChunksPerRow = T::kHeadDim * kElemBytes / 16;
@@ -544,8 +424,7 @@ __device__ __forceinline__ void load_rows_paged(
       const int r = c / C::kChunksPerRow;
       const int ch = c % C::kChunksPerRow;
       const bool valid = key0 + r < src.kv_len;
-      const int64_t off =
-          valid ? src.template paged_offset<kElemBytes>(p, false, 0, key0, r, ch) : 0;
+      const int64_t off = valid ? src.template slot_offset<kElemBytes>(p, key0 + r, ch) : 0;
       const uint32_t d = kElemBytes == 1 ? r * T::kHeadDim + ch * 16 : T::offset(r, ch);
       cp_async_16(smem_u32(dst0) + d, cache0 + off, valid);
       if constexpr (kTwo) cp_async_16(smem_u32(dst0) + kDst1Bytes + d, cache1 + off, valid);
@@ -568,9 +447,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   constexpr bool kRing = !kQuantKv && !T::kOverlapKv;
   constexpr int kKvBufs = kRing ? T::kStages : 1;
   constexpr int kKvElemBytes = kQuantKv ? 1 : 2;
-  // Paged row runs in the kernels that serve causal chunks and 8-bit caches; the unmasked 16-bit
-  // kernel (mostly packed, non-causal) keeps its measured code: with the runs it lost 2% (H200).
-  constexpr bool kRunsAllowed = kMasked || kQuantKv;  // packed kernels only (kPaged: all runs)
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + T::kQBytes;
@@ -580,7 +456,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   uint16_t* s_lut = reinterpret_cast<uint16_t*>(s_raw_v + T::kRawTileBytes);
 
   const PrefillWorkTile work = LongestFirstScheduler::get(p);
-  const SequenceInfo seq = sequence_info(p, work.batch);
+  const SequenceInfo seq = sequence_info<kPaged>(p, work.batch);
   const int32_t m0 = work.m_block * T::kBlockM;
   if (m0 >= seq.q_len) return;
 
@@ -627,32 +503,29 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   src.batch = work.batch;
   src.kv_head = kv_head;
   src.page_shift = p.kv_page_shift;
-  src.fast_pages = p.paged && p.kv.block_table != nullptr && p.kv.window_slots == 0;
-  src.row_runs = src.fast_pages && TileCopy<T, kKvElemBytes, kRunsAllowed>::kRowRuns &&
-                 TileCopy<T, kKvElemBytes, kRunsAllowed>::kIters <= (1 << src.page_shift);
+  src.fast_pages = kPaged && p.kv.block_table != nullptr && p.kv.window_slots == 0;
   src.k_packed = nullptr;
   src.v_packed = nullptr;
   src.k_tok_bytes = p.k_tok_stride * 2;
   src.v_tok_bytes = p.v_tok_stride * 2;
-  if (!kPaged && !p.paged) {
+  if constexpr (!kPaged) {
     src.k_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + seq.k_offset +
                                                     kv_head * p.k_head_stride);
     src.v_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.v) + seq.v_offset +
                                                     kv_head * p.v_head_stride);
   }
-  // Issues tile t's K (and V) copies; the block-table entries were read one tile earlier. The
-  // paged kernels (kPaged) copy row runs; the packed kernels keep their measured code (which still
-  // holds HEAD's runtime paged paths: its SASS is unchanged).
+  // Issues tile t's K (and V) copies: packed rows, or paged row runs whose block ids (`entry`)
+  // were read one tile earlier.
   using PagedIds = RunPages<PagedCopy<T, kKvElemBytes>::kRunsPerThread>;
-  using Entry = std::conditional_t<kPaged, PagedIds, int32_t>;
+  struct NoPages {};
+  using Entry = std::conditional_t<kPaged, PagedIds, NoPages>;
   auto load_k = [&](int32_t t, Entry entry, int buf) {
     if constexpr (kPaged) {
       load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.k_base,
                                               s_k + buf * T::kKvTileBytes, nullptr);
     } else {
-      load_rows<T, 2, false, kRunsAllowed>(
-          p, src, range.block(t), entry, src.k_packed, src.k_tok_bytes, p.kv.k_base,
-          s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr, nullptr);
+      load_rows<T, false>(src.kv_len, range.block(t), src.k_packed, src.k_tok_bytes,
+                          s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr);
     }
   };
   auto load_v = [&](int32_t t, Entry entry) {
@@ -660,9 +533,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.v_base, s_v,
                                               nullptr);
     } else {
-      load_rows<T, 2, false, kRunsAllowed>(p, src, range.block(t), entry, src.v_packed,
-                                           src.v_tok_bytes, p.kv.v_base, s_v, nullptr, 0, nullptr,
-                                           nullptr);
+      load_rows<T, false>(src.kv_len, range.block(t), src.v_packed, src.v_tok_bytes, s_v, nullptr,
+                          0, nullptr);
     }
   };
   auto load_kv = [&](int32_t t, Entry entry, int buf) {
@@ -675,17 +547,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       load_rows_paged<T, 2, true, kKvBufs * T::kKvTileBytes>(
           p, src, range.block(t), entry, p.kv.k_base, s_k + buf * T::kKvTileBytes, p.kv.v_base);
     } else {
-      load_rows<T, 2, true, kRunsAllowed>(p, src, range.block(t), entry, src.k_packed,
-                                          src.k_tok_bytes, p.kv.k_base, s_k + buf * T::kKvTileBytes,
-                                          src.v_packed, src.v_tok_bytes, p.kv.v_base,
-                                          s_v + buf * T::kKvTileBytes);
+      load_rows<T, true>(src.kv_len, range.block(t), src.k_packed, src.k_tok_bytes,
+                         s_k + buf * T::kKvTileBytes, src.v_packed, src.v_tok_bytes,
+                         s_v + buf * T::kKvTileBytes);
     }
   };
   auto lookup = [&](int32_t t) {
     if constexpr (kPaged) {
       return t < num_tiles ? lookup_runs<T, kKvElemBytes>(p, src, range.block(t)) : PagedIds{};
     } else {
-      return t < num_tiles ? src.template lookup<kKvElemBytes, kRunsAllowed>(p, range.block(t)) : 0;
+      return NoPages{};
     }
   };
 
