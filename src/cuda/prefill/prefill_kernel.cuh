@@ -447,10 +447,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   // kPersistent: CTA b runs items b, b + gridDim.x, ... of the launch order; the Q tile and first
-  // K tile of its next item load under the epilogue of the current one, which stages O in the V
-  // buffer instead of Q's rows. Packed K/V with one K and one V buffer (head_dim 256) only.
-  static_assert(!kPersistent || (!kPaged && T::kOverlapKv && T::kBlockN >= T::kBlockM),
-                "persistent: packed K/V, overlapped K/V buffers, O staged in the V tile");
+  // K/V tiles of its next item load under the epilogue of the current one, which stages O in a
+  // K/V tile that the next item loads last (the V buffer; the ring's last K stage) instead of Q's
+  // rows. Packed 16-bit K/V, tiles of at least kBlockM keys.
+  static_assert(!kPersistent || (!kPaged && T::kBlockN >= T::kBlockM),
+                "persistent: packed K/V, O staged in one K/V tile");
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
   // Pipelines: kQuantKv: one raw 8-bit stage, widened into one K and one V tile; kOverlapKv: one
@@ -615,11 +616,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     Entry entry = lookup(0);
     Entry entry_v{};
     if constexpr (kRing) {
+      if (!kPersistent || !prefetched) {  // prefetched: the same kStages - 1 groups are in flight
 #pragma unroll
-      for (int s = 0; s < T::kStages - 1; ++s) {
-        if (s < num_tiles) load_kv(s, entry, s);
-        entry = lookup(s + 1);
-        cp_async_commit();
+        for (int s = 0; s < T::kStages - 1; ++s) {
+          if (s < num_tiles) load_kv(s, entry, s);
+          entry = lookup(s + 1);
+          cp_async_commit();
+        }
       }
     } else {
       if (num_tiles > 0 && (!kPersistent || !prefetched)) {
@@ -878,14 +881,29 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
           const int32_t n_lo = ns.kv_len - ns.q_len + nm0;
           const KeyBlockRange nr =
               key_block_range<T, kMasked>(p, ns.kv_len, n_lo, n_lo + n_rows - 1);
-          if (nr.count() > 0) {
-            const uint8_t* nk =
-                reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.k) + ns.k_offset +
-                                                 (nw.head / p.group_size) * p.k_head_stride);
-            load_rows<T, false>(ns.kv_len, nr.block(0), nk, src.k_tok_bytes, s_k, nullptr, 0,
-                                nullptr);
+          const int32_t n_kv_head = nw.head / p.group_size;
+          const uint8_t* nk = reinterpret_cast<const uint8_t*>(
+              static_cast<const Elem*>(p.k) + ns.k_offset + n_kv_head * p.k_head_stride);
+          if constexpr (kRing) {
+            // the prologue's kStages - 1 groups (Q joins the first)
+            const uint8_t* nv = reinterpret_cast<const uint8_t*>(
+                static_cast<const Elem*>(p.v) + ns.v_offset + n_kv_head * p.v_head_stride);
+#pragma unroll
+            for (int st = 0; st < T::kStages - 1; ++st) {
+              if (st < nr.count()) {
+                load_rows<T, true>(ns.kv_len, nr.block(st), nk, src.k_tok_bytes,
+                                   s_k + st * T::kKvTileBytes, nv, src.v_tok_bytes,
+                                   s_v + st * T::kKvTileBytes);
+              }
+              cp_async_commit();
+            }
+          } else {
+            if (nr.count() > 0) {
+              load_rows<T, false>(ns.kv_len, nr.block(0), nk, src.k_tok_bytes, s_k, nullptr, 0,
+                                  nullptr);
+            }
+            cp_async_commit();
           }
-          cp_async_commit();
           next_issued = true;
         }
       }
@@ -893,7 +911,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 
     // ---- epilogue: normalize, stage the warp's rows in its own Q rows (persistent: V rows, as the
     // next Q tile is loading), 16-byte stores ----
-    uint8_t* stage_rows = (kPersistent ? s_v : s_q) + warp_row * T::kRowBytes;
+    uint8_t* stage_base = s_q;
+    if constexpr (kPersistent) {
+      stage_base = kRing ? s_k + (T::kStages - 1) * T::kKvTileBytes : s_v;
+    }
+    uint8_t* stage_rows = stage_base + warp_row * T::kRowBytes;
 #pragma unroll
     for (int a = 0; a < kA; ++a) {
       float inv_sum[2];
@@ -968,7 +990,7 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   check_launch("prefill: kernel launch");
 }
 
-// The persistent kernel (head_dim 256, packed K/V): one CTA per resident slot (at most one per
+// The persistent kernel (packed K/V): one CTA per resident slot (at most one per
 // item), each walking the launch order with a stride of the grid.
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked>
 void launch_prefill_persistent(const PrefillParams& params, cudaStream_t stream) {
