@@ -965,12 +965,18 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 
   if constexpr (kPersistent) {
     const uint32_t items = static_cast<uint32_t>(p.num_q_heads) * p.batch * p.num_m_blocks;
+    // Round k takes item k * grid + b, or k * grid + grid - 1 - b in odd rounds: in the
+    // heaviest-first order the CTAs that took the heavier items of a round take the lighter ones
+    // of the next (a plain stride keeps the same CTAs on the heavier items every round).
+    auto item_of = [&](uint32_t k) {
+      return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    };
     bool prefetched = false;
-    for (uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
+    for (uint32_t k = 0; item_of(k) < items; ++k) {
       const PrefillWorkTile work = LongestFirstScheduler::decompose<uint32_t>(
-          p, item, p.num_q_heads, static_cast<uint32_t>(p.num_q_heads) * p.batch,
+          p, item_of(k), p.num_q_heads, static_cast<uint32_t>(p.num_q_heads) * p.batch,
           static_cast<uint32_t>(p.num_m_blocks));
-      prefetched = run_item(work, prefetched, item + gridDim.x);
+      prefetched = run_item(work, prefetched, item_of(k + 1));
     }
   } else {
     run_item(LongestFirstScheduler::get(p), false, 0u);
