@@ -674,7 +674,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     const uint32_t k_lane_off = T::offset(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const uint32_t v_lane_off = T::offset(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
+#if defined(ATTNKIT_PREFILL_EXP_SPLIT_MASK)
+    // EXPERIMENT (pre7): the tiles that need a mask (the partial last block, the causal diagonal)
+    // come first in the visiting order; they run one copy of the tile step, the rest a copy
+    // without any mask code.
+    auto tile_step = [&](const int32_t it, auto edge) {
+      constexpr bool kEdgeTile = decltype(edge)::value;
+#else
     for (int32_t it = 0; it < num_tiles; ++it) {
+      constexpr bool kEdgeTile = true;
+#endif
       int buf = 0;
       if constexpr (kRing) {
         // One barrier per tile: past it, tile `it` has landed and every warp is done with tile
@@ -768,12 +777,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
             }
           }
       }
-      bool needs_mask = key0 + T::kBlockN > seq.kv_len;
-      if constexpr (kMasked) {
+      bool needs_mask = kEdgeTile && key0 + T::kBlockN > seq.kv_len;
+      if constexpr (kMasked && kEdgeTile) {
         needs_mask =
             needs_mask || key0 + T::kBlockN - 1 > p_lo || (p.window > 0 && key0 <= p_hi - p.window);
       }
-      if (needs_mask) {
+      if (kEdgeTile && needs_mask) {
 #pragma unroll
         for (int a = 0; a < kA; ++a)
 #pragma unroll
@@ -861,7 +870,22 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
           }
         }
       }
+#if defined(ATTNKIT_PREFILL_EXP_SPLIT_MASK)
+    };
+    // Leading tiles that may need a mask: every tile under a window (whose far edge and sinks
+    // are masked too); else the blocks past the last full block below min(kv_len, p_lo + 1).
+    int32_t edge_tiles = num_tiles;
+    if (!kMasked || p.window == 0) {
+      const int32_t limit = kMasked ? min(seq.kv_len, p_lo + 1) : seq.kv_len;
+      const int32_t full_end = max(range.n_begin, min(range.n_end, limit / T::kBlockN));
+      edge_tiles = range.n_end - full_end;
     }
+    int32_t it = 0;
+    for (; it < edge_tiles; ++it) tile_step(it, std::true_type{});
+    for (; it < num_tiles; ++it) tile_step(it, std::false_type{});
+#else
+    }
+#endif
     cp_async_wait<0>();
     __syncthreads();
 
