@@ -221,7 +221,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   // EXPERIMENT (pre7, removed before merge): ATTNKIT_EXP_PRE7_TILE forces a tile by name.
   if (!forced) {
     if (const char* e = std::getenv("ATTNKIT_EXP_PRE7_TILE")) {
-      for (PrefillTile t : kAllPrefillTiles) {
+      for (PrefillTile t : tiles) {  // compiled for this head_dim only
         if (std::strcmp(e, prefill_tile_name(t)) == 0) forced = t;
       }
     }
@@ -417,26 +417,6 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
-  // EXPERIMENT (pre7): ATTNKIT_EXP_PRE7_PERSIST=1 runs head_dim 256 (kM64) and head_dim 64
-  // (kM128W4N128) packed calls on persistent CTAs.
-  if (const char* e = std::getenv("ATTNKIT_EXP_PRE7_PERSIST");
-      e != nullptr && e[0] == '1' && !p.paged && !kPrefillSubset &&
-      static_cast<int64_t>(prm.num_q_heads) * prm.batch * prm.num_m_blocks < (int64_t{1} << 31)) {
-    const bool bf16 = p.dtype == DType::kBF16;
-    if (spec.head_dim == 256 && tile == PrefillTile::kM64) {
-      constexpr PrefillTile t = PrefillTile::kM64;
-      launch = bf16 ? (masked ? &launch_prefill_persistent<256, t, DType::kBF16, true>
-                              : &launch_prefill_persistent<256, t, DType::kBF16, false>)
-                    : (masked ? &launch_prefill_persistent<256, t, DType::kF16, true>
-                              : &launch_prefill_persistent<256, t, DType::kF16, false>);
-    } else if (spec.head_dim == 64 && tile == PrefillTile::kM128W4N128) {
-      constexpr PrefillTile t = PrefillTile::kM128W4N128;
-      launch = bf16 ? (masked ? &launch_prefill_persistent<64, t, DType::kBF16, true>
-                              : &launch_prefill_persistent<64, t, DType::kBF16, false>)
-                    : (masked ? &launch_prefill_persistent<64, t, DType::kF16, true>
-                              : &launch_prefill_persistent<64, t, DType::kF16, false>);
-    }
-  }
   launch(prm, as_cuda_stream(stream));
 }
 

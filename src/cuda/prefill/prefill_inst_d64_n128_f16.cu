@@ -5,6 +5,5 @@
 namespace attnkit::cuda::prefill {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(64, PrefillTile::kM128W4N128, DType::kF16)
-ATTNKIT_PREFILL_INSTANTIATE_PERSISTENT(64, PrefillTile::kM128W4N128, DType::kF16)
 #endif
 }  // namespace attnkit::cuda::prefill

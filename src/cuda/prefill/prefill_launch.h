@@ -21,9 +21,6 @@ namespace attnkit::cuda::prefill {
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
           bool kSwizzle = swizzle_default(kHeadDim)>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
-// Persistent CTAs over the same launch order (head_dim 256, tile kM64, packed K/V; EXPERIMENT).
-template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked>
-void launch_prefill_persistent(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv);
