@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -599,6 +600,44 @@ TEST(PrefillMasks, SlidingWindowSinksAlibiSoftcap) {
       c.source = source;
       c.q_lens = {250, 3, 129};
       c.kv_lens = {250, 90, 300};
+      run_and_check(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// ---- kernels that run their edge tiles and interior tiles in separate copies of the tile step
+// (the 128-key tile at head_dim 64, head_dim 256 masked): every mask kind and logit modifier,
+// queries after a cache (kv_len > q_len), lengths that end inside a tile and on its end ---------
+TEST(PrefillMasks, EdgeAndInteriorTilesOfSplitKernels) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  struct Variant {
+    MaskSpec mask;
+    bool alibi;
+    double softcap;
+  };
+  const Variant variants[] = {
+      {mask_of(MaskKind::kCausal), false, 0.0},
+      {mask_of(MaskKind::kNone), false, 0.0},
+      {mask_of(MaskKind::kSlidingWindow, 100, 4), false, 0.0},
+      {mask_of(MaskKind::kCausal), true, 5.0},
+  };
+  const std::pair<int, PrefillTile> kernels[] = {{64, PrefillTile::kM128W4N128},
+                                                 {256, PrefillTile::kM64}};
+  for (const auto& [d, tile] : kernels) {
+    const std::vector<PrefillTile> tiles = tiles_for(d, DType::kBF16);
+    if (std::find(tiles.begin(), tiles.end(), tile) == tiles.end()) continue;  // kernel subset
+    for (const Variant& var : variants) {
+      Case c;
+      c.head_dim = d;
+      c.hq = 4;
+      c.hkv = 2;
+      c.mask = var.mask;
+      c.alibi = var.alibi;
+      c.softcap = var.softcap;
+      c.tile = tile;
+      c.q_lens = {600, 1, 128, 300, 77};
+      c.kv_lens = {600, 513, 1000, 384, 640};
       run_and_check(c);
       if (HasFatalFailure()) return;
     }

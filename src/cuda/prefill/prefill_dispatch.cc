@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -197,10 +195,19 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
 // blocks): kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit
 // cache). The 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel
 // subset. head_dim 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs.
-PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count) {
+// Causal head_dim 64 with at most 1k keys per sequence takes kM128W4 (64 keys): a CTA there
+// visits 1-8 128-key tiles and the diagonal one is half masked; measured on H200 (bf16 grid,
+// twice each, same run, TFLOP/s) kM128W4 vs kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0 vs
+// 209.3, 2k 257.2 vs 259.9.
+PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count,
+                        bool masked, int32_t max_seqlen_kv) {
   if (tiles.size() == 1) return tiles[0];
   auto has = [&](PrefillTile t) { return std::find(tiles.begin(), tiles.end(), t) != tiles.end(); };
   if (ctas_m128 >= sm_count) {
+    if (masked && max_seqlen_kv <= 1024 && has(PrefillTile::kM128W4N128) &&
+        has(PrefillTile::kM128W4)) {
+      return PrefillTile::kM128W4;
+    }
     for (PrefillTile t : {PrefillTile::kM128W4N128, PrefillTile::kM128W4}) {
       if (has(t)) return t;
     }
@@ -209,7 +216,7 @@ PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128
 }
 
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
-                      int32_t max_seqlen_q, int32_t heads) {
+                      int32_t max_seqlen_q, int32_t heads, bool masked, int32_t max_seqlen_kv) {
   const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
   const DeviceLimits dev = device_limits(c.device);
   std::vector<PrefillTile> tiles;
@@ -218,14 +225,6 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   }
   ATTNKIT_CHECK(!tiles.empty(), "prefill: no tile for head_dim ", c.head_dim,
                 " fits the device's shared memory (", dev.smem_optin, " bytes per block)");
-  // EXPERIMENT (pre7, removed before merge): ATTNKIT_EXP_PRE7_TILE forces a tile by name.
-  if (!forced) {
-    if (const char* e = std::getenv("ATTNKIT_EXP_PRE7_TILE")) {
-      for (PrefillTile t : tiles) {  // compiled for this head_dim only
-        if (std::strcmp(e, prefill_tile_name(t)) == 0) forced = t;
-      }
-    }
-  }
   if (forced) {
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
@@ -233,7 +232,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
     return *forced;
   }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
-  return choose_tile(tiles, ctas, dev.sm_count);
+  return choose_tile(tiles, ctas, dev.sm_count, masked, max_seqlen_kv);
 }
 
 // The CTA order's section size (LongestFirstScheduler), measured on H200 (docs/prefill_design.md):
@@ -253,14 +252,9 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
     const int by_smem = std::max(1, dev.smem_per_sm / (smem + 1024));
     const int by_regs = std::max(1, 65536 / (prefill_threads(tile) * 255));
     const int64_t resident = static_cast<int64_t>(dev.sm_count) * std::min(by_smem, by_regs);
-    int64_t waves = masked ? 4 : 1;
-    // EXPERIMENT (pre7, removed before merge): ATTNKIT_EXP_PRE7_WAVES = waves per section (0: one
-    // section).
-    const char* e = std::getenv("ATTNKIT_EXP_PRE7_WAVES");
-    if (e != nullptr) waves = std::atoi(e);
+    const int64_t waves = masked ? 4 : 1;
     section = (resident * waves + prm.num_m_blocks - 1) / prm.num_m_blocks;
-    if (masked && 4 * pairs <= resident && e == nullptr) section = pairs;
-    if (e != nullptr && waves == 0) section = pairs;
+    if (masked && 4 * pairs <= resident) section = pairs;
   }
   prm.section_pairs = static_cast<int32_t>(std::clamp<int64_t>(section, 1, pairs));
 }
@@ -409,7 +403,8 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     prm.window = spec.mask.window;
     prm.sink_tokens = spec.mask.sink_tokens;
   }
-  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads);
+  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads,
+                                     masked, p.max_seqlen_kv);
   const int bm = prefill_block_m(tile);
   prm.num_m_blocks = (p.max_seqlen_q + bm - 1) / bm;
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
@@ -425,7 +420,8 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   const std::string why = dense_unsupported(spec, p);
   ATTNKIT_CHECK(why.empty(), "dense: backend 'fused' cannot serve this call: ", why);
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.dtype, false};
-  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads);
+  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
+                                     /*masked=*/false, p.seqlen_kv);
   const int bm = prefill_block_m(tile);
   if (args.stats != nullptr) {
     // No tile is skipped on this path; the count uses the kernel's own tile sizes.

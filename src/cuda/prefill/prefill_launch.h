@@ -15,8 +15,8 @@ namespace attnkit::cuda::prefill {
 // kMasked: causal (bottom-right) with optional sliding window and sinks; else no mask.
 // kQuantKv: paged cache of fp8_e4m3 / int8, widened on load; else 16-bit K/V of the q dtype.
 // kPaged: K/V from the paged cache (row-run copies); else packed / dense tensors. kQuantKv
-// implies kPaged. A compile-time property, so that the paged kernels copy row runs in every tile
-// configuration while the packed kernels keep their measured code (SASS unchanged).
+// implies kPaged. A compile-time property: the paged kernels copy row runs in every tile
+// configuration, the packed kernels hold only the packed copy.
 // kSwizzle: XOR-swizzled smem rows (PrefillTraits); else 16-byte row padding.
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
           bool kSwizzle = swizzle_default(kHeadDim)>
