@@ -195,10 +195,10 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
 // blocks): kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit
 // cache). The 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel
 // subset. head_dim 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs.
-// Causal head_dim 64 with at most 1k keys per sequence takes kM128W4 (64 keys): a CTA there
-// visits 1-8 128-key tiles and the diagonal one is half masked; measured on H200 (bf16 grid,
-// twice each, same run, TFLOP/s) kM128W4 vs kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0 vs
-// 209.3, 2k 257.2 vs 259.9.
+// Causal head_dim 64 with packed K/V and at most 1k keys per sequence takes kM128W4 (64 keys): a
+// CTA there visits 1-8 128-key tiles and the diagonal one is half masked; measured on H200 (bf16
+// grid, twice each, same run, TFLOP/s) kM128W4 vs kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0
+// vs 209.3, 2k 257.2 vs 259.9. Paged calls keep kM128W4N128 (not measured there).
 PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count,
                         bool masked, int32_t max_seqlen_kv) {
   if (tiles.size() == 1) return tiles[0];
@@ -232,7 +232,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
     return *forced;
   }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
-  return choose_tile(tiles, ctas, dev.sm_count, masked, max_seqlen_kv);
+  return choose_tile(tiles, ctas, dev.sm_count, masked && !c.paged, max_seqlen_kv);
 }
 
 // The CTA order's section size (LongestFirstScheduler), measured on H200 (docs/prefill_design.md):

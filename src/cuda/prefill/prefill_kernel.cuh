@@ -449,12 +449,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   constexpr int kKvElemBytes = kQuantKv ? 1 : 2;
   // Edge tiles and the other tiles run separate copies of the tile step, the latter without mask
   // code, in the packed kernels of the 128-key tile (head_dim 64) and the masked head_dim 256
-  // kernels. Measured on H200 (bf16 grid, twice each, same run, TFLOP/s): head_dim 64 causal
-  // 1k-16k 203.1 -> 209.3, 251.4 -> 259.9, 284.4 -> 293.7, 305.5 -> 317.5, 311.4 -> 321.5 (512:
-  // 149.6 -> 150.0), non-causal +0.3-1.6%; head_dim 256 causal +0.1-4.4% (8k 335.2 -> 345.5).
-  // Not kept: head_dim 128 (-0.7 to -4.4% at S <= 1k, +0.7-1.5% from 2k), head_dim 256
-  // non-causal (S=512 277 -> 272), the 64-key tile at head_dim 64 (1k causal 210.0 -> 206.3) and
-  // the paged kernels (page 64 causal 287 -> 267).
+  // kernels. Measured on H200 (bf16 grid, twice each, same run, TFLOP/s, one copy -> split):
+  // head_dim 64 causal 1k-16k 203.1 -> 209.3, 251.4 -> 259.9, 284.4 -> 293.7, 305.5 -> 317.5,
+  // 311.4 -> 321.5 (512: 149.6 -> 150.0), non-causal +0.3-1.6%; head_dim 256 causal +0.1-4.4%
+  // (8k 335.2 -> 345.5). Not kept: head_dim 128 (-0.7 to -4.4% at S <= 1k, -0.3 to +1.5% from
+  // 2k), head_dim 256 non-causal (S=512 277 -> 272), the 64-key tile at head_dim 64 (1k causal
+  // 210.0 -> 206.3) and the paged kernels (page 64 causal 287 -> 267).
   constexpr bool kSplitEdge = !kPaged && (T::kBlockN == 128 || (T::kHeadDim == 256 && kMasked));
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
