@@ -572,14 +572,15 @@ TEST(PrefillPaged, ChunkedEqualsWhole) {
 }
 
 // ---- masks and position encodings -------------------------------------------------------------
+struct MaskVariant {
+  MaskSpec mask;
+  bool alibi;
+  double softcap;
+};
+
 TEST(PrefillMasks, SlidingWindowSinksAlibiSoftcap) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  struct Variant {
-    MaskSpec mask;
-    bool alibi;
-    double softcap;
-  };
-  const Variant variants[] = {
+  const MaskVariant variants[] = {
       {mask_of(MaskKind::kSlidingWindow, 1, 0), false, 0.0},
       {mask_of(MaskKind::kSlidingWindow, 17, 0), false, 0.0},
       {mask_of(MaskKind::kSlidingWindow, 100, 4), false, 0.0},
@@ -589,7 +590,7 @@ TEST(PrefillMasks, SlidingWindowSinksAlibiSoftcap) {
       {mask_of(MaskKind::kNone), true, 3.0},
       {mask_of(MaskKind::kSlidingWindow, 33, 2), true, 10.0},
   };
-  for (const Variant& var : variants) {
+  for (const MaskVariant& var : variants) {
     for (KvSource source : {KvSource::kPacked, KvSource::kPaged}) {
       Case c;
       c.hq = 6;
@@ -611,12 +612,7 @@ TEST(PrefillMasks, SlidingWindowSinksAlibiSoftcap) {
 // queries after a cache (kv_len > q_len), lengths that end inside a tile and on its end ---------
 TEST(PrefillMasks, EdgeAndInteriorTilesOfSplitKernels) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  struct Variant {
-    MaskSpec mask;
-    bool alibi;
-    double softcap;
-  };
-  const Variant variants[] = {
+  const MaskVariant variants[] = {
       {mask_of(MaskKind::kCausal), false, 0.0},
       {mask_of(MaskKind::kNone), false, 0.0},
       {mask_of(MaskKind::kSlidingWindow, 100, 4), false, 0.0},
@@ -627,7 +623,7 @@ TEST(PrefillMasks, EdgeAndInteriorTilesOfSplitKernels) {
   for (const auto& [d, tile] : kernels) {
     const std::vector<PrefillTile> tiles = tiles_for(d, DType::kBF16);
     if (std::find(tiles.begin(), tiles.end(), tile) == tiles.end()) continue;  // kernel subset
-    for (const Variant& var : variants) {
+    for (const MaskVariant& var : variants) {
       Case c;
       c.head_dim = d;
       c.hq = 4;
