@@ -6,7 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #include "attnkit/types.h"
 #include "core/check.h"
@@ -17,6 +20,36 @@
 namespace attnkit::cuda {
 
 namespace decode_detail {
+
+// Experiment switch (dec8, 8-bit caches at head_dim 128, groups <= 8, plain logits):
+// ATTNKIT_EXP_DEC8 unset = the default kernels; it may contain "s3" = the 4-CTA kernel with 3
+// swizzled stages; "w8" = 2 CTAs of 8 key warps, 128-key tiles, 7 swizzled halves of 16 KB (wide
+// and narrow grids); "bt" = fp8 widened by bit operations (KvFp8E4M3Bits).
+struct Dec8Variant {
+  bool s3 = false, w8 = false, bt = false;
+};
+inline Dec8Variant dec8_variant() {
+  static const Dec8Variant v = [] {
+    Dec8Variant r;
+    const char* e = std::getenv("ATTNKIT_EXP_DEC8");
+    if (e == nullptr) return r;
+    r.s3 = std::strstr(e, "s3") != nullptr;
+    r.w8 = std::strstr(e, "w8") != nullptr;
+    r.bt = std::strstr(e, "bt") != nullptr;
+    return r;
+  }();
+  return v;
+}
+
+template <typename QTag, typename Kv>
+using Dec8W8 = DecodeTraits<128, QTag, Kv, 8, 2, DecodePipe::kSwizzledHalves, 8>;
+template <typename QTag, typename Kv>
+using Dec8S3 = DecodeTraits<128, QTag, Kv, 8, 4, DecodePipe::kSwizzledStages>;
+template <typename Traits>
+constexpr bool dec8_applies() {
+  return Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
+         Traits::kTargetCtasPerSm == 2 && Traits::kKeyWarps == 4;
+}
 
 template <typename Traits, DecodeLogits kLogits>
 void prepare_kernel() {
@@ -39,6 +72,22 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
   check_launch("decode_kernel");
 }
 
+template <typename QTag, typename Kv>
+void dec8_launch(const DecodeParams& p, dim3 grid, bool wide_grid, cudaStream_t stream) {
+  const Dec8Variant v = dec8_variant();
+  if (v.w8) {
+    launch_kernel_instance<Dec8W8<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
+  } else if (v.s3 && wide_grid) {
+    launch_kernel_instance<Dec8S3<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
+  } else if (wide_grid) {
+    launch_kernel_instance<DecodeTraits<128, QTag, Kv, 8, 4>, DecodeLogits::kPlain>(p, grid,
+                                                                                    stream);
+  } else {
+    launch_kernel_instance<DecodeTraits<128, QTag, Kv, 8, 2>, DecodeLogits::kPlain>(p, grid,
+                                                                                    stream);
+  }
+}
+
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
@@ -49,11 +98,16 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
   // CTAs of 4 stages: 2.9). A grid of about two CTAs per SM keeps the 6 stages: fp8 32 x 4k 3.24
   // -> 3.34 TB/s, 16 x 8k 3.13 -> 3.23 (1 x 32k, split 32 ways: the same). Other head_dims,
   // tiles and logit policies were not measured and keep 2.
-  if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
-                Traits::kTargetCtasPerSm == 2) {
-    if (!transformed && wide_grid) {
-      using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
-      launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);
+  if constexpr (dec8_applies<Traits>()) {
+    if (!transformed) {
+      using QTag = typename Traits::QTag;
+      if constexpr (std::is_same_v<typename Traits::Kv, KvFp8E4M3>) {
+        if (dec8_variant().bt) {
+          dec8_launch<QTag, KvFp8E4M3Bits>(p, grid, wide_grid, stream);
+          return;
+        }
+      }
+      dec8_launch<QTag, typename Traits::Kv>(p, grid, wide_grid, stream);
       return;
     }
   }
@@ -66,6 +120,13 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
 
 template <typename Traits>
 DecodeKernelInfo info_traits() {
+  if constexpr (dec8_applies<Traits>()) {
+    // The w8 kernel's tile (128 keys) decides the splits (transformed logits keep the default
+    // 64-key kernel: its splits are then sized for 128 keys, still whole tiles).
+    if (dec8_variant().w8) {
+      return info_traits<Dec8W8<typename Traits::QTag, typename Traits::Kv>>();
+    }
+  }
   prepare_kernel<Traits, DecodeLogits::kPlain>();
   // Cached per device: the heuristic runs on every call without a split override.
   static std::atomic<int> cached[16] = {};

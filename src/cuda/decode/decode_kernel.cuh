@@ -27,11 +27,33 @@ namespace attnkit::cuda {
 
 // KV-cache element types: the cache's storage, and how two stored bytes of a 32-bit word (byte
 // kLo, byte kHi) widen to a pair of MMA inputs (lo first).
+// kScale: a factor the kernel folds into the K and V scales (the widened values are the stored
+// ones divided by it). kStridedPairs: the K fragments pair bytes (0, 2) and (1, 3) of a word
+// instead of (0, 1) and (2, 3) (the query's d are permuted to match).
 struct KvNative {  // the cache holds the query's own type: no conversion
   static constexpr int kBytes = 2;
+  static constexpr float kScale = 1.0f;
+  static constexpr bool kStridedPairs = false;
+};
+// Experiment (dec8): e4m3 widened to f16 by bit operations: sign in place, exponent and mantissa
+// shifted right by one below it; the f16 is exactly the e4m3 value times 2^-8 (subnormals
+// included; the NaN encodings become finite), so the K and V scales carry 2^8.
+struct KvFp8E4M3Bits {
+  static constexpr int kBytes = 1;
+  static constexpr float kScale = 256.0f;
+  static constexpr bool kStridedPairs = true;
+  template <typename Tag, int kLo, int kHi>
+  __device__ __forceinline__ static uint32_t widen(uint32_t word) {
+    static_assert(std::is_same_v<Tag, F16Tag> && kHi == kLo + 2 && (kLo == 0 || kLo == 1));
+    // Bytes kLo, kHi in bytes 1 and 3 of x (the high bytes of the two f16 halves).
+    const uint32_t x = kLo == 1 ? word : word << 8;
+    return (x & 0x80008000u) | ((x & 0x7f007f00u) >> 1);
+  }
 };
 struct KvFp8E4M3 {
   static constexpr int kBytes = 1;
+  static constexpr float kScale = 1.0f;
+  static constexpr bool kStridedPairs = false;
   template <typename Tag, int kLo, int kHi>
   __device__ __forceinline__ static uint32_t widen(uint32_t word) {
     const uint32_t two = kLo == 0 && kHi == 1   ? word & 0xffffu
@@ -49,6 +71,8 @@ struct KvFp8E4M3 {
 };
 struct KvInt8 {
   static constexpr int kBytes = 1;
+  static constexpr float kScale = 1.0f;
+  static constexpr bool kStridedPairs = false;
   template <typename Tag, int kLo, int kHi>
   __device__ __forceinline__ static uint32_t widen(uint32_t word) {
     if constexpr (std::is_same_v<Tag, F16Tag>) {
@@ -82,7 +106,9 @@ constexpr int kDecodeSmemPerSm = 228 * 1024;
 //   (conflict-free ldmatrix), and Q is staged in the ring's last buffer, so that at head_dim 128
 //   seven halves of 16 KB fit next to a second CTA: 6 in flight (3 tiles) against the 2 tiles of
 //   three padded stages.
-enum class DecodePipe { kStages, kSwizzledHalves };
+// kSwizzledStages (experiment): full stages with the swizzled unpadded rows and Q in the ring's
+//   last buffer.
+enum class DecodePipe { kStages, kSwizzledHalves, kSwizzledStages };
 
 // The pipeline of a tile configuration: swizzled halves for keys as rows with 8 or more chunks a
 // row, for 16-bit caches and for the 2-CTA 8-bit kernel at head_dim 128. Measured on the H200
@@ -104,7 +130,8 @@ constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_p
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ =
-              decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_)>
+              decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_),
+          int kKeyWarps_ = 4>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -119,7 +146,7 @@ struct DecodeTraits {
   // (6 stages, too few warps to hide their latency) and three (2 stages, fewer bytes in flight).
   // 8-bit caches at head_dim 128 with groups <= 8 run four (launch_traits).
   static constexpr int kTargetCtasPerSm = kCtasPerSm_;
-  static constexpr int kKeyWarps = 4;
+  static constexpr int kKeyWarps = kKeyWarps_;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeysPerWarp = 16;
@@ -142,8 +169,8 @@ struct DecodeTraits {
   static constexpr int kRowBytes = kRowStride * 2;
   static constexpr int kChunksPerToken = kHeadDim * Kv::kBytes / 16;  // 16-byte copies per row
   static constexpr int kQBytes = kM * kRowBytes;
-  static constexpr bool kSwizzle = kPipe_ == DecodePipe::kSwizzledHalves && kKeysAsRows &&
-                                   kMBlocks == 1 && kChunksPerToken % 8 == 0;
+  static constexpr bool kSwizzle =
+      kPipe_ != DecodePipe::kStages && kKeysAsRows && kMBlocks == 1 && kChunksPerToken % 8 == 0;
   // K/V rows in shared memory: padded (kRowBytes, 8-bit kRawRowBytes), or unpadded with their
   // 16-byte chunks XOR-swizzled by the row.
   static constexpr int kKvRowBytes =
@@ -157,7 +184,7 @@ struct DecodeTraits {
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
   // As many stages as fit next to the other CTAs of the SM.
   static constexpr int kCtaBudget = kDecodeSmemPerSm / kTargetCtasPerSm - 1024;
-  static constexpr int kStagesFit = (kCtaBudget - kQBytes) / kStageBytes;
+  static constexpr int kStagesFit = (kCtaBudget - kQOutside) / kStageBytes;
   static constexpr int kMaxStages = 6;
   static constexpr int kStages =
       kStagesFit < 2 ? 2 : (kStagesFit > kMaxStages ? kMaxStages : kStagesFit);
@@ -450,8 +477,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if constexpr (Traits::kDirect) {
         // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
         // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
+        // With strided pairs: bytes 4t, 4t+2 for k = 2t, 2t+1 and 4t+1, 4t+3 for 2t+8, 2t+9.
         const int x = d % 16;
-        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
+        src = Kv::kStridedPairs ? d - x + 4 * ((x % 8) / 2) + 2 * (x % 2) + (x / 8)
+                                : d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
       }
       q_vals[j] =
           i < kM * kD && r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
@@ -561,8 +590,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   };
 
-  const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
-  const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
+  const float k_scale =
+      (p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f) * Kv::kScale;
+  const float v_scale =
+      (p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f) * Kv::kScale;
+  // K fragment pairs: bytes (kPa0, kPa1) of a word for k = 2t, 2t+1, (kPb0, kPb1) for 2t+8, 2t+9.
+  constexpr int kPa0 = 0, kPa1 = Kv::kStridedPairs ? 2 : 1;
+  constexpr int kPb0 = Kv::kStridedPairs ? 1 : 2, kPb1 = 3;
   const float qk_scale = p.softmax_scale * k_scale;
   const int g = lane / 4, t = lane % 4;
   // This thread's two heads (as CTA rows): g and g + 8 of its M block, or 2t and 2t + 1 when the
@@ -719,9 +753,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           for (int step = 0; step < 2; ++step) {
             if (kk + step < kD / 16) {
               const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
-              const uint32_t a[4] = {
-                  Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
-                  Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
+              const uint32_t a[4] = {Kv::template widen<MmaTag, kPa0, kPa1>(lo),
+                                     Kv::template widen<MmaTag, kPa0, kPa1>(hi),
+                                     Kv::template widen<MmaTag, kPb0, kPb1>(lo),
+                                     Kv::template widen<MmaTag, kPb0, kPb1>(hi)};
               if (step == 0) {
                 mma_m16n8k16<MmaTag>(s, a, q_frag[kk + step]);
               } else {
@@ -845,8 +880,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #pragma unroll
               for (int n = 0; n < 2; ++n) {
                 const uint32_t word = b[2 * step + n];
-                const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
-                                        Kv::template widen<MmaTag, 2, 3>(word)};
+                const uint32_t bn[2] = {Kv::template widen<MmaTag, kPa0, kPa1>(word),
+                                        Kv::template widen<MmaTag, kPb0, kPb1>(word)};
                 mma_m16n8k16<MmaTag>(s[n], a, bn);
               }
             }
