@@ -24,9 +24,11 @@ namespace decode_detail {
 // Experiment switch (dec8, 8-bit caches at head_dim 128, groups <= 8, plain logits):
 // ATTNKIT_EXP_DEC8 unset = the default kernels; it may contain "s3" = the 4-CTA kernel with 3
 // swizzled stages; "w8" = 2 CTAs of 8 key warps, 128-key tiles, 7 swizzled halves of 16 KB (wide
-// and narrow grids); "bt" = fp8 widened by bit operations (KvFp8E4M3Bits).
+// and narrow grids); "bt" = fp8 widened by bit operations (KvFp8E4M3Bits); "k32" = 2 CTAs of 4
+// warps with 32 keys each (128-key tiles, 7 swizzled halves of 16 KB), with "c4" 4 CTAs of that
+// (3 halves) on wide grids.
 struct Dec8Variant {
-  bool s3 = false, w8 = false, bt = false;
+  bool s3 = false, w8 = false, bt = false, k32 = false, c4 = false;
 };
 inline Dec8Variant dec8_variant() {
   static const Dec8Variant v = [] {
@@ -36,6 +38,8 @@ inline Dec8Variant dec8_variant() {
     r.s3 = std::strstr(e, "s3") != nullptr;
     r.w8 = std::strstr(e, "w8") != nullptr;
     r.bt = std::strstr(e, "bt") != nullptr;
+    r.k32 = std::strstr(e, "k32") != nullptr;
+    r.c4 = std::strstr(e, "c4") != nullptr;
     return r;
   }();
   return v;
@@ -45,10 +49,14 @@ template <typename QTag, typename Kv>
 using Dec8W8 = DecodeTraits<128, QTag, Kv, 8, 2, DecodePipe::kSwizzledHalves, 8>;
 template <typename QTag, typename Kv>
 using Dec8S3 = DecodeTraits<128, QTag, Kv, 8, 4, DecodePipe::kSwizzledStages>;
+template <typename QTag, typename Kv>
+using Dec8K32 = DecodeTraits<128, QTag, Kv, 8, 2, DecodePipe::kSwizzledHalves, 4, 32>;
+template <typename QTag, typename Kv>
+using Dec8K32C4 = DecodeTraits<128, QTag, Kv, 8, 4, DecodePipe::kSwizzledHalves, 4, 32>;
 template <typename Traits>
 constexpr bool dec8_applies() {
   return Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
-         Traits::kTargetCtasPerSm == 2 && Traits::kKeyWarps == 4;
+         Traits::kTargetCtasPerSm == 2 && Traits::kKeyWarps == 4 && Traits::kKeysPerWarp == 16;
 }
 
 template <typename Traits, DecodeLogits kLogits>
@@ -75,7 +83,11 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
 template <typename QTag, typename Kv>
 void dec8_launch(const DecodeParams& p, dim3 grid, bool wide_grid, cudaStream_t stream) {
   const Dec8Variant v = dec8_variant();
-  if (v.w8) {
+  if (v.k32 && v.c4 && wide_grid) {
+    launch_kernel_instance<Dec8K32C4<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
+  } else if (v.k32) {
+    launch_kernel_instance<Dec8K32<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
+  } else if (v.w8) {
     launch_kernel_instance<Dec8W8<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
   } else if (v.s3 && wide_grid) {
     launch_kernel_instance<Dec8S3<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
@@ -123,6 +135,9 @@ DecodeKernelInfo info_traits() {
   if constexpr (dec8_applies<Traits>()) {
     // The w8 kernel's tile (128 keys) decides the splits (transformed logits keep the default
     // 64-key kernel: its splits are then sized for 128 keys, still whole tiles).
+    if (dec8_variant().k32) {
+      return info_traits<Dec8K32<typename Traits::QTag, typename Traits::Kv>>();
+    }
     if (dec8_variant().w8) {
       return info_traits<Dec8W8<typename Traits::QTag, typename Traits::Kv>>();
     }

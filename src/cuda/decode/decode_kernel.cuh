@@ -131,7 +131,7 @@ constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_p
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ =
               decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_),
-          int kKeyWarps_ = 4>
+          int kKeyWarps_ = 4, int kKeysPerWarp_ = 16>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -149,7 +149,8 @@ struct DecodeTraits {
   static constexpr int kKeyWarps = kKeyWarps_;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kKeysPerWarp = 16;
+  static constexpr int kKeysPerWarp = kKeysPerWarp_;
+  static_assert(kKeysPerWarp == 16 || (kKeysPerWarp == 32 && kM == 8 && Kv::kBytes == 1));
   static constexpr int kTileN = kKeyWarps * kKeysPerWarp;
   // Keys whose 16-byte copies one warp issues (every warp shares the loads).
   static constexpr int kCopyKeysPerWarp = kTileN / kWarps;
@@ -195,9 +196,13 @@ struct DecodeTraits {
   static constexpr int kUnitsPerTile = kHalves ? 2 : 1;
   static constexpr int kUnitBytes = kHalves ? kStageHalfBytes : kStageBytes;
   static constexpr int kHalvesFit = (kCtaBudget - kQOutside) / kStageHalfBytes;
+  // Experiment (dec8): three halves (two in flight) for four CTAs per SM.
+  static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
-      kHalves ? (kHalvesFit < 4 ? 4 : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
-              : kStages;
+      kHalves
+          ? (kHalvesFit < kMinHalves ? kMinHalves
+                                     : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
+          : kStages;
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
   // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
@@ -739,33 +744,38 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     };
     if constexpr (Traits::kKeysAsRows) {
-      // S^T = K Q^T: lane (g, t) holds keys g, g + 8 x heads 2t, 2t + 1. Two accumulators halve
-      // the MMA dependency chain.
-      float s[4] = {}, s_odd[4] = {};
+      // S^T = K Q^T: lane (g, t) holds keys g, g + 8 of each 16-key block x heads 2t, 2t + 1. Two
+      // accumulators halve the MMA dependency chain.
+      constexpr int kSub = Traits::kKeysPerWarp / 16;  // 16-key blocks of a warp
+      float s[kSub][4] = {}, s_odd[kSub][4] = {};
       if constexpr (Traits::kDirect) {
         const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; kk += 2) {
-          uint32_t x[4];
-          ldmatrix_x4(x,
-                      smem_u32(k_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, kk + lane / 16)));
+        for (int b = 0; b < kSub; ++b) {
 #pragma unroll
-          for (int step = 0; step < 2; ++step) {
-            if (kk + step < kD / 16) {
-              const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
-              const uint32_t a[4] = {Kv::template widen<MmaTag, kPa0, kPa1>(lo),
-                                     Kv::template widen<MmaTag, kPa0, kPa1>(hi),
-                                     Kv::template widen<MmaTag, kPb0, kPb1>(lo),
-                                     Kv::template widen<MmaTag, kPb0, kPb1>(hi)};
-              if (step == 0) {
-                mma_m16n8k16<MmaTag>(s, a, q_frag[kk + step]);
-              } else {
-                mma_m16n8k16<MmaTag>(s_odd, a, q_frag[kk + step]);
+          for (int kk = 0; kk < kD / 16; kk += 2) {
+            uint32_t x[4];
+            ldmatrix_x4(x, smem_u32(k_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
+                                                     kk + lane / 16)));
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {
+              if (kk + step < kD / 16) {
+                const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
+                const uint32_t a[4] = {Kv::template widen<MmaTag, kPa0, kPa1>(lo),
+                                       Kv::template widen<MmaTag, kPa0, kPa1>(hi),
+                                       Kv::template widen<MmaTag, kPb0, kPb1>(lo),
+                                       Kv::template widen<MmaTag, kPb0, kPb1>(hi)};
+                if (step == 0) {
+                  mma_m16n8k16<MmaTag>(s[b], a, q_frag[kk + step]);
+                } else {
+                  mma_m16n8k16<MmaTag>(s_odd[b], a, q_frag[kk + step]);
+                }
               }
             }
           }
         }
       } else {
+        static_assert(kSub == 1, "16-bit caches take 16 keys a warp");
         const QT* k_rows =
             reinterpret_cast<const QT*>(k_smem) + key_warp * Traits::kKeysPerWarp * kKvRowStride;
 #pragma unroll
@@ -773,28 +783,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           uint32_t a[4];
           ldmatrix_x4(a, smem_u32(k_rows + kv_at(lane % 16, 2 * kk + lane / 16)));
           if (kk % 2 == 0) {
-            mma_m16n8k16<MmaTag>(s, a, q_frag[kk]);
+            mma_m16n8k16<MmaTag>(s[0], a, q_frag[kk]);
           } else {
-            mma_m16n8k16<MmaTag>(s_odd, a, q_frag[kk]);
+            mma_m16n8k16<MmaTag>(s_odd[0], a, q_frag[kk]);
           }
         }
       }
       const int32_t warp_key0 = key_begin + tile * kTileN + key_warp * Traits::kKeysPerWarp;
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t key = warp_key0 + g + 8 * (e / 2);
-        float x = s[e] + s_odd[e];
-        if constexpr (kLogits == DecodeLogits::kPlain) {
-          x *= qk_scale * kLog2e;
-        } else {
-          x *= qk_scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          x += slope[e & 1] * static_cast<float>(keys.position(key) - q_pos);
-          x *= kLog2e;
+      for (int b = 0; b < kSub; ++b) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = warp_key0 + 16 * b + g + 8 * (e / 2);
+          float x = s[b][e] + s_odd[b][e];
+          if constexpr (kLogits == DecodeLogits::kPlain) {
+            x *= qk_scale * kLog2e;
+          } else {
+            x *= qk_scale;
+            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+            x += slope[e & 1] * static_cast<float>(keys.position(key) - q_pos);
+            x *= kLog2e;
+          }
+          s[b][e] = key < key_end ? x : -INFINITY;
+          tile_max[e & 1] = fmaxf(tile_max[e & 1], s[b][e]);
         }
-        s[e] = key < key_end ? x : -INFINITY;
-        tile_max[e & 1] = fmaxf(tile_max[e & 1], s[e]);
       }
       float alpha[2], m_use[2];
 #pragma unroll
@@ -809,14 +822,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         m_run[h] = m_new;
         l_run[h] *= alpha[h];
       }
-      float pr[4];
+      // P^T as the B operand (k = key, n = head): transpose the two 8x8 key blocks of each
+      // 16-key block.
+      uint32_t pb[kSub][2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[e] - m_use[e & 1]);
-      l_run[0] += pr[0] + pr[2];
-      l_run[1] += pr[1] + pr[3];
-      // P^T as the B operand (k = key, n = head): transpose the two 8x8 key blocks.
-      const uint32_t pb[2] = {decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1])),
-                              decode_movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]))};
+      for (int b = 0; b < kSub; ++b) {
+        float pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[b][e] - m_use[e & 1]);
+        l_run[0] += pr[0] + pr[2];
+        l_run[1] += pr[1] + pr[3];
+        pb[b][0] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1]));
+        pb[b][1] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]));
+      }
       if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
         for (int c = 0; c < Traits::kAccTiles; ++c) {
@@ -833,18 +851,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         // V[2t+1][2g+1] of a 16-d chunk; MMA row g is d = 2g, row g + 8 is d = 2g + 1.
         const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
-        for (int cc = 0; cc < kD / 16; cc += 2) {
-          uint32_t x[4];
-          ldmatrix_x4_trans(
-              x, smem_u32(v_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, cc + lane / 16)));
+        for (int b = 0; b < kSub; ++b) {
 #pragma unroll
-          for (int step = 0; step < 2; ++step) {
-            if (cc + step < kD / 16) {
-              const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
-              const uint32_t a[4] = {
-                  Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
-                  Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
-              mma_m16n8k16<MmaTag>(o[cc + step], a, pb);
+          for (int cc = 0; cc < kD / 16; cc += 2) {
+            uint32_t x[4];
+            ldmatrix_x4_trans(x, smem_u32(v_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
+                                                           cc + lane / 16)));
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {
+              if (cc + step < kD / 16) {
+                const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
+                const uint32_t a[4] = {
+                    Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
+                    Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
+                mma_m16n8k16<MmaTag>(o[cc + step], a, pb[b]);
+              }
             }
           }
         }
@@ -856,7 +877,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           uint32_t a[4];
           ldmatrix_x4_trans(
               a, smem_u32(v_rows + kv_at((lane / 16) * 8 + lane % 8, 2 * c + (lane / 8) % 2)));
-          mma_m16n8k16<MmaTag>(o[c], a, pb);
+          mma_m16n8k16<MmaTag>(o[c], a, pb[0]);
         }
       }
     } else {
