@@ -693,6 +693,40 @@ TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
   }
 }
 
+// 8-bit caches at head_dim 128 with groups of up to 8 heads (the 8-bit decode kernels) at every
+// page size: rows around the 64- and 128-key tile boundaries on a narrow grid (unsplit, forced
+// and heuristic splits) and a wide grid of 64 rows x 8 KV heads; both query dtypes, per-tensor
+// and per-head scales, against the quantized reference.
+TEST(DecodeFused, QuantizedKvHeadDim128EveryPageSize) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 13);
+  uint64_t salt = 1600;
+  for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+    for (int32_t page : {8, 16, 32, 64, 128}) {
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.dtype = page % 32 == 0 ? DType::kBF16 : DType::kF16;
+      c.per_head_scale = page >= 32;
+      c.hq = 16;
+      c.hkv = 2;
+      c.page = page;
+      c.seq_lens = {1, 63, 64, 127, 128, 129, 255, 257, 383, 1000};
+      for (int splits : {1, 3, 0}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
+      c.hq = 32;
+      c.hkv = 8;
+      c.per_head_scale = !c.per_head_scale;
+      c.seq_lens = lengths(rng, 64, page, 600);
+      for (int splits : {1, 0}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
+    }
+  }
+}
+
 // The K/V pipeline (halves of a tile in flight, refilled per warp) at every boundary a ring of
 // pipeline units can get wrong: lengths just below, at and above multiples of the 64-key tile
 // and of the page, a single key, more tiles than pipeline units, and splits whose last tile is
