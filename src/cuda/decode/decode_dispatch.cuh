@@ -21,42 +21,40 @@ namespace attnkit::cuda {
 
 namespace decode_detail {
 
-// Experiment switch (dec8, 8-bit caches at head_dim 128, groups <= 8, plain logits):
-// ATTNKIT_EXP_DEC8 unset = the default kernels; it may contain "s3" = the 4-CTA kernel with 3
-// swizzled stages; "w8" = 2 CTAs of 8 key warps, 128-key tiles, 7 swizzled halves of 16 KB (wide
-// and narrow grids); "bt" = fp8 widened by bit operations (KvFp8E4M3Bits); "k32" = 2 CTAs of 4
-// warps with 32 keys each (128-key tiles, 7 swizzled halves of 16 KB), with "c4" 4 CTAs of that
-// (3 halves) on wide grids.
+// Experiment switch (dec8, head_dim 128, groups <= 8, plain logits). ATTNKIT_EXP_DEC8 unset = the
+// default kernels; for 8-bit caches it may contain "k32" = 4 warps of 32 keys (128-key tiles,
+// swizzled halves of 16 KB): 2 CTAs with 7 halves on every grid, with "c4" 4 CTAs with 3 halves
+// on wide grids; "dt" = block-table entries used only at copy time (with k32, or alone on the
+// default 8-bit kernels); "bdt" = bf16 caches with dt; "brk" below.
 struct Dec8Variant {
-  bool s3 = false, w8 = false, bt = false, k32 = false, c4 = false;
+  bool k32 = false, c4 = false, dt = false, bdt = false, brk = false;
 };
 inline Dec8Variant dec8_variant() {
   static const Dec8Variant v = [] {
     Dec8Variant r;
     const char* e = std::getenv("ATTNKIT_EXP_DEC8");
     if (e == nullptr) return r;
-    r.s3 = std::strstr(e, "s3") != nullptr;
-    r.w8 = std::strstr(e, "w8") != nullptr;
-    r.bt = std::strstr(e, "bt") != nullptr;
     r.k32 = std::strstr(e, "k32") != nullptr;
     r.c4 = std::strstr(e, "c4") != nullptr;
+    r.bdt = std::strstr(e, "bdt") != nullptr;
+    r.dt = !r.bdt && std::strstr(e, "dt") != nullptr;
+    // "brk" (with k32): the second 16-key block of a warp masked as the first (a deliberate
+    // break; the quantized tests must fail).
+    r.brk = std::strstr(e, "brk") != nullptr;
     return r;
   }();
   return v;
 }
 
-template <typename QTag, typename Kv>
-using Dec8W8 = DecodeTraits<128, QTag, Kv, 8, 2, DecodePipe::kSwizzledHalves, 8>;
-template <typename QTag, typename Kv>
-using Dec8S3 = DecodeTraits<128, QTag, Kv, 8, 4, DecodePipe::kSwizzledStages>;
-template <typename QTag, typename Kv>
-using Dec8K32 = DecodeTraits<128, QTag, Kv, 8, 2, DecodePipe::kSwizzledHalves, 4, 32>;
-template <typename QTag, typename Kv>
-using Dec8K32C4 = DecodeTraits<128, QTag, Kv, 8, 4, DecodePipe::kSwizzledHalves, 4, 32>;
+template <typename QTag, typename Kv, int kCtas, int kDefer>
+using Dec8K32 = DecodeTraits<128, QTag, Kv, 8, kCtas, DecodePipe::kSwizzledHalves, 4, 32, kDefer>;
+template <typename QTag, typename Kv, int kCtas, int kDefer>
+using Dec8Def = DecodeTraits<128, QTag, Kv, 8, kCtas,
+                             decode_default_pipe(128, Kv::kBytes, 8, kCtas), 4, 16, kDefer>;
 template <typename Traits>
 constexpr bool dec8_applies() {
-  return Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
-         Traits::kTargetCtasPerSm == 2 && Traits::kKeyWarps == 4 && Traits::kKeysPerWarp == 16;
+  return Traits::kHeadDim == 128 && Traits::kM == 8 && Traits::kTargetCtasPerSm == 2 &&
+         Traits::kKeyWarps == 4 && Traits::kKeysPerWarp == 16 && !Traits::kDeferTable;
 }
 
 template <typename Traits, DecodeLogits kLogits>
@@ -80,23 +78,19 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
   check_launch("decode_kernel");
 }
 
-template <typename QTag, typename Kv>
+template <typename QTag, typename Kv, int kDefer>
 void dec8_launch(const DecodeParams& p, dim3 grid, bool wide_grid, cudaStream_t stream) {
   const Dec8Variant v = dec8_variant();
   if (v.k32 && v.c4 && wide_grid) {
-    launch_kernel_instance<Dec8K32C4<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
-  } else if (v.k32) {
-    launch_kernel_instance<Dec8K32<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
-  } else if (v.w8) {
-    launch_kernel_instance<Dec8W8<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
-  } else if (v.s3 && wide_grid) {
-    launch_kernel_instance<Dec8S3<QTag, Kv>, DecodeLogits::kPlain>(p, grid, stream);
+    launch_kernel_instance<Dec8K32<QTag, Kv, 4, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
+  } else if (v.k32 || kDefer == 2) {
+    launch_kernel_instance<Dec8K32<QTag, Kv, 2, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
+  } else if constexpr (kDefer == 2) {
+    // unreachable (the break is a k32 kernel)
   } else if (wide_grid) {
-    launch_kernel_instance<DecodeTraits<128, QTag, Kv, 8, 4>, DecodeLogits::kPlain>(p, grid,
-                                                                                    stream);
+    launch_kernel_instance<Dec8Def<QTag, Kv, 4, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
   } else {
-    launch_kernel_instance<DecodeTraits<128, QTag, Kv, 8, 2>, DecodeLogits::kPlain>(p, grid,
-                                                                                    stream);
+    launch_kernel_instance<Dec8Def<QTag, Kv, 2, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
   }
 }
 
@@ -111,16 +105,24 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
   // -> 3.34 TB/s, 16 x 8k 3.13 -> 3.23 (1 x 32k, split 32 ways: the same). Other head_dims,
   // tiles and logit policies were not measured and keep 2.
   if constexpr (dec8_applies<Traits>()) {
+    using QTag = typename Traits::QTag;
+    using Kv = typename Traits::Kv;
     if (!transformed) {
-      using QTag = typename Traits::QTag;
-      if constexpr (std::is_same_v<typename Traits::Kv, KvFp8E4M3>) {
-        if (dec8_variant().bt) {
-          dec8_launch<QTag, KvFp8E4M3Bits>(p, grid, wide_grid, stream);
+      if constexpr (Traits::k8Bit) {
+        if (dec8_variant().brk) {
+          dec8_launch<QTag, Kv, 2>(p, grid, wide_grid, stream);
+        } else if (dec8_variant().dt) {
+          dec8_launch<QTag, Kv, 1>(p, grid, wide_grid, stream);
+        } else {
+          dec8_launch<QTag, Kv, 0>(p, grid, wide_grid, stream);
+        }
+        return;
+      } else if constexpr (std::is_same_v<QTag, Bf16Tag>) {
+        if (dec8_variant().bdt) {
+          launch_kernel_instance<Dec8Def<QTag, Kv, 2, 1>, DecodeLogits::kPlain>(p, grid, stream);
           return;
         }
       }
-      dec8_launch<QTag, typename Traits::Kv>(p, grid, wide_grid, stream);
-      return;
     }
   }
   if (transformed) {
@@ -132,14 +134,11 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
 
 template <typename Traits>
 DecodeKernelInfo info_traits() {
-  if constexpr (dec8_applies<Traits>()) {
-    // The w8 kernel's tile (128 keys) decides the splits (transformed logits keep the default
+  if constexpr (dec8_applies<Traits>() && Traits::k8Bit) {
+    // The k32 kernels' tile (128 keys) decides the splits (transformed logits keep the default
     // 64-key kernel: its splits are then sized for 128 keys, still whole tiles).
     if (dec8_variant().k32) {
-      return info_traits<Dec8K32<typename Traits::QTag, typename Traits::Kv>>();
-    }
-    if (dec8_variant().w8) {
-      return info_traits<Dec8W8<typename Traits::QTag, typename Traits::Kv>>();
+      return info_traits<Dec8K32<typename Traits::QTag, typename Traits::Kv, 2, 0>>();
     }
   }
   prepare_kernel<Traits, DecodeLogits::kPlain>();

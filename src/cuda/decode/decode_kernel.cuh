@@ -131,7 +131,7 @@ constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_p
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ =
               decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_),
-          int kKeyWarps_ = 4, int kKeysPerWarp_ = 16>
+          int kKeyWarps_ = 4, int kKeysPerWarp_ = 16, int kDeferTable_ = 0>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -150,6 +150,11 @@ struct DecodeTraits {
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeysPerWarp = kKeysPerWarp_;
+  // Experiment (dec8): the block-table entry read one tile ahead is used (multiplied into the
+  // byte offset) only when the copy is issued, not right after the read.
+  static constexpr bool kDeferTable = kDeferTable_ >= 1;
+  // Experiment (dec8): 2 = a deliberately broken mask of the second 16-key block (tests must fail).
+  static constexpr bool kBreakForTest = kDeferTable_ == 2;
   static_assert(kKeysPerWarp == 16 || (kKeysPerWarp == 32 && kM == 8 && Kv::kBytes == 1));
   static constexpr int kTileN = kKeyWarps * kKeysPerWarp;
   // Keys whose 16-byte copies one warp issues (every warp shares the loads).
@@ -529,6 +534,44 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
     return p.kv.byte_offset_shift(src_row, p.kv.slot_of(pos), kv_head, 0, p.page_shift);
   };
+  // Deferred form (kDeferTable): {base, block} with offset = block * block_stride + base (block 0
+  // off the plain paged path); base < 0: no key.
+  struct KeyRef {
+    int64_t base;
+    int32_t block;
+  };
+  auto key_ref = [&](int tile) -> KeyRef {
+    const int32_t key = key_begin + tile * kTileN + warp * kCopyKeys + lane;
+    if (lane >= kCopyKeys || key >= key_end) return {-1, 0};
+    const int32_t pos = keys.position(key);
+    if (plain_paged) {
+      return {head_bytes + (pos & page_mask) * (Traits::kChunksPerToken * 16),
+              table_row[pos >> p.page_shift]};
+    }
+    return {key_offset(tile), 0};
+  };
+  using Pending = std::conditional_t<Traits::kDeferTable, KeyRef, int64_t>;
+  auto fetch = [&](int tile) -> Pending {
+    if constexpr (Traits::kDeferTable) {
+      return key_ref(tile);
+    } else {
+      return key_offset(tile);
+    }
+  };
+  auto resolve = [&](const Pending& k) -> int64_t {
+    if constexpr (Traits::kDeferTable) {
+      return k.base < 0 ? -1 : static_cast<int64_t>(k.block) * p.kv.block_stride_bytes + k.base;
+    } else {
+      return k;
+    }
+  };
+  auto pending_of = [](int64_t offset) -> Pending {
+    if constexpr (Traits::kDeferTable) {
+      return KeyRef{offset, 0};
+    } else {
+      return offset;
+    }
+  };
   // Copies K (copy_k) and / or V (copy_v) of a tile's keys into k_dst / v_dst.
   auto copy_tile = [&](int64_t my_offset, uint8_t* k_dst, uint8_t* v_dst, bool copy_k,
                        bool copy_v) {
@@ -625,7 +668,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // the buffer of the unit consumed before it with unit u + kUnits - 1.
   // Offsets (per copy lane) of the tile of the next unit to issue and, with halves, of the tile
   // after it (a half's math is too short to hide a block-table read).
-  int64_t issue_offset = -1, ahead_offset = -1;
+  Pending issue_offset = pending_of(-1), ahead_offset = pending_of(-1);
   {
     // The prologue's block-table reads are issued together, then its copies.
     int64_t offsets[kOffsetTiles];
@@ -655,8 +698,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
       cp_async_commit();
     }
-    issue_offset = offsets[kIssueTile];
-    if constexpr (Traits::kHalves) ahead_offset = offsets[kOffsetTiles - 1];
+    issue_offset = pending_of(offsets[kIssueTile]);
+    if constexpr (Traits::kHalves) ahead_offset = pending_of(offsets[kOffsetTiles - 1]);
   }
   int read_buffer = 0, write_buffer = kUnits - 1;
   // Waits for the next unit (its buffer is read_buffer), refills write_buffer with the unit
@@ -672,9 +715,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
     if (issue_tile < num_tiles) {
       if constexpr (Traits::kHalves) {
-        copy_tile(issue_offset, dst, dst, part == 0, part == 1);
+        copy_tile(resolve(issue_offset), dst, dst, part == 0, part == 1);
       } else {
-        copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
+        copy_tile(resolve(issue_offset), dst, dst + Traits::kStageHalfBytes, true, true);
       }
     }
     cp_async_commit();
@@ -682,10 +725,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if constexpr (Traits::kHalves) {
       if (part == 1) {
         issue_offset = ahead_offset;
-        ahead_offset = key_offset(issue_tile + 2);
+        ahead_offset = fetch(issue_tile + 2);
       }
     } else {
-      issue_offset = key_offset(issue_tile + 1);
+      issue_offset = fetch(issue_tile + 1);
     }
     uint8_t* unit = pipe_smem + read_buffer * Traits::kUnitBytes;
     read_buffer = read_buffer + 1 == kUnits ? 0 : read_buffer + 1;
@@ -795,7 +838,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       for (int b = 0; b < kSub; ++b) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int32_t key = warp_key0 + 16 * b + g + 8 * (e / 2);
+          const int32_t key = warp_key0 + (Traits::kBreakForTest ? 0 : 16 * b) + g + 8 * (e / 2);
           float x = s[b][e] + s_odd[b][e];
           if constexpr (kLogits == DecodeLogits::kPlain) {
             x *= qk_scale * kLog2e;
