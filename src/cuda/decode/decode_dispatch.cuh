@@ -6,10 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
-#include <type_traits>
 
 #include "attnkit/types.h"
 #include "core/check.h"
@@ -20,42 +17,6 @@
 namespace attnkit::cuda {
 
 namespace decode_detail {
-
-// Experiment switch (dec8, head_dim 128, groups <= 8, plain logits). ATTNKIT_EXP_DEC8 unset = the
-// default kernels; for 8-bit caches it may contain "k32" = 4 warps of 32 keys (128-key tiles,
-// swizzled halves of 16 KB): 2 CTAs with 7 halves on every grid, with "c4" 4 CTAs with 3 halves
-// on wide grids; "dt" = block-table entries used only at copy time (with k32, or alone on the
-// default 8-bit kernels); "bdt" = bf16 caches with dt; "brk" below.
-struct Dec8Variant {
-  bool k32 = false, c4 = false, dt = false, bdt = false, brk = false;
-};
-inline Dec8Variant dec8_variant() {
-  static const Dec8Variant v = [] {
-    Dec8Variant r;
-    const char* e = std::getenv("ATTNKIT_EXP_DEC8");
-    if (e == nullptr) return r;
-    r.k32 = std::strstr(e, "k32") != nullptr;
-    r.c4 = std::strstr(e, "c4") != nullptr;
-    r.bdt = std::strstr(e, "bdt") != nullptr;
-    r.dt = !r.bdt && std::strstr(e, "dt") != nullptr;
-    // "brk" (with k32): the second 16-key block of a warp masked as the first (a deliberate
-    // break; the quantized tests must fail).
-    r.brk = std::strstr(e, "brk") != nullptr;
-    return r;
-  }();
-  return v;
-}
-
-template <typename QTag, typename Kv, int kCtas, int kDefer>
-using Dec8K32 = DecodeTraits<128, QTag, Kv, 8, kCtas, DecodePipe::kSwizzledHalves, 4, 32, kDefer>;
-template <typename QTag, typename Kv, int kCtas, int kDefer>
-using Dec8Def = DecodeTraits<128, QTag, Kv, 8, kCtas,
-                             decode_default_pipe(128, Kv::kBytes, 8, kCtas), 4, 16, kDefer>;
-template <typename Traits>
-constexpr bool dec8_applies() {
-  return Traits::kHeadDim == 128 && Traits::kM == 8 && Traits::kTargetCtasPerSm == 2 &&
-         Traits::kKeyWarps == 4 && Traits::kKeysPerWarp == 16 && !Traits::kDeferTable;
-}
 
 template <typename Traits, DecodeLogits kLogits>
 void prepare_kernel() {
@@ -78,51 +39,23 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
   check_launch("decode_kernel");
 }
 
-template <typename QTag, typename Kv, int kDefer>
-void dec8_launch(const DecodeParams& p, dim3 grid, bool wide_grid, cudaStream_t stream) {
-  const Dec8Variant v = dec8_variant();
-  if (v.k32 && v.c4 && wide_grid) {
-    launch_kernel_instance<Dec8K32<QTag, Kv, 4, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
-  } else if (v.k32 || kDefer == 2) {
-    launch_kernel_instance<Dec8K32<QTag, Kv, 2, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
-  } else if constexpr (kDefer == 2) {
-    // unreachable (the break is a k32 kernel)
-  } else if (wide_grid) {
-    launch_kernel_instance<Dec8Def<QTag, Kv, 4, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
-  } else {
-    launch_kernel_instance<Dec8Def<QTag, Kv, 2, kDefer>, DecodeLogits::kPlain>(p, grid, stream);
-  }
-}
-
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
   // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits, and a grid that fills four
-  // CTAs per SM: 4 CTAs per SM (2 pipeline stages each, <= 128 registers) rather than 2 CTAs of 6
-  // stages. These kernels are bound by instruction latency, not by bytes in flight: twice the
-  // warps hide it. Measured on the H200 at 64 x 4k: fp8 3.48 -> 3.90 TB/s, int8 3.34 -> 3.90 (3
-  // CTAs of 4 stages: 2.9). A grid of about two CTAs per SM keeps the 6 stages: fp8 32 x 4k 3.24
-  // -> 3.34 TB/s, 16 x 8k 3.13 -> 3.23 (1 x 32k, split 32 ways: the same). Other head_dims,
-  // tiles and logit policies were not measured and keep 2.
-  if constexpr (dec8_applies<Traits>()) {
-    using QTag = typename Traits::QTag;
-    using Kv = typename Traits::Kv;
-    if (!transformed) {
-      if constexpr (Traits::k8Bit) {
-        if (dec8_variant().brk) {
-          dec8_launch<QTag, Kv, 2>(p, grid, wide_grid, stream);
-        } else if (dec8_variant().dt) {
-          dec8_launch<QTag, Kv, 1>(p, grid, wide_grid, stream);
-        } else {
-          dec8_launch<QTag, Kv, 0>(p, grid, wide_grid, stream);
-        }
-        return;
-      } else if constexpr (std::is_same_v<QTag, Bf16Tag>) {
-        if (dec8_variant().bdt) {
-          launch_kernel_instance<Dec8Def<QTag, Kv, 2, 1>, DecodeLogits::kPlain>(p, grid, stream);
-          return;
-        }
-      }
+  // CTAs per SM: 4 CTAs per SM (<= 128 registers; 128-key tiles in 3 swizzled halves of 16 KB,
+  // two in flight) rather than 2 CTAs of 7 halves: more warps hide the per-tile latency. Measured
+  // on the H200 (same run, round 1 at 18:40 UTC, TB/s, 2 -> 4 CTAs of 128-key tiles): fp8 64 x 4k
+  // 4.11 -> 4.21, 128 x 2k 4.02 -> 4.12, 256 x 1k 3.83 -> 3.97; int8 64 x 4k 4.08 -> 4.21. Grids
+  // of about two CTAs per SM keep 2 (the earlier 64-key kernels: fp8 32 x 4k 3.24 TB/s with 4
+  // CTAs, 3.34 with 2; 16 x 8k 3.13 / 3.23). Other head_dims, tiles and logit policies were not
+  // measured and keep 2.
+  if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
+                Traits::kTargetCtasPerSm == 2) {
+    if (!transformed && wide_grid) {
+      using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
+      launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);
+      return;
     }
   }
   if (transformed) {
@@ -134,13 +67,6 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
 
 template <typename Traits>
 DecodeKernelInfo info_traits() {
-  if constexpr (dec8_applies<Traits>() && Traits::k8Bit) {
-    // The k32 kernels' tile (128 keys) decides the splits (transformed logits keep the default
-    // 64-key kernel: its splits are then sized for 128 keys, still whole tiles).
-    if (dec8_variant().k32) {
-      return info_traits<Dec8K32<typename Traits::QTag, typename Traits::Kv, 2, 0>>();
-    }
-  }
   prepare_kernel<Traits, DecodeLogits::kPlain>();
   // Cached per device: the heuristic runs on every call without a split override.
   static std::atomic<int> cached[16] = {};

@@ -1,9 +1,10 @@
 // The fused GQA decode kernel (XQA style): one CTA serves up to 8, 16 or 32 query heads of one
 // KV head, so every K/V byte is read once per group. Grid: x = split * head_blocks + head_block,
-// y = KV head, z = row. A tile of 64 keys is loaded into shared memory by a multi-stage cp.async
-// pipeline; each group of four warps splits the tile 16 keys a warp and keeps its own
-// online-softmax state (m, l, O); the warps are merged at the end, and with split-KV the last CTA
-// of a (row, KV head) merges the splits. QK^T and PV run on mma.sync m16n8k16 with float
+// y = KV head, z = row. A tile of 64 keys (128 for 8-bit caches at head_dim 128 with groups of up
+// to 8 heads) is loaded into shared memory by a multi-stage cp.async pipeline; each group of four
+// warps splits the tile 16 (32) keys a warp and keeps its own online-softmax state (m, l, O); the
+// warps are merged at the end, and with split-KV the last CTA of a (row, KV head) merges the
+// splits. QK^T and PV run on mma.sync m16n8k16 with float
 // accumulation: for groups of up to 8 heads the keys are the MMA rows (S^T = K Q^T, O^T = V^T P^T,
 // half the MMAs of a 16-row tile), otherwise the heads. 8-bit caches run their MMAs in f16
 // whatever the query type (one cvt widens a pair of stored bytes; a bf16 q is rounded to f16
@@ -27,33 +28,11 @@ namespace attnkit::cuda {
 
 // KV-cache element types: the cache's storage, and how two stored bytes of a 32-bit word (byte
 // kLo, byte kHi) widen to a pair of MMA inputs (lo first).
-// kScale: a factor the kernel folds into the K and V scales (the widened values are the stored
-// ones divided by it). kStridedPairs: the K fragments pair bytes (0, 2) and (1, 3) of a word
-// instead of (0, 1) and (2, 3) (the query's d are permuted to match).
 struct KvNative {  // the cache holds the query's own type: no conversion
   static constexpr int kBytes = 2;
-  static constexpr float kScale = 1.0f;
-  static constexpr bool kStridedPairs = false;
-};
-// Experiment (dec8): e4m3 widened to f16 by bit operations: sign in place, exponent and mantissa
-// shifted right by one below it; the f16 is exactly the e4m3 value times 2^-8 (subnormals
-// included; the NaN encodings become finite), so the K and V scales carry 2^8.
-struct KvFp8E4M3Bits {
-  static constexpr int kBytes = 1;
-  static constexpr float kScale = 256.0f;
-  static constexpr bool kStridedPairs = true;
-  template <typename Tag, int kLo, int kHi>
-  __device__ __forceinline__ static uint32_t widen(uint32_t word) {
-    static_assert(std::is_same_v<Tag, F16Tag> && kHi == kLo + 2 && (kLo == 0 || kLo == 1));
-    // Bytes kLo, kHi in bytes 1 and 3 of x (the high bytes of the two f16 halves).
-    const uint32_t x = kLo == 1 ? word : word << 8;
-    return (x & 0x80008000u) | ((x & 0x7f007f00u) >> 1);
-  }
 };
 struct KvFp8E4M3 {
   static constexpr int kBytes = 1;
-  static constexpr float kScale = 1.0f;
-  static constexpr bool kStridedPairs = false;
   template <typename Tag, int kLo, int kHi>
   __device__ __forceinline__ static uint32_t widen(uint32_t word) {
     const uint32_t two = kLo == 0 && kHi == 1   ? word & 0xffffu
@@ -71,8 +50,6 @@ struct KvFp8E4M3 {
 };
 struct KvInt8 {
   static constexpr int kBytes = 1;
-  static constexpr float kScale = 1.0f;
-  static constexpr bool kStridedPairs = false;
   template <typename Tag, int kLo, int kHi>
   __device__ __forceinline__ static uint32_t widen(uint32_t word) {
     if constexpr (std::is_same_v<Tag, F16Tag>) {
@@ -106,21 +83,29 @@ constexpr int kDecodeSmemPerSm = 228 * 1024;
 //   (conflict-free ldmatrix), and Q is staged in the ring's last buffer, so that at head_dim 128
 //   seven halves of 16 KB fit next to a second CTA: 6 in flight (3 tiles) against the 2 tiles of
 //   three padded stages.
-// kSwizzledStages (experiment): full stages with the swizzled unpadded rows and Q in the ring's
-//   last buffer.
-enum class DecodePipe { kStages, kSwizzledHalves, kSwizzledStages };
+enum class DecodePipe { kStages, kSwizzledHalves };
 
 // The pipeline of a tile configuration: swizzled halves for keys as rows with 8 or more chunks a
-// row, for 16-bit caches and for the 2-CTA 8-bit kernel at head_dim 128. Measured on the H200
-// (same run, 2026-11-29 16:27, against kStages with CTA barriers): bf16 64 x 4k 4.03 -> 4.32 TB/s,
+// row, for 16-bit caches and for the 8-bit kernels at head_dim 128. Measured on the H200 (same
+// run, 2026-11-29 16:27, against kStages with CTA barriers): bf16 64 x 4k 4.03 -> 4.32 TB/s,
 // 32 x 32k 4.16 -> 4.48, 1 x 32k 2.85 -> 3.02; fp8 1 x 32k 2.01 -> 2.04. Padded halves (6) and warp
-// barriers alone were within 0.5%; the 4-CTA 8-bit kernel lost with halves (fp8 64 x 4k 3.85 ->
-// 3.16 swizzled, 3.77 padded) and keeps stages.
-constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_per_cta,
-                                         int ctas_per_sm) {
+// barriers alone were within 0.5%. The 8-bit kernels at head_dim 128 take 128-key tiles
+// (decode_default_keys_per_warp), whose halves are 16 KB as well.
+constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_per_cta) {
   if (heads_per_cta != 8 || (head_dim * kv_bytes / 16) % 8 != 0) return DecodePipe::kStages;
-  if (kv_bytes == 2 || (head_dim == 128 && ctas_per_sm == 2)) return DecodePipe::kSwizzledHalves;
+  if (kv_bytes == 2 || head_dim == 128) return DecodePipe::kSwizzledHalves;
   return DecodePipe::kStages;
+}
+
+// Keys a warp takes from each tile (the tile is 4 warps of them): 32 (128-key tiles, two 16-key
+// MMA blocks a warp) for 8-bit caches at head_dim 128 with groups of up to 8 heads, so that one
+// swizzled half holds 16 KB as with 16-bit caches and the per-tile work (softmax update, waits,
+// block-table reads, copy setup) is spread over twice the bytes. Measured on the H200 (same run,
+// round 2 at 19:12 UTC, TB/s, 64-key tiles -> 128-key tiles): fp8 64 x 4k 3.93 -> 4.21, 128 x 2k
+// 3.81 -> 4.09, 256 x 1k 3.68 -> 3.99, 32 x 32k 4.28 -> 4.26, 1 x 32k 2.17 -> 2.35; int8 64 x 4k
+// 3.91 -> 4.21; fp8 64 x 4k page 16 3.91 -> 4.11, page 64 3.90 -> 4.22.
+constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads_per_cta) {
+  return kv_bytes == 1 && head_dim == 128 && heads_per_cta == 8 ? 32 : 16;
 }
 
 // Compile-time configuration. kHeadsPerCta: query heads of one KV-head group that a CTA serves.
@@ -129,9 +114,8 @@ constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_p
 // two 16-row M blocks (MQA 32/1 reads K/V once); the warps form two groups of four that share
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
-          DecodePipe kPipe_ =
-              decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_),
-          int kKeyWarps_ = 4, int kKeysPerWarp_ = 16, int kDeferTable_ = 0>
+          DecodePipe kPipe_ = decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
+          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_)>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -146,16 +130,11 @@ struct DecodeTraits {
   // (6 stages, too few warps to hide their latency) and three (2 stages, fewer bytes in flight).
   // 8-bit caches at head_dim 128 with groups <= 8 run four (launch_traits).
   static constexpr int kTargetCtasPerSm = kCtasPerSm_;
-  static constexpr int kKeyWarps = kKeyWarps_;
+  static constexpr int kKeyWarps = 4;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeysPerWarp = kKeysPerWarp_;
-  // Experiment (dec8): the block-table entry read one tile ahead is used (multiplied into the
-  // byte offset) only when the copy is issued, not right after the read.
-  static constexpr bool kDeferTable = kDeferTable_ >= 1;
-  // Experiment (dec8): 2 = a deliberately broken mask of the second 16-key block (tests must fail).
-  static constexpr bool kBreakForTest = kDeferTable_ == 2;
-  static_assert(kKeysPerWarp == 16 || (kKeysPerWarp == 32 && kM == 8 && Kv::kBytes == 1));
+  static_assert(kKeysPerWarp == 16 || (kKeysPerWarp == 32 && kKeysAsRows && Kv::kBytes == 1));
   static constexpr int kTileN = kKeyWarps * kKeysPerWarp;
   // Keys whose 16-byte copies one warp issues (every warp shares the loads).
   static constexpr int kCopyKeysPerWarp = kTileN / kWarps;
@@ -175,8 +154,8 @@ struct DecodeTraits {
   static constexpr int kRowBytes = kRowStride * 2;
   static constexpr int kChunksPerToken = kHeadDim * Kv::kBytes / 16;  // 16-byte copies per row
   static constexpr int kQBytes = kM * kRowBytes;
-  static constexpr bool kSwizzle =
-      kPipe_ != DecodePipe::kStages && kKeysAsRows && kMBlocks == 1 && kChunksPerToken % 8 == 0;
+  static constexpr bool kSwizzle = kPipe_ == DecodePipe::kSwizzledHalves && kKeysAsRows &&
+                                   kMBlocks == 1 && kChunksPerToken % 8 == 0;
   // K/V rows in shared memory: padded (kRowBytes, 8-bit kRawRowBytes), or unpadded with their
   // 16-byte chunks XOR-swizzled by the row.
   static constexpr int kKvRowBytes =
@@ -190,7 +169,7 @@ struct DecodeTraits {
   static constexpr int kStageBytes = 2 * kStageHalfBytes;
   // As many stages as fit next to the other CTAs of the SM.
   static constexpr int kCtaBudget = kDecodeSmemPerSm / kTargetCtasPerSm - 1024;
-  static constexpr int kStagesFit = (kCtaBudget - kQOutside) / kStageBytes;
+  static constexpr int kStagesFit = (kCtaBudget - kQBytes) / kStageBytes;
   static constexpr int kMaxStages = 6;
   static constexpr int kStages =
       kStagesFit < 2 ? 2 : (kStagesFit > kMaxStages ? kMaxStages : kStagesFit);
@@ -201,7 +180,8 @@ struct DecodeTraits {
   static constexpr int kUnitsPerTile = kHalves ? 2 : 1;
   static constexpr int kUnitBytes = kHalves ? kStageHalfBytes : kStageBytes;
   static constexpr int kHalvesFit = (kCtaBudget - kQOutside) / kStageHalfBytes;
-  // Experiment (dec8): three halves (two in flight) for four CTAs per SM.
+  // At four CTAs per SM three halves (two in flight) are the most that fit: the 4-CTA 8-bit
+  // kernel at head_dim 128 (3 x 16 KB).
   static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
       kHalves
@@ -443,7 +423,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  // Warp w takes keys 16 (w % 4) .. +15 of every tile for the M block w / 4.
+  // Warp w takes keys kKeysPerWarp * (w % 4) .. + kKeysPerWarp - 1 of every tile for the M block
+  // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
   const int first_head = kv_head * p.group_size + head_block * kM;
@@ -487,10 +468,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if constexpr (Traits::kDirect) {
         // Direct 8-bit K fragments hold 4 consecutive stored bytes (d 4t..4t+3 of a 16-d step)
         // where the MMA expects k = 2t, 2t+1, 2t+8, 2t+9: permute Q's d the same way.
-        // With strided pairs: bytes 4t, 4t+2 for k = 2t, 2t+1 and 4t+1, 4t+3 for 2t+8, 2t+9.
         const int x = d % 16;
-        src = Kv::kStridedPairs ? d - x + 4 * ((x % 8) / 2) + 2 * (x % 2) + (x / 8)
-                                : d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
+        src = d - x + 4 * ((x % 8) / 2) + (x % 2) + 2 * (x / 8);
       }
       q_vals[j] =
           i < kM * kD && r < heads_here ? q[(first_head + r) * p.q_head_stride + src] : QT(0.0f);
@@ -533,44 +512,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       src_row = static_cast<int64_t>(beam_seq) * p.beam_width + src_beam;
     }
     return p.kv.byte_offset_shift(src_row, p.kv.slot_of(pos), kv_head, 0, p.page_shift);
-  };
-  // Deferred form (kDeferTable): {base, block} with offset = block * block_stride + base (block 0
-  // off the plain paged path); base < 0: no key.
-  struct KeyRef {
-    int64_t base;
-    int32_t block;
-  };
-  auto key_ref = [&](int tile) -> KeyRef {
-    const int32_t key = key_begin + tile * kTileN + warp * kCopyKeys + lane;
-    if (lane >= kCopyKeys || key >= key_end) return {-1, 0};
-    const int32_t pos = keys.position(key);
-    if (plain_paged) {
-      return {head_bytes + (pos & page_mask) * (Traits::kChunksPerToken * 16),
-              table_row[pos >> p.page_shift]};
-    }
-    return {key_offset(tile), 0};
-  };
-  using Pending = std::conditional_t<Traits::kDeferTable, KeyRef, int64_t>;
-  auto fetch = [&](int tile) -> Pending {
-    if constexpr (Traits::kDeferTable) {
-      return key_ref(tile);
-    } else {
-      return key_offset(tile);
-    }
-  };
-  auto resolve = [&](const Pending& k) -> int64_t {
-    if constexpr (Traits::kDeferTable) {
-      return k.base < 0 ? -1 : static_cast<int64_t>(k.block) * p.kv.block_stride_bytes + k.base;
-    } else {
-      return k;
-    }
-  };
-  auto pending_of = [](int64_t offset) -> Pending {
-    if constexpr (Traits::kDeferTable) {
-      return KeyRef{offset, 0};
-    } else {
-      return offset;
-    }
   };
   // Copies K (copy_k) and / or V (copy_v) of a tile's keys into k_dst / v_dst.
   auto copy_tile = [&](int64_t my_offset, uint8_t* k_dst, uint8_t* v_dst, bool copy_k,
@@ -638,13 +579,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   };
 
-  const float k_scale =
-      (p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f) * Kv::kScale;
-  const float v_scale =
-      (p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f) * Kv::kScale;
-  // K fragment pairs: bytes (kPa0, kPa1) of a word for k = 2t, 2t+1, (kPb0, kPb1) for 2t+8, 2t+9.
-  constexpr int kPa0 = 0, kPa1 = Kv::kStridedPairs ? 2 : 1;
-  constexpr int kPb0 = Kv::kStridedPairs ? 1 : 2, kPb1 = 3;
+  const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
+  const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
   const float qk_scale = p.softmax_scale * k_scale;
   const int g = lane / 4, t = lane % 4;
   // This thread's two heads (as CTA rows): g and g + 8 of its M block, or 2t and 2t + 1 when the
@@ -668,7 +604,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // the buffer of the unit consumed before it with unit u + kUnits - 1.
   // Offsets (per copy lane) of the tile of the next unit to issue and, with halves, of the tile
   // after it (a half's math is too short to hide a block-table read).
-  Pending issue_offset = pending_of(-1), ahead_offset = pending_of(-1);
+  int64_t issue_offset = -1, ahead_offset = -1;
   {
     // The prologue's block-table reads are issued together, then its copies.
     int64_t offsets[kOffsetTiles];
@@ -698,8 +634,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
       cp_async_commit();
     }
-    issue_offset = pending_of(offsets[kIssueTile]);
-    if constexpr (Traits::kHalves) ahead_offset = pending_of(offsets[kOffsetTiles - 1]);
+    issue_offset = offsets[kIssueTile];
+    if constexpr (Traits::kHalves) ahead_offset = offsets[kOffsetTiles - 1];
   }
   int read_buffer = 0, write_buffer = kUnits - 1;
   // Waits for the next unit (its buffer is read_buffer), refills write_buffer with the unit
@@ -715,9 +651,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
     if (issue_tile < num_tiles) {
       if constexpr (Traits::kHalves) {
-        copy_tile(resolve(issue_offset), dst, dst, part == 0, part == 1);
+        copy_tile(issue_offset, dst, dst, part == 0, part == 1);
       } else {
-        copy_tile(resolve(issue_offset), dst, dst + Traits::kStageHalfBytes, true, true);
+        copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
       }
     }
     cp_async_commit();
@@ -725,10 +661,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if constexpr (Traits::kHalves) {
       if (part == 1) {
         issue_offset = ahead_offset;
-        ahead_offset = fetch(issue_tile + 2);
+        ahead_offset = key_offset(issue_tile + 2);
       }
     } else {
-      issue_offset = fetch(issue_tile + 1);
+      issue_offset = key_offset(issue_tile + 1);
     }
     uint8_t* unit = pipe_smem + read_buffer * Traits::kUnitBytes;
     read_buffer = read_buffer + 1 == kUnits ? 0 : read_buffer + 1;
@@ -804,10 +740,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
             for (int step = 0; step < 2; ++step) {
               if (kk + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
-                const uint32_t a[4] = {Kv::template widen<MmaTag, kPa0, kPa1>(lo),
-                                       Kv::template widen<MmaTag, kPa0, kPa1>(hi),
-                                       Kv::template widen<MmaTag, kPb0, kPb1>(lo),
-                                       Kv::template widen<MmaTag, kPb0, kPb1>(hi)};
+                const uint32_t a[4] = {
+                    Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
+                    Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
                 if (step == 0) {
                   mma_m16n8k16<MmaTag>(s[b], a, q_frag[kk + step]);
                 } else {
@@ -838,7 +773,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       for (int b = 0; b < kSub; ++b) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int32_t key = warp_key0 + (Traits::kBreakForTest ? 0 : 16 * b) + g + 8 * (e / 2);
+          const int32_t key = warp_key0 + 16 * b + g + 8 * (e / 2);
           float x = s[b][e] + s_odd[b][e];
           if constexpr (kLogits == DecodeLogits::kPlain) {
             x *= qk_scale * kLog2e;
@@ -944,8 +879,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #pragma unroll
               for (int n = 0; n < 2; ++n) {
                 const uint32_t word = b[2 * step + n];
-                const uint32_t bn[2] = {Kv::template widen<MmaTag, kPa0, kPa1>(word),
-                                        Kv::template widen<MmaTag, kPb0, kPb1>(word)};
+                const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
+                                        Kv::template widen<MmaTag, 2, 3>(word)};
                 mma_m16n8k16<MmaTag>(s[n], a, bn);
               }
             }
