@@ -693,6 +693,75 @@ TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
   }
 }
 
+// 8-bit caches at head_dim 128 with groups of up to 8 heads (128-key tiles, 32 keys a warp) at
+// every page size: rows around the 64- and 128-key boundaries on a narrow grid (unsplit and 3
+// splits; the 2-CTA kernel) and on a wide one (8 rows x 8 KV heads x 8 forced splits: the 4-CTA
+// kernel, some splits empty); both query dtypes, per-tensor and per-head scales, against the
+// quantized reference. (PipelineTileAndPageBoundaries covers the heuristic split count.)
+TEST(DecodeFused, QuantizedKvHeadDim128EveryPageSize) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  uint64_t salt = 1600;
+  for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+    for (int32_t page : {8, 16, 32, 64, 128}) {
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.dtype = page % 32 == 0 ? DType::kBF16 : DType::kF16;
+      c.per_head_scale = page >= 32;
+      c.hq = 16;
+      c.hkv = 2;
+      c.page = page;
+      c.seq_lens = {1, 63, 127, 128, 129, 257, 383};
+      for (int splits : {1, 3}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
+      c.hq = 8;
+      c.hkv = 8;
+      c.per_head_scale = !c.per_head_scale;
+      c.seq_lens = {1, 127, 128, 129, 300, 513, 640, 1025};
+      c.num_splits = 8;
+      run_case(c, salt++);
+    }
+  }
+}
+
+// The 8-bit kernels at head_dim 128 (128-key tiles, 32 keys a warp in two 16-key blocks) with
+// every feature that reads key positions or leaves the plain paged path: ALiBi + soft-cap,
+// sliding window + sinks over a cyclic cache, beams through cache_indirection, a contiguous cache.
+TEST(DecodeFused, QuantizedKvHeadDim128Features) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  uint64_t salt = 1700;
+  for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+    for (int feature = 0; feature < 4; ++feature) {
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.hq = 8;
+      c.hkv = 2;
+      c.page = 16;
+      c.seq_lens = {1, 129, 300, 531};
+      if (feature == 0) {
+        c.alibi = true;
+        c.softcap = 5.0;
+        c.q_range = 4.0f;
+      } else if (feature == 1) {
+        c.mask.kind = MaskKind::kSlidingWindow;
+        c.mask.window = 200;
+        c.mask.sink_tokens = 4;
+        c.cyclic = true;
+      } else if (feature == 2) {
+        c.beam_width = 2;
+        c.seq_lens = {150, 150, 290, 290};
+      } else {
+        c.paged = false;
+      }
+      for (int splits : {1, 3}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
+    }
+  }
+}
+
 // The K/V pipeline (halves of a tile in flight, refilled per warp) at every boundary a ring of
 // pipeline units can get wrong: lengths just below, at and above multiples of the 64-key tile
 // and of the page, a single key, more tiles than pipeline units, and splits whose last tile is

@@ -43,12 +43,13 @@ template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
   // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits, and a grid that fills four
-  // CTAs per SM: 4 CTAs per SM (2 pipeline stages each, <= 128 registers) rather than 2 CTAs of 6
-  // stages. These kernels are bound by instruction latency, not by bytes in flight: twice the
-  // warps hide it. Measured on the H200 at 64 x 4k: fp8 3.48 -> 3.90 TB/s, int8 3.34 -> 3.90 (3
-  // CTAs of 4 stages: 2.9). A grid of about two CTAs per SM keeps the 6 stages: fp8 32 x 4k 3.24
-  // -> 3.34 TB/s, 16 x 8k 3.13 -> 3.23 (1 x 32k, split 32 ways: the same). Other head_dims,
-  // tiles and logit policies were not measured and keep 2.
+  // CTAs per SM: 4 CTAs per SM (<= 128 registers; 128-key tiles in 3 swizzled halves of 16 KB,
+  // two in flight) rather than 2 CTAs of 7 halves: more warps hide the per-tile latency. Measured
+  // on the H200 (same run, round 1 at 18:40 UTC, TB/s, 2 -> 4 CTAs of 128-key tiles): fp8 64 x 4k
+  // 4.11 -> 4.21, 128 x 2k 4.02 -> 4.12, 256 x 1k 3.83 -> 3.97; int8 64 x 4k 4.08 -> 4.21. Grids
+  // of about two CTAs per SM keep 2 (the earlier 64-key kernels: fp8 32 x 4k 3.24 TB/s with 4
+  // CTAs, 3.34 with 2; 16 x 8k 3.13 / 3.23). Other head_dims, tiles and logit policies were not
+  // measured and keep 2.
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
     if (!transformed && wide_grid) {

@@ -1,9 +1,10 @@
 // The fused GQA decode kernel (XQA style): one CTA serves up to 8, 16 or 32 query heads of one
 // KV head, so every K/V byte is read once per group. Grid: x = split * head_blocks + head_block,
-// y = KV head, z = row. A tile of 64 keys is loaded into shared memory by a multi-stage cp.async
-// pipeline; each group of four warps splits the tile 16 keys a warp and keeps its own
-// online-softmax state (m, l, O); the warps are merged at the end, and with split-KV the last CTA
-// of a (row, KV head) merges the splits. QK^T and PV run on mma.sync m16n8k16 with float
+// y = KV head, z = row. A tile of 64 keys (128 for 8-bit caches at head_dim 128 with groups of up
+// to 8 heads) is loaded into shared memory by a multi-stage cp.async pipeline; each group of four
+// warps splits the tile 16 (32) keys a warp and keeps its own online-softmax state (m, l, O); the
+// warps are merged at the end, and with split-KV the last CTA of a (row, KV head) merges the
+// splits. QK^T and PV run on mma.sync m16n8k16 with float
 // accumulation: for groups of up to 8 heads the keys are the MMA rows (S^T = K Q^T, O^T = V^T P^T,
 // half the MMAs of a 16-row tile), otherwise the heads. 8-bit caches run their MMAs in f16
 // whatever the query type (one cvt widens a pair of stored bytes; a bf16 q is rounded to f16
@@ -85,16 +86,26 @@ constexpr int kDecodeSmemPerSm = 228 * 1024;
 enum class DecodePipe { kStages, kSwizzledHalves };
 
 // The pipeline of a tile configuration: swizzled halves for keys as rows with 8 or more chunks a
-// row, for 16-bit caches and for the 2-CTA 8-bit kernel at head_dim 128. Measured on the H200
-// (same run, 2026-11-29 16:27, against kStages with CTA barriers): bf16 64 x 4k 4.03 -> 4.32 TB/s,
+// row, for 16-bit caches and for the 8-bit kernels at head_dim 128. Measured on the H200 (same
+// run, 2026-11-29 16:27, against kStages with CTA barriers): bf16 64 x 4k 4.03 -> 4.32 TB/s,
 // 32 x 32k 4.16 -> 4.48, 1 x 32k 2.85 -> 3.02; fp8 1 x 32k 2.01 -> 2.04. Padded halves (6) and warp
-// barriers alone were within 0.5%; the 4-CTA 8-bit kernel lost with halves (fp8 64 x 4k 3.85 ->
-// 3.16 swizzled, 3.77 padded) and keeps stages.
-constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_per_cta,
-                                         int ctas_per_sm) {
+// barriers alone were within 0.5%. The 8-bit kernels at head_dim 128 take 128-key tiles
+// (decode_default_keys_per_warp), whose halves are 16 KB as well.
+constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_per_cta) {
   if (heads_per_cta != 8 || (head_dim * kv_bytes / 16) % 8 != 0) return DecodePipe::kStages;
-  if (kv_bytes == 2 || (head_dim == 128 && ctas_per_sm == 2)) return DecodePipe::kSwizzledHalves;
+  if (kv_bytes == 2 || head_dim == 128) return DecodePipe::kSwizzledHalves;
   return DecodePipe::kStages;
+}
+
+// Keys a warp takes from each tile (the tile is 4 warps of them): 32 (128-key tiles, two 16-key
+// MMA blocks a warp) for 8-bit caches at head_dim 128 with groups of up to 8 heads, so that one
+// swizzled half holds 16 KB as with 16-bit caches and the per-tile work (softmax update, waits,
+// block-table reads, copy setup) is spread over twice the bytes. Measured on the H200 (same run,
+// round 2 at 19:12 UTC, TB/s, 64-key tiles -> 128-key tiles): fp8 64 x 4k 3.93 -> 4.21, 128 x 2k
+// 3.81 -> 4.09, 256 x 1k 3.68 -> 3.99, 32 x 32k 4.28 -> 4.26, 1 x 32k 2.17 -> 2.35; int8 64 x 4k
+// 3.91 -> 4.21; fp8 64 x 4k page 16 3.91 -> 4.11, page 64 3.90 -> 4.22.
+constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads_per_cta) {
+  return kv_bytes == 1 && head_dim == 128 && heads_per_cta == 8 ? 32 : 16;
 }
 
 // Compile-time configuration. kHeadsPerCta: query heads of one KV-head group that a CTA serves.
@@ -103,8 +114,8 @@ constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_p
 // two 16-row M blocks (MQA 32/1 reads K/V once); the warps form two groups of four that share
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
-          DecodePipe kPipe_ =
-              decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_, kCtasPerSm_)>
+          DecodePipe kPipe_ = decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
+          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_)>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -122,7 +133,8 @@ struct DecodeTraits {
   static constexpr int kKeyWarps = 4;
   static constexpr int kWarps = kKeyWarps * kMBlocks;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kKeysPerWarp = 16;
+  static constexpr int kKeysPerWarp = kKeysPerWarp_;
+  static_assert(kKeysPerWarp == 16 || (kKeysPerWarp == 32 && kKeysAsRows && Kv::kBytes == 1));
   static constexpr int kTileN = kKeyWarps * kKeysPerWarp;
   // Keys whose 16-byte copies one warp issues (every warp shares the loads).
   static constexpr int kCopyKeysPerWarp = kTileN / kWarps;
@@ -168,9 +180,14 @@ struct DecodeTraits {
   static constexpr int kUnitsPerTile = kHalves ? 2 : 1;
   static constexpr int kUnitBytes = kHalves ? kStageHalfBytes : kStageBytes;
   static constexpr int kHalvesFit = (kCtaBudget - kQOutside) / kStageHalfBytes;
+  // At four CTAs per SM three halves (two in flight) are the most that fit: the 4-CTA 8-bit
+  // kernel at head_dim 128 (3 x 16 KB).
+  static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
-      kHalves ? (kHalvesFit < 4 ? 4 : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
-              : kStages;
+      kHalves
+          ? (kHalvesFit < kMinHalves ? kMinHalves
+                                     : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
+          : kStages;
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
   // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
@@ -406,7 +423,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  // Warp w takes keys 16 (w % 4) .. +15 of every tile for the M block w / 4.
+  // Warp w takes keys kKeysPerWarp * (w % 4) .. + kKeysPerWarp - 1 of every tile for the M block
+  // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
   const int first_head = kv_head * p.group_size + head_block * kM;
@@ -705,32 +723,37 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     };
     if constexpr (Traits::kKeysAsRows) {
-      // S^T = K Q^T: lane (g, t) holds keys g, g + 8 x heads 2t, 2t + 1. Two accumulators halve
-      // the MMA dependency chain.
-      float s[4] = {}, s_odd[4] = {};
+      // S^T = K Q^T: lane (g, t) holds keys g, g + 8 of each 16-key block x heads 2t, 2t + 1. Two
+      // accumulators halve the MMA dependency chain.
+      constexpr int kSub = Traits::kKeysPerWarp / 16;  // 16-key blocks of a warp
+      float s[kSub][4] = {}, s_odd[kSub][4] = {};
       if constexpr (Traits::kDirect) {
         const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; kk += 2) {
-          uint32_t x[4];
-          ldmatrix_x4(x,
-                      smem_u32(k_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, kk + lane / 16)));
+        for (int b = 0; b < kSub; ++b) {
 #pragma unroll
-          for (int step = 0; step < 2; ++step) {
-            if (kk + step < kD / 16) {
-              const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
-              const uint32_t a[4] = {
-                  Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
-                  Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
-              if (step == 0) {
-                mma_m16n8k16<MmaTag>(s, a, q_frag[kk + step]);
-              } else {
-                mma_m16n8k16<MmaTag>(s_odd, a, q_frag[kk + step]);
+          for (int kk = 0; kk < kD / 16; kk += 2) {
+            uint32_t x[4];
+            ldmatrix_x4(x, smem_u32(k_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
+                                                     kk + lane / 16)));
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {
+              if (kk + step < kD / 16) {
+                const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
+                const uint32_t a[4] = {
+                    Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
+                    Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
+                if (step == 0) {
+                  mma_m16n8k16<MmaTag>(s[b], a, q_frag[kk + step]);
+                } else {
+                  mma_m16n8k16<MmaTag>(s_odd[b], a, q_frag[kk + step]);
+                }
               }
             }
           }
         }
       } else {
+        static_assert(kSub == 1, "16-bit caches take 16 keys a warp");
         const QT* k_rows =
             reinterpret_cast<const QT*>(k_smem) + key_warp * Traits::kKeysPerWarp * kKvRowStride;
 #pragma unroll
@@ -738,28 +761,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           uint32_t a[4];
           ldmatrix_x4(a, smem_u32(k_rows + kv_at(lane % 16, 2 * kk + lane / 16)));
           if (kk % 2 == 0) {
-            mma_m16n8k16<MmaTag>(s, a, q_frag[kk]);
+            mma_m16n8k16<MmaTag>(s[0], a, q_frag[kk]);
           } else {
-            mma_m16n8k16<MmaTag>(s_odd, a, q_frag[kk]);
+            mma_m16n8k16<MmaTag>(s_odd[0], a, q_frag[kk]);
           }
         }
       }
       const int32_t warp_key0 = key_begin + tile * kTileN + key_warp * Traits::kKeysPerWarp;
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t key = warp_key0 + g + 8 * (e / 2);
-        float x = s[e] + s_odd[e];
-        if constexpr (kLogits == DecodeLogits::kPlain) {
-          x *= qk_scale * kLog2e;
-        } else {
-          x *= qk_scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          x += slope[e & 1] * static_cast<float>(keys.position(key) - q_pos);
-          x *= kLog2e;
+      for (int b = 0; b < kSub; ++b) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = warp_key0 + 16 * b + g + 8 * (e / 2);
+          float x = s[b][e] + s_odd[b][e];
+          if constexpr (kLogits == DecodeLogits::kPlain) {
+            x *= qk_scale * kLog2e;
+          } else {
+            x *= qk_scale;
+            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+            x += slope[e & 1] * static_cast<float>(keys.position(key) - q_pos);
+            x *= kLog2e;
+          }
+          s[b][e] = key < key_end ? x : -INFINITY;
+          tile_max[e & 1] = fmaxf(tile_max[e & 1], s[b][e]);
         }
-        s[e] = key < key_end ? x : -INFINITY;
-        tile_max[e & 1] = fmaxf(tile_max[e & 1], s[e]);
       }
       float alpha[2], m_use[2];
 #pragma unroll
@@ -774,14 +800,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         m_run[h] = m_new;
         l_run[h] *= alpha[h];
       }
-      float pr[4];
+      // P^T as the B operand (k = key, n = head): transpose the two 8x8 key blocks of each
+      // 16-key block.
+      uint32_t pb[kSub][2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[e] - m_use[e & 1]);
-      l_run[0] += pr[0] + pr[2];
-      l_run[1] += pr[1] + pr[3];
-      // P^T as the B operand (k = key, n = head): transpose the two 8x8 key blocks.
-      const uint32_t pb[2] = {decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1])),
-                              decode_movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]))};
+      for (int b = 0; b < kSub; ++b) {
+        float pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[b][e] - m_use[e & 1]);
+        l_run[0] += pr[0] + pr[2];
+        l_run[1] += pr[1] + pr[3];
+        pb[b][0] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1]));
+        pb[b][1] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]));
+      }
       if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
         for (int c = 0; c < Traits::kAccTiles; ++c) {
@@ -798,18 +829,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         // V[2t+1][2g+1] of a 16-d chunk; MMA row g is d = 2g, row g + 8 is d = 2g + 1.
         const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
-        for (int cc = 0; cc < kD / 16; cc += 2) {
-          uint32_t x[4];
-          ldmatrix_x4_trans(
-              x, smem_u32(v_rows + kv_byte(((lane / 8) % 2) * 8 + lane % 8, cc + lane / 16)));
+        for (int b = 0; b < kSub; ++b) {
 #pragma unroll
-          for (int step = 0; step < 2; ++step) {
-            if (cc + step < kD / 16) {
-              const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
-              const uint32_t a[4] = {
-                  Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
-                  Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
-              mma_m16n8k16<MmaTag>(o[cc + step], a, pb);
+          for (int cc = 0; cc < kD / 16; cc += 2) {
+            uint32_t x[4];
+            ldmatrix_x4_trans(x, smem_u32(v_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
+                                                           cc + lane / 16)));
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {
+              if (cc + step < kD / 16) {
+                const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
+                const uint32_t a[4] = {
+                    Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
+                    Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
+                mma_m16n8k16<MmaTag>(o[cc + step], a, pb[b]);
+              }
             }
           }
         }
@@ -821,7 +855,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           uint32_t a[4];
           ldmatrix_x4_trans(
               a, smem_u32(v_rows + kv_at((lane / 16) * 8 + lane % 8, 2 * c + (lane / 8) % 2)));
-          mma_m16n8k16<MmaTag>(o[c], a, pb);
+          mma_m16n8k16<MmaTag>(o[c], a, pb[0]);
         }
       }
     } else {

@@ -18,7 +18,7 @@ struct DecodeKernelInfo {
 struct DecodeKernelChoice {
   int heads_per_cta = 16;
   // The grid (splits included) has CTAs for about four per SM: 8-bit caches may then take the
-  // 4-CTA, 2-stage kernel (launch_traits).
+  // 4-CTA kernel (launch_traits).
   bool wide_grid = true;
 };
 
