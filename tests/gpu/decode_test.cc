@@ -634,6 +634,77 @@ TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
   cudaStreamDestroy(s2);
 }
 
+// A captured split call must zero its arrival counters at every replay (the memset is a node of
+// the graph, not a one-time host action): a count left over from the previous replay would leave
+// the merge undone and the poisoned outputs in place. Two calls captured back to back (heuristic
+// and forced splits), a third (MQA, two M blocks) on a stream forked into the capture, replayed
+// four times with poisoned outputs, then the same calls eagerly.
+TEST(DecodeFused, SplitCountersZeroedAtEveryGraphReplay) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  DecodeCase a;
+  a.hq = 32;
+  a.hkv = 8;
+  a.page = 32;
+  a.seq_lens = {4097, 1, 900};
+  a.num_splits = 0;  // the heuristic splits three rows of eight KV heads
+  DecodeCase b = a;
+  b.hq = 16;
+  b.hkv = 2;
+  b.dtype = b.kv_dtype = DType::kF16;
+  b.seq_lens = {3000, 65};
+  b.num_splits = 9;
+  DecodeCase m = a;
+  m.hkv = 1;
+  m.seq_lens = {2000, 999};
+  m.num_splits = 5;
+  PreparedCase pa(a, 980), pb(b, 981), pm(m, 982);
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  cudaEvent_t fork = nullptr, join = nullptr;
+  ATTNKIT_CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  ATTNKIT_CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+  ASSERT_NO_THROW(decode(pa.spec, pa.args, s1));
+  ASSERT_NO_THROW(decode(pb.spec, pb.args, s1));
+  ATTNKIT_CUDA_OK(cudaEventRecord(fork, s1));
+  ATTNKIT_CUDA_OK(cudaStreamWaitEvent(s2, fork));
+  ASSERT_NO_THROW(decode(pm.spec, pm.args, s2));
+  ATTNKIT_CUDA_OK(cudaEventRecord(join, s2));
+  ATTNKIT_CUDA_OK(cudaStreamWaitEvent(s1, join));
+  ATTNKIT_CUDA_OK(cudaStreamEndCapture(s1, &graph));
+  ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 4; ++replay) {
+    SCOPED_TRACE(detail::concat("replay ", replay));
+    pa.poison(s1);
+    pb.poison(s1);
+    pm.poison(s1);
+    ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, s1));
+    ATTNKIT_CUDA_OK(cudaStreamSynchronize(s1));
+    pa.check();
+    pb.check();
+    pm.check();
+  }
+  pa.poison(s2);
+  pb.poison(s2);
+  pm.poison(s2);
+  ASSERT_NO_THROW(decode(pa.spec, pa.args, s2));
+  ASSERT_NO_THROW(decode(pb.spec, pb.args, s2));
+  ASSERT_NO_THROW(decode(pm.spec, pm.args, s2));
+  ATTNKIT_CUDA_OK(cudaStreamSynchronize(s2));
+  pa.check();
+  pb.check();
+  pm.check();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaEventDestroy(fork);
+  cudaEventDestroy(join);
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+}
+
 // The split workspace comes from the stream's pool, whose memory holds whatever earlier users
 // left (fill patterns here, and the partials and counters of the first of two back-to-back calls):
 // every call must write all of its outputs itself and not depend on it.
