@@ -23,4 +23,11 @@ constexpr bool tile_compiled(int head_dim, PrefillTile tile, DType dtype) {
   return true;
 }
 
+// Whether (head_dim, dtype) also has the kRunsOnly paged kernels (every compiled tile).
+// EXPERIMENT (pre8): head_dim 128 bf16 only; ATTNKIT_EXP_PRE8=old launches the general paged
+// kernels instead.
+constexpr bool runs_compiled(int head_dim, DType dtype) {
+  return head_dim == 128 && dtype == DType::kBF16;
+}
+
 }  // namespace attnkit::cuda::prefill

@@ -765,25 +765,28 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
 }  // namespace attnkit::cuda::prefill
 
 // One instantiation of every (tile, kMasked, K/V source) for a head_dim and dtype: packed 16-bit,
-// paged 16-bit and 8-bit with both copies (contiguous and cyclic caches), and paged 16-bit and
-// 8-bit with only the row-run copy (kRunsOnly: a block table without a cyclic window).
-#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                              \
-  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&,             \
-                                                                 cudaStream_t);                    \
-  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,              \
-                                                                cudaStream_t);                     \
-  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,              \
-                                                                cudaStream_t);                     \
-  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,               \
-                                                               cudaStream_t);                      \
-  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,               \
-                                                               cudaStream_t);                      \
-  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t); \
-  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>(         \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(          \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(          \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(           \
+// paged 16-bit, paged 8-bit.
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                  \
+  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&, \
+                                                                 cudaStream_t);        \
+  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t);
+
+// The paged kernels that hold only the row-run copy (kRunsOnly: a block table without a cyclic
+// window), 16-bit and 8-bit caches, both masks.
+#define ATTNKIT_PREFILL_INSTANTIATE_RUNS(D, TILE, DT)                                      \
+  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>( \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(   \
       const PrefillParams&, cudaStream_t);
