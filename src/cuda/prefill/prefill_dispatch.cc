@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -111,15 +110,6 @@ Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked,
   if (dtype == DType::kF16)
     return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs);
   return nullptr;
-}
-
-// EXPERIMENT (pre8): ATTNKIT_EXP_PRE8=old launches the general paged kernels for block tables too.
-bool exp_pre8_old() {
-  static const bool old = [] {
-    const char* v = std::getenv("ATTNKIT_EXP_PRE8");
-    return v != nullptr && std::string(v) == "old";
-  }();
-  return old;
 }
 
 template <int D>
@@ -433,8 +423,7 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
-  const bool runs =
-      p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0 && !exp_pre8_old();
+  const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
   Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));

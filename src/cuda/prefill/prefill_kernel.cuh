@@ -364,12 +364,7 @@ __device__ __forceinline__ RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread> lo
 #pragma unroll
   for (int j = 0; j < C::kRunsPerThread; ++j) {
     const int u = static_cast<int>(threadIdx.x) + j * T::kThreads;
-#if defined(ATTNKIT_PREFILL_BREAK_RUN_PAGE)
-    // Deliberate break (the tests must fail): every run takes the block of the tile's first row.
-    const int32_t page = key0 >> src.page_shift;
-#else
     const int32_t page = (key0 + C::run_row(u)) >> src.page_shift;
-#endif
     const bool live = src.fast_pages && (C::kRuns % T::kThreads == 0 || u < C::kRuns) &&
                       (page << src.page_shift) < src.kv_len;
     ids.id[j] = live ? p.kv.block_table[src.work_row_offset(p) + page] : -1;
@@ -519,7 +514,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   src.kv_head = kv_head;
   src.page_shift = p.kv_page_shift;
   // kRunsOnly: the host launches this kernel only for a block table without a cyclic window, so
-  // the per-chunk slot copy is not compiled in.
+  // the per-chunk slot copy is not compiled in (prefill_build_set.h: runs_compiled).
   src.fast_pages = kPaged && (kRunsOnly || (p.kv.block_table != nullptr && p.kv.window_slots == 0));
   src.k_packed = nullptr;
   src.v_packed = nullptr;
