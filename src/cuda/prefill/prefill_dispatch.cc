@@ -39,8 +39,19 @@ using Launcher = void (*)(const PrefillParams&, cudaStream_t);
 constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 
 template <int D, PrefillTile kTile, DType kDT>
-Launcher launcher_for(bool masked, bool quant_kv, bool paged) {
+Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
+    if constexpr (runs_compiled(D, kDT)) {
+      constexpr bool kSw = swizzle_default(D);
+      if (runs && quant_kv) {
+        return masked ? &launch_prefill<D, kTile, kDT, true, true, true, kSw, true>
+                      : &launch_prefill<D, kTile, kDT, false, true, true, kSw, true>;
+      }
+      if (runs) {
+        return masked ? &launch_prefill<D, kTile, kDT, true, false, true, kSw, true>
+                      : &launch_prefill<D, kTile, kDT, false, false, true, kSw, true>;
+      }
+    }
     if (quant_kv) {
       return masked ? &launch_prefill<D, kTile, kDT, true, true, true>
                     : &launch_prefill<D, kTile, kDT, false, true, true>;
@@ -57,45 +68,47 @@ Launcher launcher_for(bool masked, bool quant_kv, bool paged) {
 }
 
 template <int D, DType kDT>
-Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged) {
+Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, bool runs) {
   switch (tile) {
     case PrefillTile::kM128:
-      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged);
+      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs);
     case PrefillTile::kM64:
-      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged);
+      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs);
     case PrefillTile::kM128W4:
-      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged);
+      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs);
     case PrefillTile::kM128W4N128:
-      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged);
+      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs);
   }
   return nullptr;
 }
 
 template <DType kDT>
-Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv, bool paged) {
+Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv, bool paged,
+                      bool runs) {
   switch (head_dim) {
     case 64:
-      return launcher_for<64, kDT>(tile, masked, quant_kv, paged);
+      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs);
     case 80:
-      return launcher_for<80, kDT>(tile, masked, quant_kv, paged);
+      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs);
     case 96:
-      return launcher_for<96, kDT>(tile, masked, quant_kv, paged);
+      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs);
     case 128:
-      return launcher_for<128, kDT>(tile, masked, quant_kv, paged);
+      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs);
     case 256:
-      return launcher_for<256, kDT>(tile, masked, quant_kv, paged);
+      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs);
     default:
       return nullptr;
   }
 }
 
-// The one place where runtime values become template arguments.
+// The one place where runtime values become template arguments. runs: a paged cache with a block
+// table and no cyclic window (the kRunsOnly kernels, where compiled).
 Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv,
-                       bool paged) {
+                       bool paged, bool runs = false) {
   if (dtype == DType::kBF16)
-    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged);
+    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs);
   if (dtype == DType::kF16)
-    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged);
+    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs);
   return nullptr;
 }
 
@@ -410,7 +423,8 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
-  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged);
+  const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
+  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }

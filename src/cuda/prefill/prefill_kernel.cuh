@@ -433,11 +433,12 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle>
+          bool kSwizzle, bool kRunsOnly>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
+  static_assert(kPaged || !kRunsOnly, "row runs are a paged copy");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
@@ -512,7 +513,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   src.batch = work.batch;
   src.kv_head = kv_head;
   src.page_shift = p.kv_page_shift;
-  src.fast_pages = kPaged && p.kv.block_table != nullptr && p.kv.window_slots == 0;
+  // kRunsOnly: the host launches this kernel only for a block table without a cyclic window, so
+  // the per-chunk slot copy is not compiled in (prefill_build_set.h: runs_compiled).
+  src.fast_pages = kPaged && (kRunsOnly || (p.kv.block_table != nullptr && p.kv.window_slots == 0));
   src.k_packed = nullptr;
   src.v_packed = nullptr;
   src.k_tok_bytes = p.k_tok_stride * 2;
@@ -741,12 +744,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle>
+          bool kSwizzle, bool kRunsOnly>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
-  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle>;
+  auto kernel =
+      prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle, kRunsOnly>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
@@ -769,3 +773,15 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,   \
                                                                cudaStream_t);          \
   template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t);
+
+// The paged kernels that hold only the row-run copy (kRunsOnly: a block table without a cyclic
+// window), 16-bit and 8-bit caches, both masks.
+#define ATTNKIT_PREFILL_INSTANTIATE_RUNS(D, TILE, DT)                                      \
+  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>( \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(   \
+      const PrefillParams&, cudaStream_t);

@@ -18,8 +18,11 @@ namespace attnkit::cuda::prefill {
 // implies kPaged. A compile-time property: the paged kernels copy row runs in every tile
 // configuration, the packed kernels hold only the packed copy.
 // kSwizzle: XOR-swizzled smem rows (PrefillTraits); else 16-byte row padding.
+// kRunsOnly (kPaged only): a paged cache with a block table and no cyclic window; the kernel holds
+// only the row-run copy. Else a paged kernel also holds the per-chunk slot copy (contiguous and
+// cyclic caches) and picks one at run time.
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle = swizzle_default(kHeadDim)>
+          bool kSwizzle = swizzle_default(kHeadDim), bool kRunsOnly = false>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.
