@@ -668,7 +668,10 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 
   // One key tile (prefill_tile_step.inc): S = Q K^T, mask, online softmax, O += P V. kEdgeTile: the
   // tile may need a mask (the partial last block, the causal diagonal, a window's far edge, sinks);
-  // false: a copy of the step without any mask code (kSplitEdge kernels).
+  // false: a copy of the step without any mask code (kSplitEdge kernels). The unsplit loop includes
+  // the step itself rather than calling the lambda: through the lambda the 30 head_dim 128 bf16
+  // kernels compile to different SASS (other register allocation and scheduling; checked with
+  // cuobjdump), and this form is the one measured on the H200.
   if constexpr (kSplitEdge) {
     auto tile_step = [&](const int32_t it, auto edge) {
       constexpr bool kEdgeTile = decltype(edge)::value;
