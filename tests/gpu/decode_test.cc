@@ -449,6 +449,32 @@ TEST(DecodeFused, ManySplitsMostlyEmptyAndAlibiMqa) {
   run_case(mqa, 270);
 }
 
+// The last CTA stages every split's partials in shared memory at once when they fit (head_dim
+// 128 bf16: 54 splits of 4 heads, 27 of 8), else in chunks of half that, double-buffered: split
+// counts on both sides of the limit, 8-bit caches too (their kernels have other pipeline sizes),
+// and 128 splits (many empty splits, one or many chunks). The longest row fills all 55 splits of
+// one tile each (64 keys; 8-bit: 128).
+TEST(DecodeFused, SplitMergeStagingBoundaries) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  uint64_t salt = 1500;
+  for (DType kv : {DType::kBF16, DType::kFp8E4M3}) {
+    for (int32_t hq : {8, 16}) {  // groups of 4 and 8 heads
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.hq = hq;
+      c.hkv = 2;
+      c.page = 32;
+      c.seq_lens = {1, 700, kv == DType::kBF16 ? 3500 : 7000};
+      const std::vector<int32_t> splits =
+          hq == 8 ? std::vector<int32_t>{53, 54, 55, 128} : std::vector<int32_t>{26, 27, 28, 128};
+      for (int32_t s : splits) {
+        c.num_splits = s;
+        run_case(c, salt++);
+      }
+    }
+  }
+}
+
 TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   // batch 1 x 8 KV heads on 132 SMs with 2 CTAs each: many splits; batch 64: none.

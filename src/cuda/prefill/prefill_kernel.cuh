@@ -514,7 +514,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   src.kv_head = kv_head;
   src.page_shift = p.kv_page_shift;
   // kRunsOnly: the host launches this kernel only for a block table without a cyclic window, so
-  // the per-chunk slot copy is not compiled in (prefill_build_set.h: runs_compiled).
+  // the per-chunk slot copy is not compiled in.
   src.fast_pages = kPaged && (kRunsOnly || (p.kv.block_table != nullptr && p.kv.window_slots == 0));
   src.k_packed = nullptr;
   src.v_packed = nullptr;
@@ -763,28 +763,25 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
 }  // namespace attnkit::cuda::prefill
 
 // One instantiation of every (tile, kMasked, K/V source) for a head_dim and dtype: packed 16-bit,
-// paged 16-bit, paged 8-bit.
-#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                  \
-  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&, \
-                                                                 cudaStream_t);        \
-  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,  \
-                                                                cudaStream_t);         \
-  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,  \
-                                                                cudaStream_t);         \
-  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,   \
-                                                               cudaStream_t);          \
-  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,   \
-                                                               cudaStream_t);          \
-  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t);
-
-// The paged kernels that hold only the row-run copy (kRunsOnly: a block table without a cyclic
-// window), 16-bit and 8-bit caches, both masks.
-#define ATTNKIT_PREFILL_INSTANTIATE_RUNS(D, TILE, DT)                                      \
-  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>( \
-      const PrefillParams&, cudaStream_t);                                                 \
-  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(  \
-      const PrefillParams&, cudaStream_t);                                                 \
-  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(  \
-      const PrefillParams&, cudaStream_t);                                                 \
-  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(   \
+// paged 16-bit and 8-bit with both copies (contiguous and cyclic caches), and paged 16-bit and
+// 8-bit with only the row-run copy (kRunsOnly: a block table without a cyclic window).
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                              \
+  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&,             \
+                                                                 cudaStream_t);                    \
+  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,              \
+                                                                cudaStream_t);                     \
+  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,              \
+                                                                cudaStream_t);                     \
+  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,               \
+                                                               cudaStream_t);                      \
+  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,               \
+                                                               cudaStream_t);                      \
+  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t); \
+  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>(         \
+      const PrefillParams&, cudaStream_t);                                                         \
+  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(          \
+      const PrefillParams&, cudaStream_t);                                                         \
+  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(          \
+      const PrefillParams&, cudaStream_t);                                                         \
+  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(           \
       const PrefillParams&, cudaStream_t);
