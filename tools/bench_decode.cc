@@ -1,7 +1,9 @@
 // `attnkit bench decode`: paged decode bandwidth (DESIGN.md section 7). TB/s = KV bytes that must
 // be read (the cache at its stored dtype) / kernel time; % of ceiling against the measured D2D
 // copy bandwidth. CUDA graphs of 16 calls (the host's launch cost stays out), KV pools rotated
-// past the L2, scattered pages, random data (bench_session.h).
+// past the L2, scattered pages, random data (bench_session.h). Split calls go through one
+// DecodeWorkspace, as a serving engine keeps one per stream (--split-workspace per-call: the
+// per-call allocation and counter memset instead).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -28,7 +30,8 @@ struct DecodeShape {
   int head_dim = 128;
   int page = 32;
   std::string kv_dtype = "bf16";
-  int splits = 0;  // 0: heuristic
+  int splits = 0;                // 0: heuristic
+  bool caller_workspace = true;  // DecodeArgs::workspace (false: the per-call workspace)
 };
 
 struct DecodeBenchOptions {
@@ -41,6 +44,7 @@ struct DecodeBenchOptions {
   int page = 32;
   std::string kv_dtype = "bf16";
   int splits = 0;
+  std::string split_workspace = "caller";
   bool custom = false;  // a shape option was given: run that shape instead of the grid
 };
 
@@ -81,9 +85,14 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
   parse_kv_dtype(kCommand, "--kv-dtype", o.kv_dtype);
   check_at_least(kCommand, "--splits", o.splits, 0);
   check_iters(kCommand, o.common.iters);
+  check_names(kCommand, "--split-workspace", {o.split_workspace}, {"caller", "per-call"});
+  const bool caller_workspace = o.split_workspace == "caller";
   if (!o.custom) {
     std::vector<DecodeShape> grid = default_grid(o.common.quick);
-    for (DecodeShape& s : grid) s.splits = o.splits;
+    for (DecodeShape& s : grid) {
+      s.splits = o.splits;
+      s.caller_workspace = caller_workspace;
+    }
     return grid;
   }
   std::vector<DecodeShape> shapes;
@@ -96,7 +105,8 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
                       .head_dim = o.head_dim,
                       .page = o.page,
                       .kv_dtype = o.kv_dtype,
-                      .splits = o.splits});
+                      .splits = o.splits,
+                      .caller_workspace = caller_workspace});
   }
   return shapes;
 }
@@ -104,9 +114,15 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
 BenchRow row_of(const DecodeShape& s) {
   BenchRow row;
   row.label = s.label;
-  row.shape = {{"batch", s.batch},       {"context", s.context},   {"q_heads", s.q_heads},
-               {"kv_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"page", s.page},
-               {"kv_dtype", s.kv_dtype}, {"splits", s.splits}};
+  row.shape = {{"batch", s.batch},
+               {"context", s.context},
+               {"q_heads", s.q_heads},
+               {"kv_heads", s.kv_heads},
+               {"head_dim", s.head_dim},
+               {"page", s.page},
+               {"kv_dtype", s.kv_dtype},
+               {"splits", s.splits},
+               {"split_workspace", s.caller_workspace ? "caller" : "per-call"}};
   return row;
 }
 
@@ -163,6 +179,13 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
     cache.k_scale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
     cache.v_scale = cache.k_scale;
   }
+  // Sized for this batch at any split count (calls that do not split never touch it). The
+  // self-test (reference backend on the CPU) has no use for one.
+  std::unique_ptr<DecodeWorkspace> workspace;
+  if (s.caller_workspace && gpu.is_cuda()) {
+    workspace = std::make_unique<DecodeWorkspace>(spec, s.batch, DecodeWorkspace::kMaxSplits, gpu);
+    args.workspace = workspace.get();
+  }
   const double ms = session.time_ms(
       [&](int call, Stream stream) {
         DecodeArgs a = args;
@@ -193,6 +216,9 @@ void register_bench_decode(CLI::App& bench) {
   cmd->add_option("--kv-dtype", o->kv_dtype, "bf16, fp8_e4m3 or int8 (default bf16)");
   cmd->add_option("--splits", o->splits,
                   "split-KV count (0 = heuristic; also applies to the grid)");
+  cmd->add_option("--split-workspace", o->split_workspace,
+                  "split calls through one caller-owned DecodeWorkspace ('caller', the default, "
+                  "as a serving engine) or a per-call allocation + counter memset ('per-call')");
   add_common_options(*cmd, o->common, 30);
   cmd->callback([o, cmd] {
     for (const char* name : {"--batch", "--context", "--q-heads", "--kv-heads", "--head-dim",

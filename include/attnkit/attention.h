@@ -43,6 +43,58 @@ struct PrefillArgs {
 void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream = nullptr);
 
 // ---------------------------------------------------------------------------------------------
+// DecodeWorkspace: caller-owned device memory for split-KV decode (the fused CUDA kernel), as a
+// serving engine keeps one per stream. Without one, every split call takes its workspace with
+// cudaMallocAsync and zeroes its arrival counters with cudaMemsetAsync (three extra graph nodes,
+// ~2-4 us a call at batch 1 on the H200, docs/decode_design.md). With one, the counters are
+// zeroed once here and the merging CTA of each (row, KV head) sets its counter back to zero, so
+// a call enqueues its kernel only.
+//
+// Rules:
+// - Not shared by calls that may run at the same time (other streams, graphs replayed on other
+//   streams): use one workspace per stream or per concurrently running call. Calls on one stream
+//   (eager or replayed graphs) may all use the same one.
+// - A split call fits when rows x KV heads x head blocks <= counter_capacity() and splits x rows x
+//   Hq x (D + 1) <= partial_capacity(); for the spec it was sized for, every call of <= max_rows
+//   rows and <= max_splits splits fits (max_splits = 128, the kernel's limit, fits any split
+//   count). A call that does not fit throws naming `workspace` (decode) or `decode_workspace`
+//   (forward) before anything is enqueued. Calls that do not split do not use it.
+// - A call that throws leaves the counters zero (nothing was enqueued, or the kernel did not
+//   start). A kernel that faults on the device loses the CUDA context and the workspace with it;
+//   reset() re-zeroes the counters (stream ordered) for a caller who wants to be certain.
+// - The destructor frees the memory with cudaFree (which waits for the device): destroy it after
+//   the calls that use it.
+class DecodeWorkspace {
+ public:
+  static constexpr int32_t kMaxSplits = 128;
+  // Capacity for decode calls of spec's heads (Hq query heads, head_dim D): counters for
+  // max_rows x Hq (head blocks) and max_rows x max_splits x Hq x (D + 1) float partials.
+  DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, int32_t max_splits, Device device);
+  ~DecodeWorkspace();
+  DecodeWorkspace(const DecodeWorkspace&) = delete;
+  DecodeWorkspace& operator=(const DecodeWorkspace&) = delete;
+
+  const Device& device() const { return device_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t counter_capacity() const { return counters_; }        // int32 arrival counters
+  int64_t partial_capacity() const { return partial_floats_; }  // floats of partial (O, LSE)
+  // Enqueues a zeroing of the counters on `stream` (cudaStream_t as void*).
+  void reset(Stream stream = nullptr);
+
+  // Device pointers (for the backend): the counters, then the partials.
+  int32_t* counters() const { return static_cast<int32_t*>(memory_); }
+  float* partials() const { return partials_; }
+
+ private:
+  Device device_;
+  void* memory_ = nullptr;
+  float* partials_ = nullptr;
+  int64_t bytes_ = 0;
+  int64_t counters_ = 0;
+  int64_t partial_floats_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
 // decode: one new token per row (sequence, or beam of a sequence) over the KV cache, whose
 // seq_lens already count the new token. The query of row r sits at position seq_lens[r] - 1.
 // With beams, row r = s * beam_width + b and key position t is read from row
@@ -59,6 +111,9 @@ struct DecodeArgs {
   int32_t num_splits = 0;
   // Upper bound of seq_lens for the split heuristic; 0 = the cache's row capacity.
   int32_t max_seq_len = 0;
+  // Optional (CUDA): the split-KV workspace of this call's stream (see DecodeWorkspace); on the
+  // device of q. nullptr: a per-call workspace (allocation and counter memset on the stream).
+  DecodeWorkspace* workspace = nullptr;
 };
 void decode(const AttentionSpec& spec, const DecodeArgs& args, Stream stream = nullptr);
 
@@ -102,8 +157,9 @@ struct ForwardArgs {
   TensorView cache_indirection;  // optional int32 [num_generation, beam_width, max_seq]
   TensorView out;                // [num_tokens, Hq, D]
   TensorView lse;                // optional float32 [num_tokens, Hq]
-  TensorView workspace;          // CUDA only, optional: int8 bytes for the rotated Q and splits
+  TensorView workspace;          // CUDA only, optional: int8 bytes for the rotated Q and metadata
   int32_t num_splits = 0;        // decode split-KV override (see DecodeArgs)
+  DecodeWorkspace* decode_workspace = nullptr;  // optional, for the decode rows (see DecodeArgs)
 };
 void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream = nullptr);
 

@@ -179,6 +179,10 @@ DecodeProblem validate_decode(const AttentionSpec& spec, const DecodeArgs& args)
           args.num_splits);
   v.check(args.max_seq_len >= 0, "max_seq_len", "must be >= 0 (0 = the row capacity), got ",
           args.max_seq_len);
+  if (args.workspace != nullptr) {
+    v.check(args.workspace->device() == p.device, "workspace", "must be on the device of q (",
+            p.device.str(), "), got one on ", args.workspace->device().str());
+  }
 
   if (facts.host) {
     int32_t longest = 0;

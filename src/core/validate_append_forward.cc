@@ -142,6 +142,11 @@ ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& ar
   }
   v.check(args.num_splits >= 0, "num_splits", "must be >= 0 (0 = heuristic), got ",
           args.num_splits);
+  if (args.decode_workspace != nullptr) {
+    v.check(args.decode_workspace->device() == p.device, "decode_workspace",
+            "must be on the device of qkv (", p.device.str(), "), got one on ",
+            args.decode_workspace->device().str());
+  }
 
   // Request layout: always in host memory.
   v.check(args.beam_width >= 1, "beam_width", "must be >= 1, got ", args.beam_width);

@@ -23,6 +23,10 @@ std::string fused_dense_unsupported(const AttentionSpec& spec, const detail::Den
 // Fused (optimized) kernels.
 void fused_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                    const detail::PrefillProblem& p, Stream stream);
+// Throws (naming `what`) when args.workspace is given and too small for the fused call; writes
+// nothing. forward() checks before it enqueues its first kernel.
+void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& args,
+                                  const detail::DecodeProblem& p, const char* what);
 void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
                   Stream stream);
 void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,

@@ -125,6 +125,31 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   const int64_t token_bytes = align_up(num_tokens * 4);
   const int64_t needed = q_bytes + cu_bytes + past_bytes + 2 * token_bytes;
 
+  // The decode part's arguments, and its split workspace checked before anything is enqueued.
+  DecodeArgs decode;
+  detail::DecodeProblem dp;
+  bool fused_decode_call = false;
+  if (gen_rows > 0) {
+    decode.kv_cache = cache_rows(args.kv_cache, p.num_context, gen_rows);
+    decode.beam_width = args.beam_width;
+    decode.cache_indirection = args.cache_indirection;
+    decode.num_splits = args.num_splits;
+    decode.max_seq_len = p.max_kv_len;
+    decode.workspace = args.decode_workspace;
+    dp.device = p.device;
+    dp.dtype = p.dtype;
+    dp.kv_dtype = p.kv_dtype;
+    dp.num_rows = gen_rows;
+    dp.beam_width = args.beam_width;
+    dp.max_seq_len = p.max_kv_len;
+    dp.has_lse = p.has_lse;
+    dp.has_indirection = args.cache_indirection.defined();
+    fused_decode_call = fused && fused_decode_unsupported(spec, dp).empty();
+    if (fused_decode_call) {
+      fused_decode_check_workspace(spec, decode, dp, "forward: decode_workspace");
+    }
+  }
+
   AsyncBuffer owned;
   uint8_t* workspace = nullptr;
   if (args.workspace.defined()) {
@@ -213,26 +238,11 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
 
   // ---- generation rows: decode (rows num_context .. num_context + gen_rows - 1).
   if (gen_rows > 0) {
-    DecodeArgs decode;
     decode.q = TensorView(q_rot + ctx_tokens * hq * dim * static_cast<int64_t>(dtype_size(p.dtype)),
                           p.dtype, {gen_rows, hq, dim}, p.device);
-    decode.kv_cache = cache_rows(args.kv_cache, p.num_context, gen_rows);
-    decode.beam_width = args.beam_width;
-    decode.cache_indirection = args.cache_indirection;
     decode.out = token_rows(args.out, ctx_tokens, gen_rows);
     decode.lse = token_rows(args.lse, ctx_tokens, gen_rows);
-    decode.num_splits = args.num_splits;
-    decode.max_seq_len = p.max_kv_len;
-    detail::DecodeProblem dp;
-    dp.device = p.device;
-    dp.dtype = p.dtype;
-    dp.kv_dtype = p.kv_dtype;
-    dp.num_rows = gen_rows;
-    dp.beam_width = args.beam_width;
-    dp.max_seq_len = p.max_kv_len;
-    dp.has_lse = p.has_lse;
-    dp.has_indirection = args.cache_indirection.defined();
-    if (fused && fused_decode_unsupported(spec, dp).empty()) {
+    if (fused_decode_call) {
       fused_decode(spec, decode, dp, stream);
     } else {
       vanilla_decode(spec, decode, dp, stream);

@@ -1,6 +1,7 @@
 // Built instead of the CUDA backend when attnkit is configured without CUDA: every CUDA entry
 // raises (dispatch only routes CUDA tensors here, so CPU-only users never reach these).
 #include "core/check.h"
+#include "core/decode_workspace_check.h"
 #include "cuda/cuda_backend.h"
 
 namespace attnkit::cuda {
@@ -28,6 +29,10 @@ std::string fused_forward_unsupported(const AttentionSpec&, const detail::Forwar
 }
 void fused_prefill(const AttentionSpec&, const PrefillArgs&, const detail::PrefillProblem&,
                    Stream) {
+  no_cuda();
+}
+void fused_decode_check_workspace(const AttentionSpec&, const DecodeArgs&,
+                                  const detail::DecodeProblem&, const char*) {
   no_cuda();
 }
 void fused_decode(const AttentionSpec&, const DecodeArgs&, const detail::DecodeProblem&, Stream) {
@@ -62,3 +67,17 @@ void merge_states(const MergeStatesArgs&, const detail::MergeStatesProblem&, Str
 std::vector<DeviceInfo> devices() { return {}; }
 
 }  // namespace attnkit::cuda
+
+namespace attnkit {
+// Without the CUDA backend a workspace cannot be created (its arguments are still checked).
+DecodeWorkspace::DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, int32_t max_splits,
+                                 Device device)
+    : device_(device) {
+  detail::decode_workspace_size(spec, max_rows, max_splits, device);
+  throw Error(
+      "DecodeWorkspace: attnkit was built without the CUDA backend (configure with "
+      "ATTNKIT_WITH_CUDA=ON)");
+}
+DecodeWorkspace::~DecodeWorkspace() = default;
+void DecodeWorkspace::reset(Stream) { throw Error("DecodeWorkspace: no CUDA backend"); }
+}  // namespace attnkit

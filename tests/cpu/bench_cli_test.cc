@@ -365,6 +365,8 @@ TEST(BenchCommand, RejectsInvalidOptionsBeforeTouchingTheGpu) {
       {"bench decode --iters 5", "bench decode: --iters: accepted an integer >= 20; got 5"},
       {"bench decode --q-heads 32 --kv-heads 6", "--kv-heads: accepted a divisor of --q-heads"},
       {"bench decode --batch 0", "bench decode: --batch: accepted an integer >= 1; got 0"},
+      {"bench decode --split-workspace none",
+       "bench decode: --split-workspace: accepted caller, per-call; got 'none'"},
       {"bench prefill --head-dim 100", "--head-dim: accepted 64, 80, 96, 128, 256; got 100"},
       {"bench prefill --seqlen 1024 --kv-dtype int8", "--kv-dtype int8: accepted only with --page"},
       {"bench prefill --page 3", "bench prefill: --page: accepted 0, 8, 16, 32, 64, 128; got 3"},

@@ -99,6 +99,32 @@ TEST(ValidateDecode, ValidBaselines) {
   EXPECT_EQ(p.max_seq_len, 32);  // the row capacity: device lengths are not read
 }
 
+// DecodeWorkspace checks its arguments (naming each) before it touches a device, so these run in
+// every build, with or without a GPU.
+TEST(ValidateDecode, DecodeWorkspaceRejectsBadArguments) {
+  const AttentionSpec spec = small_spec();
+  auto error_of = [&](int64_t rows, int32_t splits, Device device, const AttentionSpec& s) {
+    try {
+      DecodeWorkspace ws(s, rows, splits, device);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(error_of(4, 8, Device::cpu(), spec),
+            "DecodeWorkspace: device must be a CUDA device, got cpu");
+  EXPECT_EQ(error_of(0, 8, Device::cuda(0), spec), "DecodeWorkspace: max_rows must be >= 1, got 0");
+  EXPECT_EQ(error_of(4, 1, Device::cuda(0), spec),
+            "DecodeWorkspace: max_splits must be in [2, 128] (calls with one split use no "
+            "workspace), got 1");
+  EXPECT_EQ(error_of(4, 129, Device::cuda(0), spec),
+            "DecodeWorkspace: max_splits must be in [2, 128] (calls with one split use no "
+            "workspace), got 129");
+  AttentionSpec bad = spec;
+  bad.num_kv_heads = 3;  // does not divide the query heads
+  EXPECT_NE(error_of(4, 8, Device::cuda(0), bad), "accepted");
+}
+
 TEST(ValidateDecode, RejectsQRowsNotMatchingSeqLens) {
   DecodeCall call;
   HostTensor q(DType::kBF16, {2, 4, 16});

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -922,6 +923,249 @@ TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
       run_case(c, salt++);
     }
   }
+}
+
+// Reads a DecodeWorkspace's arrival counters back (after the caller synchronized) and expects
+// them all zero: the merging CTA of every split call resets its own.
+void expect_counters_zero(const DecodeWorkspace& ws) {
+  std::vector<int32_t> counters(static_cast<size_t>(ws.counter_capacity()));
+  ATTNKIT_CUDA_OK(cudaMemcpy(counters.data(), ws.counters(), counters.size() * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost));
+  int64_t nonzero = 0;
+  for (int32_t x : counters) nonzero += x != 0;
+  EXPECT_EQ(nonzero, 0) << "arrival counters left non-zero in the workspace";
+}
+
+// Cases that change rows, heads (groups of 4 / 8 / 32, f16), lengths and forced split counts
+// 2..128 between calls through one workspace.
+std::vector<DecodeCase> workspace_cases(std::mt19937_64& rng) {
+  std::vector<DecodeCase> cases;
+  uint64_t i = 0;
+  for (int splits : {2, 3, 5, 8, 13, 31, 32, 64, 127, 128, 0}) {
+    DecodeCase c;
+    switch (i++ % 4) {
+      case 0:
+        c.hq = 32, c.hkv = 8, c.page = 32;
+        break;
+      case 1:
+        c.hq = 16, c.hkv = 2, c.dtype = c.kv_dtype = DType::kF16;
+        break;
+      case 2:
+        c.hq = 32, c.hkv = 1, c.page = 64;  // MQA: two M blocks per CTA
+        break;
+      default:
+        c.hq = 8, c.hkv = 8;
+        break;
+    }
+    c.seq_lens = lengths(rng, 1 + static_cast<int>(i % 3), c.page, 3000);
+    c.seq_lens.back() = 2049;  // a partial last tile; beyond 33 splits some splits are empty
+    c.num_splits = splits;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// Many split calls through one caller-owned workspace on one stream (no memset between them):
+// each call's output is right and the counters read back as zero after every call.
+TEST(DecodeWorkspace, ManySplitCallsThroughOneWorkspaceEager) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() ^ 1500);
+  AttentionSpec sizing;
+  sizing.num_q_heads = 32;
+  sizing.num_kv_heads = 1;
+  sizing.head_dim = 128;
+  DecodeWorkspace ws(sizing, 4, DecodeWorkspace::kMaxSplits, Device::cuda(0));
+  expect_counters_zero(ws);
+  cudaStream_t stream = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  uint64_t salt = 1500;
+  for (const DecodeCase& c : workspace_cases(rng)) {
+    PreparedCase pc(c, salt++);
+    pc.args.workspace = &ws;
+    // Two calls back to back: the second finds the counters the first one reset.
+    for (int call = 0; call < 2; ++call) {
+      SCOPED_TRACE(detail::concat("call ", call));
+      pc.poison(stream);
+      ASSERT_NO_THROW(decode(pc.spec, pc.args, stream));
+      ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+      pc.check();
+      expect_counters_zero(ws);
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Split calls through one workspace captured into a CUDA graph (forced and heuristic splits,
+// changing shapes), replayed several times with poisoned outputs, with eager calls through the
+// same workspace on the same stream between the replays.
+TEST(DecodeWorkspace, CapturedGraphReplaysThroughOneWorkspace) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() ^ 1600);
+  std::vector<DecodeCase> cases = workspace_cases(rng);
+  cases.erase(cases.begin(), cases.begin() + 5);  // splits 31, 32, 64, 127, 128 and heuristic
+  std::vector<std::unique_ptr<PreparedCase>> prepared;
+  AttentionSpec sizing;
+  sizing.num_q_heads = 32;
+  sizing.num_kv_heads = 1;
+  sizing.head_dim = 128;
+  DecodeWorkspace ws(sizing, 4, DecodeWorkspace::kMaxSplits, Device::cuda(0));
+  uint64_t salt = 1600;
+  for (const DecodeCase& c : cases) {
+    prepared.push_back(std::make_unique<PreparedCase>(c, salt++));
+    prepared.back()->args.workspace = &ws;
+  }
+  cudaStream_t stream = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (auto& pc : prepared) ASSERT_NO_THROW(decode(pc->spec, pc->args, stream));
+  ATTNKIT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE(detail::concat("replay ", replay));
+    for (auto& pc : prepared) pc->poison(stream);
+    ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, stream));
+    ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+    for (auto& pc : prepared) pc->check();
+    expect_counters_zero(ws);
+    // An eager call through the same workspace between replays.
+    PreparedCase& eager = *prepared[static_cast<size_t>(replay) % prepared.size()];
+    eager.poison(stream);
+    ASSERT_NO_THROW(decode(eager.spec, eager.args, stream));
+    ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+    eager.check();
+    expect_counters_zero(ws);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Two streams, one workspace each, split calls in flight on both at once.
+TEST(DecodeWorkspace, TwoStreamsTwoWorkspaces) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  DecodeCase a;
+  a.hq = 32;
+  a.hkv = 8;
+  a.page = 32;
+  a.seq_lens = {1, 77, 1000, 4097};
+  a.num_splits = 7;
+  DecodeCase b = a;
+  b.hq = 16;
+  b.hkv = 2;
+  b.dtype = b.kv_dtype = DType::kF16;
+  b.seq_lens = {3001, 33, 65};
+  b.num_splits = 0;
+  DecodeCase m = a;
+  m.hkv = 1;
+  m.seq_lens = {2000, 999};
+  m.num_splits = 13;
+  PreparedCase pa(a, 1700), pb(b, 1701), pm(m, 1702);
+  AttentionSpec sizing;
+  sizing.num_q_heads = 32;
+  sizing.num_kv_heads = 8;
+  sizing.head_dim = 128;
+  DecodeWorkspace ws1(sizing, 4, 64, Device::cuda(0)), ws2(sizing, 4, 64, Device::cuda(0));
+  pa.args.workspace = &ws1;
+  pm.args.workspace = &ws1;
+  pb.args.workspace = &ws2;
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE(detail::concat("round ", round));
+    pa.poison(s1);
+    pm.poison(s1);
+    pb.poison(s2);
+    for (int i = 0; i < 3; ++i) {  // several calls queued on each stream
+      ASSERT_NO_THROW(decode(pa.spec, pa.args, s1));
+      ASSERT_NO_THROW(decode(pb.spec, pb.args, s2));
+      ASSERT_NO_THROW(decode(pm.spec, pm.args, s1));
+    }
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    pa.check();
+    pb.check();
+    pm.check();
+    expect_counters_zero(ws1);
+    expect_counters_zero(ws2);
+  }
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+}
+
+// A workspace too small for the call (rows, or rows x splits), or on another device than the
+// tensors, is rejected naming `workspace`, with the outputs and the counters untouched.
+TEST(DecodeWorkspace, RejectsTooSmallOrForeignWorkspace) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  DecodeCase c;
+  c.hq = 32;
+  c.hkv = 8;
+  c.page = 32;
+  c.seq_lens = {4000, 100, 7};
+  c.num_splits = 9;
+  PreparedCase pc(c, 1800);
+  AttentionSpec sizing;
+  sizing.num_q_heads = 32;
+  sizing.num_kv_heads = 8;
+  sizing.head_dim = 128;
+  AttentionSpec one_head = sizing;  // counters for 2 rows x 1 head: 2 < 3 rows x 8 KV heads
+  one_head.num_q_heads = one_head.num_kv_heads = 1;
+  DecodeWorkspace few_rows(one_head, 2, 128, Device::cuda(0));
+  DecodeWorkspace few_splits(sizing, 3, 8, Device::cuda(0));
+  auto expect_rejected = [&](const DecodeArgs& args, const AttentionSpec& spec,
+                             const std::string& needle) {
+    try {
+      decode(spec, args, nullptr);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("workspace"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  pc.args.workspace = &few_rows;
+  expect_rejected(pc.args, pc.spec, "counters for rows x KV heads x head blocks = 24");
+  pc.args.workspace = &few_splits;
+  expect_rejected(pc.args, pc.spec, "9 splits");
+  // CPU tensors (the reference backend) with a workspace on cuda:0.
+  {
+    HostTensor cpu_out(c.dtype, {3, c.hq, c.head_dim});
+    cpu_out.fill(NAN);
+    DecodeArgs cpu = pc.args;
+    cpu.q = pc.q.view();
+    cpu.out = cpu_out.view();
+    cpu.lse = TensorView();
+    KvCacheView& cache = cpu.kv_cache;
+    cache.k_base = pc.h.pool.view().data;
+    cache.v_base = static_cast<uint8_t*>(cache.k_base) + cache.block_stride_bytes / 2;
+    cache.device = Device::cpu();
+    cache.block_table = pc.h.block_table.view();
+    cache.seq_lens = pc.h.seq_lens.view();
+    cache.k_scale = pc.h.k_scale.view();
+    cache.v_scale = pc.h.v_scale.view();
+    cpu.workspace = &few_splits;
+    AttentionSpec cpu_spec = pc.spec;
+    cpu_spec.backend = Backend::kAuto;
+    expect_rejected(cpu, cpu_spec, "must be on the device of q");
+    for (double x : cpu_out.to_double())
+      ASSERT_TRUE(std::isnan(x)) << "output written by a rejected call";
+    cpu.workspace = nullptr;  // the same call without it runs (the arguments are valid)
+    EXPECT_NO_THROW(decode(cpu_spec, cpu, nullptr));
+  }
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  HostTensor got(c.dtype, {3, c.hq, c.head_dim});
+  pc.d_out.download(got);
+  for (double x : got.to_double())
+    ASSERT_TRUE(std::isnan(x)) << "output written by a rejected call";
+  expect_counters_zero(few_rows);
+  expect_counters_zero(few_splits);
+  // The same call with 8 splits fits.
+  pc.c.num_splits = pc.args.num_splits = 8;
+  pc.poison(nullptr);
+  ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  pc.check();
+  expect_counters_zero(few_splits);
 }
 
 TEST(DecodeFused, RejectsUnsupportedCallsBeforeLaunch) {

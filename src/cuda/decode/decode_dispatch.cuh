@@ -35,6 +35,23 @@ void prepare_kernel() {
 template <typename Traits, DecodeLogits kLogits>
 void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   prepare_kernel<Traits, kLogits>();
+  if (p.pdl) {
+    // Experiment (dec10): programmatic dependent launch; the kernel waits for its predecessor
+    // (griddepcontrol.wait) before it reads anything.
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(Traits::kThreads);
+    config.dynamicSmemBytes = Traits::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&config, decode_kernel<Traits, kLogits>, p),
+               "decode_kernel (PDL)");
+    return;
+  }
   decode_kernel<Traits, kLogits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   check_launch("decode_kernel");
 }

@@ -260,17 +260,33 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   using QT = typename Traits::QTag::Storage;
   constexpr int kD = Traits::kHeadDim;
   __shared__ int is_last;
-  __threadfence();
+  if (p.split_sync == 0) __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     int32_t* counter = p.split_counters +
                        (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
                        head_block;
-    is_last = atomicAdd(counter, 1) == p.num_splits - 1;
+    int32_t arrived;
+    if (p.split_sync == 2) {
+      // Release: the CTA's partial writes (ordered before this thread by the barrier) are
+      // visible before the count; acquire: the other splits' writes are visible after it.
+      asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
+                   : "=r"(arrived)
+                   : "l"(counter)
+                   : "memory");
+    } else {
+      if (p.split_sync == 1) __threadfence();
+      arrived = atomicAdd(counter, 1);
+      if (p.split_sync == 1) __threadfence();
+    }
+    is_last = arrived == p.num_splits - 1;
+    // Every split of this (row, KV head, head block) has counted: the counter is free again, so
+    // the next call through the same workspace finds it at zero without a memset.
+    if (is_last && p.reset_counters) *counter = 0;
   }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
+  if (p.split_sync == 0) __threadfence();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int num_splits = p.num_splits;
@@ -427,6 +443,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   };
   auto kv_at = [&](int r, int chunk) -> int { return kv_byte(r, chunk) / 2; };
 
+  if (p.pdl) {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  }
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
   const int kv_head = blockIdx.y;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -159,14 +160,41 @@ std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::De
   return "";
 }
 
-void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
-                  Stream stream_handle) {
-  const std::string reason = fused_decode_unsupported(spec, p);
-  ATTNKIT_CHECK(reason.empty(), "decode: backend 'fused' cannot serve this call: ", reason);
-  const cudaStream_t stream = as_cuda_stream(stream_handle);
-  const KvCacheView& cache = args.kv_cache;
+namespace {
 
+// The launch of one call: parameters (the split workspace pointers left null), kernel choice.
+struct DecodePlan {
   DecodeParams params;
+  DecodeKernelChoice choice;
+  bool transformed = false;
+};
+
+// Experiment switches (session 6, dec10), read per call: ATTNKIT_EXP_DEC10_SYNC = fence (every
+// thread fences, the default) | fence0 (thread 0 fences around the count) | acqrel (thread 0's
+// atom.add.acq_rel.gpu, no fence); ATTNKIT_EXP_DEC10_BREAK = noreset (a deliberate break: the
+// merging CTA leaves its counter, for the tests to catch); ATTNKIT_EXP_DEC10_PDL = 1
+// (programmatic dependent launch).
+int32_t exp_split_sync() {
+  const char* v = std::getenv("ATTNKIT_EXP_DEC10_SYNC");
+  if (v == nullptr || std::string(v) == "fence") return 0;
+  if (std::string(v) == "fence0") return 1;
+  if (std::string(v) == "acqrel") return 2;
+  detail::fail("ATTNKIT_EXP_DEC10_SYNC: fence, fence0 or acqrel, got ", v);
+}
+bool exp_pdl() {
+  const char* v = std::getenv("ATTNKIT_EXP_DEC10_PDL");
+  return v != nullptr && std::string(v) == "1";
+}
+bool exp_break_noreset() {
+  const char* v = std::getenv("ATTNKIT_EXP_DEC10_BREAK");
+  return v != nullptr && std::string(v) == "noreset";
+}
+
+DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
+                       const detail::DecodeProblem& p) {
+  const KvCacheView& cache = args.kv_cache;
+  DecodePlan plan;
+  DecodeParams& params = plan.params;
   params.q = args.q.data;
   params.q_row_stride = args.q.strides[0];
   params.q_head_stride = args.q.strides[1];
@@ -197,7 +225,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   params.group_size = spec.group_size();
   // Groups of up to 8 heads take the keys-as-rows tile (half the MMAs); groups beyond 16 heads
   // two M blocks per CTA, so that K/V is read once per 32 heads.
-  DecodeKernelChoice choice;
+  DecodeKernelChoice& choice = plan.choice;
   choice.heads_per_cta = params.group_size <= 8 ? 8 : (params.group_size <= 16 ? 16 : 32);
   params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
@@ -212,7 +240,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
         spec.alibi_slopes.empty() ? default_alibi_slopes(spec.num_q_heads) : spec.alibi_slopes;
     std::copy(slopes.begin(), slopes.end(), params.alibi_slopes);
   }
-  const bool transformed = spec.alibi || spec.logit_softcap > 0.0;
+  plan.transformed = spec.alibi || spec.logit_softcap > 0.0;
 
   int device = 0;
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
@@ -245,17 +273,73 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
   }
 
+  params.split_sync = exp_split_sync();
+  params.reset_counters = exp_break_noreset() ? 0 : 1;
+  params.pdl = exp_pdl() ? 1 : 0;
+  return plan;
+}
+
+int64_t counters_of(const DecodeParams& params) {
+  return static_cast<int64_t>(params.num_rows) * params.num_kv_heads * params.head_blocks;
+}
+int64_t partial_floats_of(const DecodeParams& params) {
+  return static_cast<int64_t>(params.num_splits) * params.num_rows * params.num_q_heads *
+         (params.head_dim + 1);
+}
+
+// A split call through a caller's workspace must fit it (checked before anything is enqueued).
+void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, const char* what) {
+  ATTNKIT_CHECK(counters_of(params) <= ws.counter_capacity(), what,
+                ": too small for this call: it has ", params.num_rows,
+                " rows (counters for rows x KV heads x head blocks = ", counters_of(params),
+                "), the workspace holds ", ws.counter_capacity(), " counters (max_rows x Hq)");
+  ATTNKIT_CHECK(partial_floats_of(params) <= ws.partial_capacity(), what,
+                ": too small for this call: ", params.num_splits, " splits x ", params.num_rows,
+                " rows x Hq ", params.num_q_heads, " x (D + 1) ", params.head_dim + 1, " = ",
+                partial_floats_of(params), " partial floats, the workspace holds ",
+                ws.partial_capacity(), " (max_rows x max_splits x Hq x (D + 1))");
+}
+
+}  // namespace
+
+void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& args,
+                                  const detail::DecodeProblem& p, const char* what) {
+  if (args.workspace == nullptr) return;
+  const DecodePlan plan = plan_decode(spec, args, p);
+  if (plan.params.num_splits > 1) check_workspace(*args.workspace, plan.params, what);
+}
+
+void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
+                  Stream stream_handle) {
+  const std::string reason = fused_decode_unsupported(spec, p);
+  ATTNKIT_CHECK(reason.empty(), "decode: backend 'fused' cannot serve this call: ", reason);
+  const cudaStream_t stream = as_cuda_stream(stream_handle);
+  DecodePlan plan = plan_decode(spec, args, p);
+  DecodeParams& params = plan.params;
+  auto launch = [&] {
+    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
+                  stream);
+  };
   if (params.num_splits == 1) {
-    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);
+    launch();
     return;
   }
-  // Stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a memory
-  // node and a memset node). Layout: partial outputs, partial LSEs, then the arrival counters of
-  // the last-CTA merge, zeroed by the memset.
   const size_t partial_values =
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
-  const size_t counters =
-      static_cast<size_t>(p.num_rows) * spec.num_kv_heads * static_cast<size_t>(params.head_blocks);
+  if (args.workspace != nullptr) {
+    // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
+    // so the call is one kernel node.
+    check_workspace(*args.workspace, params, "decode: workspace");
+    params.partial_out = args.workspace->partials();
+    params.partial_lse = params.partial_out + partial_values * spec.head_dim;
+    params.split_counters = args.workspace->counters();
+    launch();
+    return;
+  }
+  // Per-call stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a
+  // memory node and a memset node). Layout: partial outputs, partial LSEs, then the arrival
+  // counters of the last-CTA merge, zeroed by the memset.
+  const size_t counters = static_cast<size_t>(counters_of(params));
   void* workspace = nullptr;
   check_cuda(cudaMallocAsync(
                  &workspace,
@@ -268,7 +352,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
     check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
                "decode: cudaMemsetAsync(split counters)");
-    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, transformed, choice, stream);
+    launch();
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;

@@ -37,6 +37,15 @@ struct DecodeParams {
   // One arrival counter per (row, KV head, head block), zeroed before the launch: the last split
   // CTA to finish merges the splits.
   int32_t* split_counters = nullptr;  // [num_rows, Hkv, head_blocks]
+  // The merging CTA sets its counter back to zero (a caller's DecodeWorkspace is reused without
+  // a memset); 0 only for the experiment's deliberate break.
+  int32_t reset_counters = 1;
+  // Experiment (dec10): 0 = every thread fences before the count and the merging CTA after it,
+  // 1 = thread 0 fences around the count, 2 = thread 0's atom.add.acq_rel.gpu.
+  int32_t split_sync = 0;
+  // Experiment (dec10): launched with programmatic stream serialization; the kernel waits for the
+  // previous grid before its first read and lets the next one launch at once.
+  int32_t pdl = 0;
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
