@@ -443,10 +443,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   };
   auto kv_at = [&](int r, int chunk) -> int { return kv_byte(r, chunk) / 2; };
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
+#endif
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
   const int kv_head = blockIdx.y;
