@@ -4,6 +4,7 @@
 // fp8 caches, the fused and vanilla paths, a caller workspace, and the rejections.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -22,6 +23,8 @@ struct Step {
   bool indirection = false;
   bool bias = false;
   bool caller_workspace = false;
+  DecodeWorkspace* decode_workspace = nullptr;  // ForwardArgs::decode_workspace (kept by the test)
+  int32_t num_splits = 0;
 };
 
 // One forward() step on the CPU reference and on the GPU (caches persist across steps): the
@@ -117,12 +120,23 @@ void run_forward_step(const AttentionSpec& spec_in, Backend backend, const Step&
     workspace = DeviceTensor(HostTensor(DType::kInt8, {tokens * hq * d * 2 + 4096 + 8 * tokens}));
     gargs.workspace = workspace;
   }
+  gargs.decode_workspace = step.decode_workspace;
+  gargs.num_splits = step.num_splits;
   spec.backend = backend;
   cudaStream_t stream;
   ATTNKIT_CUDA_OK(cudaStreamCreate(&stream));
   ASSERT_NO_THROW(forward(spec, gargs, stream));
   ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
   ATTNKIT_CUDA_OK(cudaStreamDestroy(stream));
+  if (step.decode_workspace != nullptr) {
+    // The merging CTAs left every arrival counter at zero for the next step.
+    std::vector<int32_t> counters(static_cast<size_t>(step.decode_workspace->counter_capacity()));
+    ATTNKIT_CUDA_OK(cudaMemcpy(counters.data(), step.decode_workspace->counters(),
+                               counters.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::count(counters.begin(), counters.end(), 0),
+              static_cast<std::ptrdiff_t>(counters.size()))
+        << "arrival counters left non-zero in the decode workspace";
+  }
 
   // Caches agree (within one unit, like append_kv).
   OracleKvCache gpu_copy = cpu_cache;
@@ -215,6 +229,12 @@ TEST(Forward, MixedBatchWithBeamsMatchesReference) {
       step.indirection = true;
       step.bias = true;
       step.caller_workspace = backend == Backend::kAuto;
+      // The decode rows split (forced 3) through a caller DecodeWorkspace on the auto backend.
+      DecodeWorkspace decode_ws(spec, rows, 8, Device::cuda(0));
+      if (backend == Backend::kAuto) {
+        step.decode_workspace = &decode_ws;
+        step.num_splits = 3;
+      }
       run_forward_step(
           spec, backend, step, cpu_cache, gpu_cache, rng,
           std::string("mixed batch ") + dtype_name(kv_dtype) + " " + backend_name(backend));
@@ -229,6 +249,8 @@ TEST(Forward, ChunkedPrefillThenDecodeEqualsReference) {
   spec.rope.style = RopeStyle::kGptJ;
   spec.alibi = true;
   for (Backend backend : {Backend::kFused, Backend::kVanilla}) {
+    // The fused steps share one DecodeWorkspace (the heuristic splits the lone decode row).
+    DecodeWorkspace decode_ws(spec, 1, DecodeWorkspace::kMaxSplits, Device::cuda(0));
     const int32_t tpb = 16;
     OracleKvCache cpu_cache = OracleKvCache::paged(DType::kBF16, 1, 128, tpb, 1, 4, rng);
     fill_finite(cpu_cache, DType::kBF16, 1, rng);
@@ -246,6 +268,7 @@ TEST(Forward, ChunkedPrefillThenDecodeEqualsReference) {
     for (int i = 0; i < 3; ++i) {
       Step step;
       step.generation_past = {past};
+      if (backend == Backend::kFused) step.decode_workspace = &decode_ws;
       run_forward_step(
           spec, backend, step, cpu_cache, gpu_cache, rng,
           std::string("decode at ") + std::to_string(past) + " " + backend_name(backend));
@@ -303,6 +326,25 @@ TEST(Forward, RejectsBadInputWithoutWriting) {
   bad = args;
   bad.cu_seqlens_q = dcu;
   EXPECT_THROW(forward(spec, bad), Error);
+  // A generation step (row 0: 4 cached tokens + 1) forced to 4 splits through a decode workspace
+  // sized for 2: rejected before append_kv writes the new token.
+  bad = args;
+  bad.num_context = 0;
+  HostTensor hcu1 = int32_tensor({0, 1}), hpast4 = int32_tensor({4});
+  bad.cu_seqlens_q = hcu1;
+  bad.past_lens = hpast4;
+  bad.qkv = TensorView(dqkv.data(), DType::kBF16, {1, width}, Device::cuda(0));
+  bad.out = TensorView(dout.data(), DType::kBF16, {1, 4, 64}, Device::cuda(0));
+  bad.num_splits = 4;
+  DecodeWorkspace two_splits(spec, 1, 2, Device::cuda(0));
+  bad.decode_workspace = &two_splits;
+  try {
+    forward(spec, bad);
+    ADD_FAILURE() << "a too small decode_workspace was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("forward: decode_workspace: too small"), std::string::npos)
+        << e.what();
+  }
   ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
   for (double x : downloaded(dout, poison).to_double()) {
     ASSERT_TRUE(std::isnan(x)) << "output written by a rejected call";
