@@ -169,25 +169,13 @@ struct DecodePlan {
   bool transformed = false;
 };
 
-// Experiment switches (session 6, dec10), read per call: ATTNKIT_EXP_DEC10_SYNC = fence (every
-// thread fences, the default) | fence0 (thread 0 fences around the count) | acqrel (thread 0's
-// atom.add.acq_rel.gpu, no fence); ATTNKIT_EXP_DEC10_BREAK = noreset (a deliberate break: the
-// merging CTA leaves its counter, for the tests to catch); ATTNKIT_EXP_DEC10_PDL = 1
-// (programmatic dependent launch).
-int32_t exp_split_sync() {
-  const char* v = std::getenv("ATTNKIT_EXP_DEC10_SYNC");
-  if (v == nullptr || std::string(v) == "fence") return 0;
-  if (std::string(v) == "fence0") return 1;
-  if (std::string(v) == "acqrel") return 2;
-  detail::fail("ATTNKIT_EXP_DEC10_SYNC: fence, fence0 or acqrel, got ", v);
-}
-bool exp_pdl() {
-  const char* v = std::getenv("ATTNKIT_EXP_DEC10_PDL");
-  return v != nullptr && std::string(v) == "1";
-}
-bool exp_break_noreset() {
-  const char* v = std::getenv("ATTNKIT_EXP_DEC10_BREAK");
-  return v != nullptr && std::string(v) == "noreset";
+// Experiment switches (session 6, dec10), read per call: ATTNKIT_EXP_DEC10_PDL = 0 (launch
+// without programmatic dependent launch), ATTNKIT_EXP_DEC10_PREFETCH = n (L2 prefetch of each
+// CTA's first n tiles before the wait), ATTNKIT_EXP_DEC10_BREAK = noreset (a deliberate break: the
+// merging CTA leaves its counter, for the tests to catch).
+int exp_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? fallback : std::atoi(v);
 }
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -273,9 +261,17 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
   }
 
-  params.split_sync = exp_split_sync();
-  params.reset_counters = exp_break_noreset() ? 0 : 1;
-  params.pdl = exp_pdl() ? 1 : 0;
+  const char* brk = std::getenv("ATTNKIT_EXP_DEC10_BREAK");
+  params.reset_counters = brk != nullptr && std::string(brk) == "noreset" ? 0 : 1;
+  // Programmatic dependent launch on sm_90+: the next kernel's CTAs become resident while this
+  // one's tail runs (the merge keeps a few SMs busy; the rest are idle). H200, same run (dec10
+  // round 1, 21:20 UTC, two repetitions, TB/s, caller workspace, without -> with): bf16 1 x 32k
+  // 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8 1 x 32k
+  // 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
+  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 &&
+               exp_int("ATTNKIT_EXP_DEC10_PDL", 1) != 0;
+  params.prefetch_keys = exp_int("ATTNKIT_EXP_DEC10_PREFETCH", 0) * info.tile_n;
+  params.kv_num_blocks = cache.num_blocks;
   return plan;
 }
 

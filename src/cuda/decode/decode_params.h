@@ -40,12 +40,13 @@ struct DecodeParams {
   // The merging CTA sets its counter back to zero (a caller's DecodeWorkspace is reused without
   // a memset); 0 only for the experiment's deliberate break.
   int32_t reset_counters = 1;
-  // Experiment (dec10): 0 = every thread fences before the count and the merging CTA after it,
-  // 1 = thread 0 fences around the count, 2 = thread 0's atom.add.acq_rel.gpu.
-  int32_t split_sync = 0;
-  // Experiment (dec10): launched with programmatic stream serialization; the kernel waits for the
-  // previous grid before its first read and lets the next one launch at once.
+  // Launched with programmatic stream serialization (sm_90+): the kernel waits for the previous
+  // grid (griddepcontrol.wait) before its first read and lets the next grid launch at once.
   int32_t pdl = 0;
+  // Experiment (dec10): keys of each CTA's first tiles prefetched into L2 before the wait (0:
+  // none).
+  int32_t prefetch_keys = 0;
+  int32_t kv_num_blocks = 0;  // blocks in the cache pool (prefetch addresses are clamped to them)
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
