@@ -1078,7 +1078,8 @@ TEST(DecodeWorkspace, TwoStreamsTwoWorkspaces) {
     pa.poison(s1);
     pm.poison(s1);
     pb.poison(s2);
-    for (int i = 0; i < 3; ++i) {  // several calls queued on each stream
+    if (round == 2) ws2.reset(s2);  // stream-ordered re-zeroing between calls changes nothing
+    for (int i = 0; i < 3; ++i) {   // several calls queued on each stream
       ASSERT_NO_THROW(decode(pa.spec, pa.args, s1));
       ASSERT_NO_THROW(decode(pb.spec, pb.args, s2));
       ASSERT_NO_THROW(decode(pm.spec, pm.args, s1));

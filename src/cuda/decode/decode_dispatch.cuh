@@ -36,7 +36,7 @@ template <typename Traits, DecodeLogits kLogits>
 void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   prepare_kernel<Traits, kLogits>();
   if (p.pdl) {
-    // Experiment (dec10): programmatic dependent launch; the kernel waits for its predecessor
+    // Programmatic dependent launch (sm_90+): the kernel waits for its predecessor
     // (griddepcontrol.wait) before it reads anything.
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;

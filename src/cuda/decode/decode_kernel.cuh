@@ -280,7 +280,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
     is_last = arrived == p.num_splits - 1;
     // Every split of this (row, KV head, head block) has counted: the counter is free again, so
     // the next call through the same workspace finds it at zero without a memset.
-    if (is_last && p.reset_counters) *counter = 0;
+    if (is_last) *counter = 0;
   }
   __syncthreads();
   if (!is_last) return;
@@ -444,33 +444,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int split = blockIdx.x / p.head_blocks;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
-    // Experiment (dec10): before waiting for the previous grid, pull the K/V pages of this CTA's
-    // first tiles into L2 (bulk prefetch; a prefetch changes no value, and L2 is where the
-    // previous grid's writes land, so nothing read after the wait can be stale). The block-table
-    // entries are read through L2 (.cg: no L1 line that a read after the wait could hit) and
-    // used only for these prefetches, clamped to the pool's blocks.
-    if (p.prefetch_keys > 0 && p.kv.block_table != nullptr && p.cache_indirection == nullptr &&
-        p.kv.window_slots == 0 && p.window == 0) {
-      const int page = 1 << p.page_shift;
-      const int64_t begin = static_cast<int64_t>(split) * p.split_keys_guess;
-      const int pages = (p.prefetch_keys + page - 1) / page;
-      const int t = threadIdx.x;
-      if (t < 2 * pages) {
-        const int64_t col =
-            min((begin >> p.page_shift) + t / 2, static_cast<int64_t>(p.table_cols - 1));
-        const int32_t block =
-            __ldcg(p.kv.block_table +
-                   static_cast<int64_t>(blockIdx.z) * p.kv.block_table_row_stride + col);
-        if (block >= 0 && block < p.kv_num_blocks) {
-          const uint32_t bytes = static_cast<uint32_t>(page) * p.kv.head_dim * p.kv.element_bytes;
-          const uint8_t* base = (t % 2 == 0) ? p.kv.k_base : p.kv.v_base;
-          const uint8_t* src = base + static_cast<int64_t>(block) * p.kv.block_stride_bytes +
-                               static_cast<int64_t>(blockIdx.y) * bytes;
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes)
-                       : "memory");
-        }
-      }
-    }
+    // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
+    // complete (and its writes to be visible) before the first read, then let the next kernel
+    // launch, so that its CTAs become resident while this one's tail runs.
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -169,15 +168,6 @@ struct DecodePlan {
   bool transformed = false;
 };
 
-// Experiment switches (session 6, dec10), read per call: ATTNKIT_EXP_DEC10_PDL = 0 (launch
-// without programmatic dependent launch), ATTNKIT_EXP_DEC10_PREFETCH = n (L2 prefetch of each
-// CTA's first n tiles before the wait), ATTNKIT_EXP_DEC10_BREAK = noreset (a deliberate break: the
-// merging CTA leaves its counter, for the tests to catch).
-int exp_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v == nullptr || *v == '\0' ? fallback : std::atoi(v);
-}
-
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
                        const detail::DecodeProblem& p) {
   const KvCacheView& cache = args.kv_cache;
@@ -261,17 +251,12 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
   }
 
-  const char* brk = std::getenv("ATTNKIT_EXP_DEC10_BREAK");
-  params.reset_counters = brk != nullptr && std::string(brk) == "noreset" ? 0 : 1;
   // Programmatic dependent launch on sm_90+: the next kernel's CTAs become resident while this
-  // one's tail runs (the merge keeps a few SMs busy; the rest are idle). H200, same run (dec10
-  // round 1, 21:20 UTC, two repetitions, TB/s, caller workspace, without -> with): bf16 1 x 32k
-  // 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8 1 x 32k
-  // 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
-  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 &&
-               exp_int("ATTNKIT_EXP_DEC10_PDL", 1) != 0;
-  params.prefetch_keys = exp_int("ATTNKIT_EXP_DEC10_PREFETCH", 0) * info.tile_n;
-  params.kv_num_blocks = cache.num_blocks;
+  // one's tail runs (the merging CTAs keep a few SMs busy, the rest are idle). H200, same run
+  // (dec10, 21:20 UTC, two repetitions, TB/s, through a caller workspace, without -> with):
+  // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
+  // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
+  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
   return plan;
 }
 

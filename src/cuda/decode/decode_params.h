@@ -34,19 +34,13 @@ struct DecodeParams {
   // the V scale) and its LSE; the last CTA of each (row, KV head, head block) merges them.
   float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
-  // One arrival counter per (row, KV head, head block), zeroed before the launch: the last split
-  // CTA to finish merges the splits.
+  // One arrival counter per (row, KV head, head block), zero at the launch (a caller's
+  // DecodeWorkspace, or the per-call memset): the last split CTA to finish merges the splits and
+  // sets the counter back to zero.
   int32_t* split_counters = nullptr;  // [num_rows, Hkv, head_blocks]
-  // The merging CTA sets its counter back to zero (a caller's DecodeWorkspace is reused without
-  // a memset); 0 only for the experiment's deliberate break.
-  int32_t reset_counters = 1;
   // Launched with programmatic stream serialization (sm_90+): the kernel waits for the previous
   // grid (griddepcontrol.wait) before its first read and lets the next grid launch at once.
   int32_t pdl = 0;
-  // Experiment (dec10): keys of each CTA's first tiles prefetched into L2 before the wait (0:
-  // none).
-  int32_t prefetch_keys = 0;
-  int32_t kv_num_blocks = 0;  // blocks in the cache pool (prefetch addresses are clamped to them)
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
