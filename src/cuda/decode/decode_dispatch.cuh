@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "attnkit/types.h"
@@ -39,6 +41,31 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
   check_launch("decode_kernel");
 }
 
+// EXPERIMENT (dec11, removed before merge): ATTNKIT_EXP_DEC11 selects the 8-bit head_dim 128
+// variant (plain logits): words (1), quarters (2), both (3), quarters_broken (6, a deliberate
+// break for the tests), q7 (10: quarters in 7 units at 4 CTAs per SM, a kernel without the split
+// combine, so unsplit calls only: split calls and 2-CTA grids take quarters); unset or "base": the
+// default kernels (0).
+inline int decode_exp_dec11() {
+  static const int value = [] {
+    const char* e = std::getenv("ATTNKIT_EXP_DEC11");
+    if (e == nullptr || std::strcmp(e, "base") == 0) return 0;
+    if (std::strcmp(e, "words") == 0) return 1;
+    if (std::strcmp(e, "quarters") == 0) return 2;
+    if (std::strcmp(e, "both") == 0) return 3;
+    if (std::strcmp(e, "quarters_broken") == 0) return 6;
+    if (std::strcmp(e, "q7") == 0) return 10;
+    detail::fail("ATTNKIT_EXP_DEC11: '", e,
+                 "' (accepted: base, words, quarters, both, quarters_broken, q7)");
+  }();
+  return value;
+}
+
+// Launches the variant selected by decode_exp_dec11() (false: none selected); instantiated in
+// decode_hd128_dec11_*.cu.
+template <typename QTag, typename Kv, int kCtas>
+bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream);
+
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
@@ -52,6 +79,12 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
   // measured and keep 2.
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
+    using QTag = typename Traits::QTag;
+    using Kv = typename Traits::Kv;
+    if (!transformed && (wide_grid ? launch_dec11<QTag, Kv, 4>(p, grid, stream)
+                                   : launch_dec11<QTag, Kv, 2>(p, grid, stream))) {
+      return;
+    }
     if (!transformed && wide_grid) {
       using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
       launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);

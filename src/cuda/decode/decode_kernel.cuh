@@ -47,6 +47,26 @@ struct KvFp8E4M3 {
       return pack_pair<Tag>(f.x, f.y);
     }
   }
+  // Both pairs of a word: bytes (0, 1) and (2, 3), the high half read in place by the cvt (no
+  // shift).
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
+    if constexpr (std::is_same_v<Tag, F16Tag>) {
+      asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+          "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+          : "=r"(lo), "=r"(hi)
+          : "r"(word));
+    } else {
+      lo = widen<Tag, 0, 1>(word);
+      hi = widen<Tag, 2, 3>(word);
+    }
+  }
+  // Bytes (0, 2) and (1, 3) of a word: one byte permute for both pairs.
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word_interleaved(uint32_t word, uint32_t& even,
+                                                                uint32_t& odd) {
+    widen_word<Tag>(__byte_perm(word, 0, 0x3120), even, odd);
+  }
 };
 struct KvInt8 {
   static constexpr int kBytes = 1;
@@ -67,6 +87,17 @@ struct KvInt8 {
       const float hi = static_cast<float>(static_cast<int8_t>((word >> (8 * kHi)) & 0xff));
       return pack_pair<Tag>(lo, hi);
     }
+  }
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
+    lo = widen<Tag, 0, 1>(word);
+    hi = widen<Tag, 2, 3>(word);
+  }
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word_interleaved(uint32_t word, uint32_t& even,
+                                                                uint32_t& odd) {
+    even = widen<Tag, 0, 2>(word);
+    odd = widen<Tag, 1, 3>(word);
   }
 };
 
@@ -115,8 +146,19 @@ constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ = decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
-          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_)>
+          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
+          int kExp_ = 0>
 struct DecodeTraits {
+  // EXPERIMENT (dec11, removed before merge): bit 0 widens whole words (one cvt per pair).
+  static constexpr int kExp = kExp_;
+  static constexpr bool kWidenWords = (kExp_ & 1) != 0;
+  // Bit 1: quarter units (8-bit, 32 keys a warp): a tile's K and V in four units of one 16-key
+  // block each (K0, K1, V0, V1), so that more of the ring is in flight. Bit 2: a deliberate
+  // break of the quarter copy (block 1 of a warp copies the bytes of block 0), for the tests.
+  static constexpr bool kBreakQuarters = (kExp_ & 4) != 0;
+  // Bit 3: no split combine in the kernel (unsplit calls only), so that its static shared word
+  // does not keep a seventh 8 KB unit from fitting at 4 CTAs per SM.
+  static constexpr bool kNoCombine = (kExp_ & 8) != 0;
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
   using Kv = Kv_;
@@ -176,15 +218,23 @@ struct DecodeTraits {
   // Warp-local pipeline: every warp copies exactly the keys it reads (one M block).
   static constexpr bool kWarpLocal = kMBlocks == 1;
   static constexpr bool kHalves = kPipe_ == DecodePipe::kSwizzledHalves && kMBlocks == 1;
+  static constexpr bool kQuarters = (kExp_ & 2) != 0 && kHalves && kSwizzle && kKeysPerWarp == 32;
+  static_assert(!kQuarters || kChunksPerToken == 8);
   // Pipeline units: a tile's K and V (full stages) or its K, then its V (halves).
-  static constexpr int kUnitsPerTile = kHalves ? 2 : 1;
-  static constexpr int kUnitBytes = kHalves ? kStageHalfBytes : kStageBytes;
+  static constexpr int kUnitsPerTile = kQuarters ? 4 : (kHalves ? 2 : 1);
+  static constexpr int kUnitBytes =
+      kQuarters ? kStageHalfBytes / 2 : (kHalves ? kStageHalfBytes : kStageBytes);
+  // (The combine's static shared word takes 128 bytes next to the dynamic memory: 7 units of 8 KB
+  // would leave no room for it at 4 CTAs per SM.)
+  static constexpr int kQuartersFit =
+      (kCtaBudget - kQOutside - (kNoCombine ? 0 : 128)) / (kStageHalfBytes / 2);
   static constexpr int kHalvesFit = (kCtaBudget - kQOutside) / kStageHalfBytes;
   // At four CTAs per SM three halves (two in flight) are the most that fit: the 4-CTA 8-bit
   // kernel at head_dim 128 (3 x 16 KB).
   static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
-      kHalves
+      kQuarters ? (kQuartersFit > 4 * kMaxStages ? 4 * kMaxStages : kQuartersFit)
+      : kHalves
           ? (kHalvesFit < kMinHalves ? kMinHalves
                                      : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
           : kStages;
@@ -196,6 +246,7 @@ struct DecodeTraits {
   static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
   static constexpr int kSmemBytes = kQOutside + kPipelineBytes;
   static_assert(!kSwizzle || kQBytes <= kUnitBytes);
+  static_assert(!kQuarters || kUnits >= 5);
   static constexpr int kMinCtasPerSm =
       std::max(1, std::min(std::max(kTargetCtasPerSm, 3), kDecodeSmemPerSm / (kSmemBytes + 1024)));
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
@@ -589,6 +640,52 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   };
 
+  // Quarter units: copies K (or V, from `base`) of 16-key block b of this warp's 32 keys (lanes
+  // 16b .. 16b + 15 hold their offsets) into rows 16 * warp .. + 15 of `dst`.
+  auto copy_block = [&](int64_t my_offset, uint8_t* dst, const uint8_t* base, int b) {
+    constexpr int kKeys = 16;
+    constexpr int kCpt = Traits::kChunksPerToken;
+    constexpr int kChunks = kKeys * kCpt;
+    constexpr int kTokenBytes = kCpt * 16;
+    constexpr int kRB = Traits::kKvRowBytes;
+    const int key0 = kKeys * b;
+    const uint32_t warp_dst = smem_u32(dst) + warp * kKeys * kRB;
+    const int64_t first = __shfl_sync(0xffffffffu, my_offset, key0);
+    const bool mine = lane >= key0 && lane < key0 + kKeys;
+    if (__all_sync(0xffffffffu,
+                   !mine || (my_offset >= 0 && my_offset == first + (lane - key0) * kTokenBytes))) {
+      const int64_t src_first =
+          Traits::kBreakQuarters ? __shfl_sync(0xffffffffu, my_offset, 0) : first;
+      const uint8_t* src = base + src_first + lane * 16;
+#pragma unroll
+      for (int c0 = 0; c0 < kChunks; c0 += 32) {
+        const int r = c0 / kCpt + lane / kCpt;
+        decode_cp_async_16_full(warp_dst + r * kRB + (((lane % kCpt) ^ (r & 7)) * 16),
+                                src + c0 * 16);
+      }
+      return;
+    }
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += 32) {
+      const int c = c0 + lane;
+      const int token = c / kCpt, part = c % kCpt;
+      const int64_t key_offset = __shfl_sync(0xffffffffu, my_offset, key0 + token);
+      const bool valid = key_offset >= 0;
+      cp_async_16(warp_dst + token * kRB + ((part ^ (token & 7)) * 16),
+                  valid ? base + key_offset + part * 16 : base, valid);
+    }
+  };
+  // Copies unit `part` of a tile: K / V (halves: parts 0 / 1), K0, K1, V0, V1 (quarters).
+  auto copy_unit = [&](int64_t my_offset, uint8_t* dst, int part) {
+    if constexpr (Traits::kQuarters) {
+      copy_block(my_offset, dst, part >= 2 ? p.kv.v_base : p.kv.k_base, part % 2);
+    } else if constexpr (Traits::kHalves) {
+      copy_tile(my_offset, dst, dst, part == 0, part == 1);
+    } else {
+      copy_tile(my_offset, dst, dst + Traits::kStageHalfBytes, true, true);
+    }
+  };
+
   const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
   const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
   const float qk_scale = p.softmax_scale * k_scale;
@@ -635,13 +732,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     for (int u = 0; u < kUnits - 1; ++u) {
       const int tile = u / kUnitsPerTile;
       uint8_t* dst = pipe_smem + u * Traits::kUnitBytes;
-      if (tile < num_tiles) {
-        if constexpr (Traits::kHalves) {
-          copy_tile(offsets[tile], dst, dst, u % 2 == 0, u % 2 == 1);
-        } else {
-          copy_tile(offsets[tile], dst, dst + Traits::kStageHalfBytes, true, true);
-        }
-      }
+      if (tile < num_tiles) copy_unit(offsets[tile], dst, u % kUnitsPerTile);
       cp_async_commit();
     }
     issue_offset = offsets[kIssueTile];
@@ -659,17 +750,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       __syncthreads();
     }
     uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
-    if (issue_tile < num_tiles) {
-      if constexpr (Traits::kHalves) {
-        copy_tile(issue_offset, dst, dst, part == 0, part == 1);
-      } else {
-        copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
-      }
-    }
+    if (issue_tile < num_tiles) copy_unit(issue_offset, dst, part);
     cp_async_commit();
     // The next block-table read overlaps this tile's math.
     if constexpr (Traits::kHalves) {
-      if (part == 1) {
+      if (part == kUnitsPerTile - 1) {
         issue_offset = ahead_offset;
         ahead_offset = key_offset(issue_tile + 2);
       }
@@ -722,12 +807,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
-    const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
+    // Consuming part c of this tile issues unit c + kUnits - 1 ahead.
+    auto consume = [&](auto c) -> const uint8_t* {
+      constexpr int kAhead = decltype(c)::value + kUnits - 1;
+      return next_unit(tile + kAhead / kUnitsPerTile, kAhead % kUnitsPerTile);
+    };
+    const uint8_t* k_smem = consume(std::integral_constant<int, 0>{});
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {
-      if constexpr (Traits::kHalves) {
-        return next_unit(tile + kUnits / 2, kUnits % 2);
+      if constexpr (Traits::kQuarters) {
+        return nullptr;  // V0 and V1 are waited for by the PV loop
+      } else if constexpr (Traits::kHalves) {
+        return consume(std::integral_constant<int, 1>{});
       } else {
         return k_smem + Traits::kStageHalfBytes;
       }
@@ -738,21 +830,35 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       constexpr int kSub = Traits::kKeysPerWarp / 16;  // 16-key blocks of a warp
       float s[kSub][4] = {}, s_odd[kSub][4] = {};
       if constexpr (Traits::kDirect) {
-        const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int b = 0; b < kSub; ++b) {
+          // This warp's rows of 16-key block b: in a unit of their own with quarter units.
+          const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
+          int row0 = 16 * b;
+          if constexpr (Traits::kQuarters) {
+            const uint8_t* unit = b == 0 ? k_smem : consume(std::integral_constant<int, 1>{});
+            k_rows = unit + key_warp * 16 * Traits::kKvRowBytes;
+            row0 = 0;
+          }
 #pragma unroll
           for (int kk = 0; kk < kD / 16; kk += 2) {
             uint32_t x[4];
-            ldmatrix_x4(x, smem_u32(k_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
+            ldmatrix_x4(x, smem_u32(k_rows + kv_byte(row0 + ((lane / 8) % 2) * 8 + lane % 8,
                                                      kk + lane / 16)));
 #pragma unroll
             for (int step = 0; step < 2; ++step) {
               if (kk + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
-                const uint32_t a[4] = {
-                    Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
-                    Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
+                uint32_t a[4];
+                if constexpr (Traits::kWidenWords) {
+                  Kv::template widen_word<MmaTag>(lo, a[0], a[2]);
+                  Kv::template widen_word<MmaTag>(hi, a[1], a[3]);
+                } else {
+                  a[0] = Kv::template widen<MmaTag, 0, 1>(lo);
+                  a[1] = Kv::template widen<MmaTag, 0, 1>(hi);
+                  a[2] = Kv::template widen<MmaTag, 2, 3>(lo);
+                  a[3] = Kv::template widen<MmaTag, 2, 3>(hi);
+                }
                 if (step == 0) {
                   mma_m16n8k16<MmaTag>(s[b], a, q_frag[kk + step]);
                 } else {
@@ -837,21 +943,35 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if constexpr (Traits::kDirect) {
         // Byte rows through .trans: lane (g, t) gets V[2t][2g], V[2t][2g+1], V[2t+1][2g],
         // V[2t+1][2g+1] of a 16-d chunk; MMA row g is d = 2g, row g + 8 is d = 2g + 1.
-        const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int b = 0; b < kSub; ++b) {
+          const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
+          int row0 = 16 * b;
+          if constexpr (Traits::kQuarters) {
+            const uint8_t* unit = b == 0 ? consume(std::integral_constant<int, 2>{})
+                                         : consume(std::integral_constant<int, 3>{});
+            v_rows = unit + key_warp * 16 * Traits::kKvRowBytes;
+            row0 = 0;
+          }
 #pragma unroll
           for (int cc = 0; cc < kD / 16; cc += 2) {
             uint32_t x[4];
-            ldmatrix_x4_trans(x, smem_u32(v_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
+            ldmatrix_x4_trans(x, smem_u32(v_rows + kv_byte(row0 + ((lane / 8) % 2) * 8 + lane % 8,
                                                            cc + lane / 16)));
 #pragma unroll
             for (int step = 0; step < 2; ++step) {
               if (cc + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
-                const uint32_t a[4] = {
-                    Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
-                    Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
+                uint32_t a[4];
+                if constexpr (Traits::kWidenWords) {
+                  Kv::template widen_word_interleaved<MmaTag>(lo, a[0], a[1]);
+                  Kv::template widen_word_interleaved<MmaTag>(hi, a[2], a[3]);
+                } else {
+                  a[0] = Kv::template widen<MmaTag, 0, 2>(lo);
+                  a[1] = Kv::template widen<MmaTag, 1, 3>(lo);
+                  a[2] = Kv::template widen<MmaTag, 0, 2>(hi);
+                  a[3] = Kv::template widen<MmaTag, 1, 3>(hi);
+                }
                 mma_m16n8k16<MmaTag>(o[cc + step], a, pb[b]);
               }
             }
@@ -1083,11 +1203,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (d == 0) p.partial_lse[slot] = lse;
     }
   }
-  if (p.num_splits > 1 && p.split_counters != nullptr) {
-    // The merge buffers are dead after this barrier: the combine reuses them.
-    __syncthreads();
-    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
-                                       reinterpret_cast<float*>(pipe_smem));
+  if constexpr (!Traits::kNoCombine) {
+    if (p.num_splits > 1 && p.split_counters != nullptr) {
+      // The merge buffers are dead after this barrier: the combine reuses them.
+      __syncthreads();
+      decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
+                                         reinterpret_cast<float*>(pipe_smem));
+    }
   }
 }
 
