@@ -42,29 +42,67 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
 }
 
 // EXPERIMENT (dec11, removed before merge): ATTNKIT_EXP_DEC11 selects the 8-bit head_dim 128
-// variant (plain logits): words (1), quarters (2), both (3), quarters_broken (6, a deliberate
+// variant (plain logits): words (1), quarters (2), quarters_broken (6, a deliberate
 // break for the tests), q7 (10: quarters in 7 units at 4 CTAs per SM, a kernel without the split
-// combine, so unsplit calls only: split calls and 2-CTA grids take quarters); unset or "base": the
-// default kernels (0).
+// combine, so unsplit calls only: split calls and 2-CTA grids take quarters), early (16: refill
+// before the wait), early_quarters (18), early_broken (48: early refill without the wait, a
+// deliberate break); unset or "base": the default kernels (0).
 inline int decode_exp_dec11() {
   static const int value = [] {
     const char* e = std::getenv("ATTNKIT_EXP_DEC11");
     if (e == nullptr || std::strcmp(e, "base") == 0) return 0;
     if (std::strcmp(e, "words") == 0) return 1;
     if (std::strcmp(e, "quarters") == 0) return 2;
-    if (std::strcmp(e, "both") == 0) return 3;
     if (std::strcmp(e, "quarters_broken") == 0) return 6;
     if (std::strcmp(e, "q7") == 0) return 10;
+    if (std::strcmp(e, "early") == 0) return 16;
+    if (std::strcmp(e, "early_quarters") == 0) return 18;
+    if (std::strcmp(e, "early_broken") == 0) return 48;
     detail::fail("ATTNKIT_EXP_DEC11: '", e,
-                 "' (accepted: base, words, quarters, both, quarters_broken, q7)");
+                 "' (accepted: base, words, quarters, quarters_broken, q7, early, "
+                 "early_quarters, early_broken)");
   }();
   return value;
 }
 
-// Launches the variant selected by decode_exp_dec11() (false: none selected); instantiated in
-// decode_hd128_dec11_*.cu.
+// One variant's launch; instantiated in decode_hd128_dec11_*.cu (four objects that compile in
+// parallel).
+template <typename QTag, typename Kv, int kCtas, int kExp>
+void launch_dec11_exp(const DecodeParams& p, dim3 grid, cudaStream_t stream);
+
+// Launches the variant selected by decode_exp_dec11() (false: none selected).
 template <typename QTag, typename Kv, int kCtas>
-bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream);
+bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  switch (decode_exp_dec11()) {
+    case 1:
+      launch_dec11_exp<QTag, Kv, kCtas, 1>(p, grid, stream);
+      return true;
+    case 2:
+      launch_dec11_exp<QTag, Kv, kCtas, 2>(p, grid, stream);
+      return true;
+    case 6:
+      launch_dec11_exp<QTag, Kv, kCtas, 6>(p, grid, stream);
+      return true;
+    case 10:
+      // 7 units without the combine at 4 CTAs (unsplit calls); otherwise quarters.
+      if (kCtas == 4 && p.num_splits == 1) {
+        launch_dec11_exp<QTag, Kv, 4, 10>(p, grid, stream);
+      } else {
+        launch_dec11_exp<QTag, Kv, kCtas, 2>(p, grid, stream);
+      }
+      return true;
+    case 16:
+      launch_dec11_exp<QTag, Kv, kCtas, 16>(p, grid, stream);
+      return true;
+    case 18:
+      launch_dec11_exp<QTag, Kv, kCtas, 18>(p, grid, stream);
+      return true;
+    case 48:
+      launch_dec11_exp<QTag, Kv, kCtas, 48>(p, grid, stream);
+      return true;
+  }
+  return false;
+}
 
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
@@ -88,6 +126,14 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
     if (!transformed && wide_grid) {
       using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
       launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);
+      return;
+    }
+  }
+  if constexpr (Traits::kHeadDim == 128 && !Traits::k8Bit && Traits::kM == 8 &&
+                Traits::kTargetCtasPerSm == 2) {
+    // EXPERIMENT (dec11): the early refill for 16-bit caches as well.
+    if (!transformed && (decode_exp_dec11() & 16) != 0) {
+      launch_dec11_exp<typename Traits::QTag, KvNative, 2, 16>(p, grid, stream);
       return;
     }
   }

@@ -159,6 +159,11 @@ struct DecodeTraits {
   // Bit 3: no split combine in the kernel (unsplit calls only), so that its static shared word
   // does not keep a seventh 8 KB unit from fitting at 4 CTAs per SM.
   static constexpr bool kNoCombine = (kExp_ & 8) != 0;
+  // Bit 4: early refill (warp-local pipelines): a unit's buffer is refilled before the wait for
+  // the next unit, not after it, so that all kUnits buffers are in flight during the wait.
+  static constexpr bool kEarlyRefill = (kExp_ & 16) != 0;
+  // Bit 5: a deliberate break of the early refill (no wait for the unit), for the tests.
+  static constexpr bool kBreakEarly = (kExp_ & 32) != 0;
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
   using Kv = Kv_;
@@ -743,15 +748,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // kUnits - 1 ahead (a tile's K for part 0, its V for part 1; both for full stages), and returns
   // the shared memory of the unit to consume.
   auto next_unit = [&](int issue_tile, int part) -> uint8_t* {
-    cp_async_wait<kUnits - 2>();
-    if constexpr (Traits::kWarpLocal) {
+    uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
+    if constexpr (Traits::kEarlyRefill && Traits::kWarpLocal) {
+      // The warp has read the unit consumed before (program order; the barrier orders its
+      // lanes): refill its buffer first, then wait for the next unit with kUnits in flight.
+      __syncwarp();
+      if (issue_tile < num_tiles) copy_unit(issue_offset, dst, part);
+      cp_async_commit();
+      cp_async_wait<Traits::kBreakEarly ? kUnits : kUnits - 1>();
       __syncwarp();
     } else {
-      __syncthreads();
+      cp_async_wait<kUnits - 2>();
+      if constexpr (Traits::kWarpLocal) {
+        __syncwarp();
+      } else {
+        __syncthreads();
+      }
+      if (issue_tile < num_tiles) copy_unit(issue_offset, dst, part);
+      cp_async_commit();
     }
-    uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
-    if (issue_tile < num_tiles) copy_unit(issue_offset, dst, part);
-    cp_async_commit();
     // The next block-table read overlaps this tile's math.
     if constexpr (Traits::kHalves) {
       if (part == kUnitsPerTile - 1) {

@@ -1,0 +1,31 @@
+// EXPERIMENT (dec11, removed before merge): 8-bit head_dim 128 variants of ATTNKIT_EXP_DEC11
+// (1 2 6 10 at 4 CTAs per SM), in an object of their own so that they compile in parallel.
+#include "cuda/decode/decode_dispatch.cuh"
+
+namespace attnkit::cuda::decode_detail {
+
+template <typename QTag, typename Kv, int kCtas, int kExp>
+void launch_dec11_exp(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  using T = DecodeTraits<128, QTag, Kv, 8, kCtas, DecodePipe::kSwizzledHalves,
+                         decode_default_keys_per_warp(128, Kv::kBytes, 8), kExp>;
+  launch_kernel_instance<T, DecodeLogits::kPlain>(p, grid, stream);
+}
+
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
+
+}  // namespace attnkit::cuda::decode_detail
