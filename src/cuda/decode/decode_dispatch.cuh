@@ -46,7 +46,8 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
 // break for the tests), q7 (10: quarters in 7 units at 4 CTAs per SM, a kernel without the split
 // combine, so unsplit calls only: split calls and 2-CTA grids take quarters), early (16: refill
 // before the wait), early_quarters (18), early_broken (48: early refill without the wait, a
-// deliberate break); unset or "base": the default kernels (0).
+// deliberate break), runs (64: the linear copy of a warp's 32 keys also takes two runs of 16),
+// early_runs (80); unset or "base": the default kernels (0).
 inline int decode_exp_dec11() {
   static const int value = [] {
     const char* e = std::getenv("ATTNKIT_EXP_DEC11");
@@ -58,9 +59,11 @@ inline int decode_exp_dec11() {
     if (std::strcmp(e, "early") == 0) return 16;
     if (std::strcmp(e, "early_quarters") == 0) return 18;
     if (std::strcmp(e, "early_broken") == 0) return 48;
+    if (std::strcmp(e, "runs") == 0) return 64;
+    if (std::strcmp(e, "early_runs") == 0) return 80;
     detail::fail("ATTNKIT_EXP_DEC11: '", e,
                  "' (accepted: base, words, quarters, quarters_broken, q7, early, "
-                 "early_quarters, early_broken)");
+                 "early_quarters, early_broken, runs, early_runs)");
   }();
   return value;
 }
@@ -99,6 +102,12 @@ bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
       return true;
     case 48:
       launch_dec11_exp<QTag, Kv, kCtas, 48>(p, grid, stream);
+      return true;
+    case 64:
+      launch_dec11_exp<QTag, Kv, kCtas, 64>(p, grid, stream);
+      return true;
+    case 80:
+      launch_dec11_exp<QTag, Kv, kCtas, 80>(p, grid, stream);
       return true;
   }
   return false;

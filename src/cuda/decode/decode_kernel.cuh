@@ -164,6 +164,8 @@ struct DecodeTraits {
   static constexpr bool kEarlyRefill = (kExp_ & 16) != 0;
   // Bit 5: a deliberate break of the early refill (no wait for the unit), for the tests.
   static constexpr bool kBreakEarly = (kExp_ & 32) != 0;
+  // Bit 6: the linear copy of a warp's 32 keys also takes two runs of 16 (pages of 16 keys).
+  static constexpr bool kRuns16 = (kExp_ & 64) != 0 && kKeysPerWarp_ == 32;
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
   using Kv = Kv_;
@@ -588,11 +590,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     // Fast path (warp-uniform): the warp's keys are consecutive tokens of one page run (the usual
     // case), so its copy is one linear run of kChunks 16-byte pieces from the first key.
     const int64_t first = __shfl_sync(0xffffffffu, my_offset, 0);
-    if (__all_sync(0xffffffffu, lane >= kCopyKeys ||
-                                    (my_offset >= 0 && my_offset == first + lane * kTokenBytes))) {
+    // With kRuns16: keys 16-31 may start a run of their own (pages of 16 keys).
+    int64_t second = first + 16 * kTokenBytes;
+    bool linear;
+    if constexpr (Traits::kRuns16) {
+      second = __shfl_sync(0xffffffffu, my_offset, 16);
+      const int64_t run_first = lane >= 16 ? second : first;
+      linear = __all_sync(0xffffffffu,
+                          my_offset >= 0 && my_offset == run_first + (lane % 16) * kTokenBytes);
+    } else {
+      linear =
+          __all_sync(0xffffffffu, lane >= kCopyKeys ||
+                                      (my_offset >= 0 && my_offset == first + lane * kTokenBytes));
+    }
+    if (linear) {
       constexpr int kCpt = Traits::kChunksPerToken;
       const uint8_t* k_src = p.kv.k_base + first + lane * 16;
       const uint8_t* v_src = p.kv.v_base + first + lane * 16;
+      // The second run's pointers, for chunks base >= kChunks / 2 (kRuns16).
+      const uint8_t* k_src2 = p.kv.k_base + second - (kChunks / 2) * 16 + lane * 16;
+      const uint8_t* v_src2 = p.kv.v_base + second - (kChunks / 2) * 16 + lane * 16;
       // This lane's destination for base = 0; the per-iteration part is a constant when the
       // pieces of a token divide (or are a multiple of) the 32 lanes.
       const uint32_t lane_dst =
@@ -617,8 +634,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           } else {
             dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
           }
-          if (copy_k) decode_cp_async_16_full(k_lane + dst, k_src + base * 16);
-          if (copy_v) decode_cp_async_16_full(v_lane + dst, v_src + base * 16);
+          const bool run2 = Traits::kRuns16 && base >= kChunks / 2;
+          if (copy_k) decode_cp_async_16_full(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16);
+          if (copy_v) decode_cp_async_16_full(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16);
         }
       }
       return;
