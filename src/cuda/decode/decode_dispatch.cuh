@@ -41,29 +41,43 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
   check_launch("decode_kernel");
 }
 
-// EXPERIMENT (dec11, removed before merge): ATTNKIT_EXP_DEC11 selects the 8-bit head_dim 128
-// variant (plain logits): words (1), quarters (2), quarters_broken (6, a deliberate
-// break for the tests), q7 (10: quarters in 7 units at 4 CTAs per SM, a kernel without the split
-// combine, so unsplit calls only: split calls and 2-CTA grids take quarters), early (16: refill
-// before the wait), early_quarters (18), early_broken (48: early refill without the wait, a
-// deliberate break), runs (64: the linear copy of a warp's 32 keys also takes two runs of 16),
-// early_runs (80); unset or "base": the default kernels (0).
+// EXPERIMENT (dec11, removed before merge): ATTNKIT_EXP_DEC11 selects variants of the 8-bit
+// head_dim 128 kernels with groups of up to 8 heads (plain logits), as tokens joined by '+': words
+// (bit 0: one cvt per fp8 pair), early (bit 4: refill before the wait; also the bf16 kernel of that
+// shape), early_broken (bits 4 + 5: a deliberate break), runs (bit 6: a warp's 32 keys copied as
+// two linear runs of 16), split4 (bit 7, host only: the split heuristic counts 4 CTAs per SM for
+// those kernels); unset or "base": the default kernels (0).
 inline int decode_exp_dec11() {
   static const int value = [] {
     const char* e = std::getenv("ATTNKIT_EXP_DEC11");
     if (e == nullptr || std::strcmp(e, "base") == 0) return 0;
-    if (std::strcmp(e, "words") == 0) return 1;
-    if (std::strcmp(e, "quarters") == 0) return 2;
-    if (std::strcmp(e, "quarters_broken") == 0) return 6;
-    if (std::strcmp(e, "q7") == 0) return 10;
-    if (std::strcmp(e, "early") == 0) return 16;
-    if (std::strcmp(e, "early_quarters") == 0) return 18;
-    if (std::strcmp(e, "early_broken") == 0) return 48;
-    if (std::strcmp(e, "runs") == 0) return 64;
-    if (std::strcmp(e, "early_runs") == 0) return 80;
-    detail::fail("ATTNKIT_EXP_DEC11: '", e,
-                 "' (accepted: base, words, quarters, quarters_broken, q7, early, "
-                 "early_quarters, early_broken, runs, early_runs)");
+    int bits = 0;
+    const char* t = e;
+    while (*t != '\0') {
+      const char* end = std::strchr(t, '+');
+      const size_t n = end == nullptr ? std::strlen(t) : static_cast<size_t>(end - t);
+      auto is = [&](const char* name) {
+        return std::strlen(name) == n && std::strncmp(t, name, n) == 0;
+      };
+      if (is("words")) {
+        bits |= 1;
+      } else if (is("early")) {
+        bits |= 16;
+      } else if (is("early_broken")) {
+        bits |= 48;
+      } else if (is("runs")) {
+        bits |= 64;
+      } else if (is("split4")) {
+        bits |= 128;
+      } else {
+        detail::fail("ATTNKIT_EXP_DEC11: '", e,
+                     "' (accepted: base or tokens words, early, early_broken, runs, split4 joined "
+                     "by '+')");
+      }
+      t += n;
+      if (*t == '+') ++t;
+    }
+    return bits;
   }();
   return value;
 }
@@ -73,32 +87,21 @@ inline int decode_exp_dec11() {
 template <typename QTag, typename Kv, int kCtas, int kExp>
 void launch_dec11_exp(const DecodeParams& p, dim3 grid, cudaStream_t stream);
 
-// Launches the variant selected by decode_exp_dec11() (false: none selected).
+// Launches the kernel variant selected by decode_exp_dec11() (false: none selected).
 template <typename QTag, typename Kv, int kCtas>
 bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
-  switch (decode_exp_dec11()) {
+  const int exp = decode_exp_dec11() & 127;
+  switch (exp) {
+    case 0:
+      return false;
     case 1:
       launch_dec11_exp<QTag, Kv, kCtas, 1>(p, grid, stream);
-      return true;
-    case 2:
-      launch_dec11_exp<QTag, Kv, kCtas, 2>(p, grid, stream);
-      return true;
-    case 6:
-      launch_dec11_exp<QTag, Kv, kCtas, 6>(p, grid, stream);
-      return true;
-    case 10:
-      // 7 units without the combine at 4 CTAs (unsplit calls); otherwise quarters.
-      if (kCtas == 4 && p.num_splits == 1) {
-        launch_dec11_exp<QTag, Kv, 4, 10>(p, grid, stream);
-      } else {
-        launch_dec11_exp<QTag, Kv, kCtas, 2>(p, grid, stream);
-      }
       return true;
     case 16:
       launch_dec11_exp<QTag, Kv, kCtas, 16>(p, grid, stream);
       return true;
-    case 18:
-      launch_dec11_exp<QTag, Kv, kCtas, 18>(p, grid, stream);
+    case 17:
+      launch_dec11_exp<QTag, Kv, kCtas, 17>(p, grid, stream);
       return true;
     case 48:
       launch_dec11_exp<QTag, Kv, kCtas, 48>(p, grid, stream);
@@ -109,8 +112,11 @@ bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
     case 80:
       launch_dec11_exp<QTag, Kv, kCtas, 80>(p, grid, stream);
       return true;
+    case 81:
+      launch_dec11_exp<QTag, Kv, kCtas, 81>(p, grid, stream);
+      return true;
   }
-  return false;
+  detail::fail("ATTNKIT_EXP_DEC11: variant ", exp, " is not compiled");
 }
 
 template <typename Traits>
@@ -173,6 +179,10 @@ DecodeKernelInfo info_traits() {
   DecodeKernelInfo info;
   info.tile_n = Traits::kTileN;
   info.ctas_per_sm = ctas;
+  if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8) {
+    // EXPERIMENT (dec11): split4 counts the 4-CTA kernel's slots.
+    if ((decode_exp_dec11() & 128) != 0) info.ctas_per_sm = 4;
+  }
   return info;
 }
 

@@ -1,5 +1,5 @@
 // EXPERIMENT (dec11, removed before merge): 8-bit head_dim 128 variants of ATTNKIT_EXP_DEC11
-// (1 2 6 10 64 at 4 CTAs per SM), in an object of their own so that they compile in parallel.
+// (1 16 17 48 at 4 CTAs per SM), in an object of their own so that they compile in parallel.
 #include "cuda/decode/decode_dispatch.cuh"
 
 namespace attnkit::cuda::decode_detail {
@@ -15,21 +15,17 @@ template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 1>(const DecodeParams&, di
 template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<F16Tag, KvInt8, 4, 1>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 2>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 6>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 10>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 17>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 17>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 17>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 17>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
 
 }  // namespace attnkit::cuda::decode_detail

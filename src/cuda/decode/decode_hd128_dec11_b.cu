@@ -1,5 +1,5 @@
 // EXPERIMENT (dec11, removed before merge): 8-bit head_dim 128 variants of ATTNKIT_EXP_DEC11
-// (16 18 48 80 at 4 CTAs per SM), in an object of their own so that they compile in parallel.
+// (64 80 81 at 4 CTAs per SM), in an object of their own so that they compile in parallel.
 #include "cuda/decode/decode_dispatch.cuh"
 
 namespace attnkit::cuda::decode_detail {
@@ -11,21 +11,17 @@ void launch_dec11_exp(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   launch_kernel_instance<T, DecodeLogits::kPlain>(p, grid, stream);
 }
 
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 4, 48>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 64>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 80>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 80>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 80>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<F16Tag, KvInt8, 4, 80>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 4, 81>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 4, 81>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 4, 81>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 4, 81>(const DecodeParams&, dim3, cudaStream_t);
 
 }  // namespace attnkit::cuda::decode_detail

@@ -1,5 +1,5 @@
 // EXPERIMENT (dec11, removed before merge): 8-bit head_dim 128 variants of ATTNKIT_EXP_DEC11
-// (16 18 48 80 at 2 CTAs per SM), in an object of their own so that they compile in parallel.
+// (64 80 81 at 2 CTAs per SM), in an object of their own so that they compile in parallel.
 #include "cuda/decode/decode_dispatch.cuh"
 
 namespace attnkit::cuda::decode_detail {
@@ -11,23 +11,17 @@ void launch_dec11_exp(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   launch_kernel_instance<T, DecodeLogits::kPlain>(p, grid, stream);
 }
 
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 2, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 2, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 2, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 2, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 2, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 2, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 2, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 2, 18>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 2, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvInt8, 2, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvFp8E4M3, 2, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvInt8, 2, 48>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<Bf16Tag, KvNative, 2, 16>(const DecodeParams&, dim3, cudaStream_t);
-template void launch_dec11_exp<F16Tag, KvNative, 2, 16>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 2, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 2, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 2, 64>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 2, 64>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 2, 80>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<Bf16Tag, KvInt8, 2, 80>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<F16Tag, KvFp8E4M3, 2, 80>(const DecodeParams&, dim3, cudaStream_t);
 template void launch_dec11_exp<F16Tag, KvInt8, 2, 80>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvFp8E4M3, 2, 81>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<Bf16Tag, KvInt8, 2, 81>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvFp8E4M3, 2, 81>(const DecodeParams&, dim3, cudaStream_t);
+template void launch_dec11_exp<F16Tag, KvInt8, 2, 81>(const DecodeParams&, dim3, cudaStream_t);
 
 }  // namespace attnkit::cuda::decode_detail

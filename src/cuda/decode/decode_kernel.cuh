@@ -149,16 +149,10 @@ template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, i
           int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
           int kExp_ = 0>
 struct DecodeTraits {
-  // EXPERIMENT (dec11, removed before merge): bit 0 widens whole words (one cvt per pair).
+  // EXPERIMENT (dec11, removed before merge). Bit 0: 8-bit widening by whole words (one cvt per
+  // fp8 pair, no shifts; one byte permute per two V pairs).
   static constexpr int kExp = kExp_;
   static constexpr bool kWidenWords = (kExp_ & 1) != 0;
-  // Bit 1: quarter units (8-bit, 32 keys a warp): a tile's K and V in four units of one 16-key
-  // block each (K0, K1, V0, V1), so that more of the ring is in flight. Bit 2: a deliberate
-  // break of the quarter copy (block 1 of a warp copies the bytes of block 0), for the tests.
-  static constexpr bool kBreakQuarters = (kExp_ & 4) != 0;
-  // Bit 3: no split combine in the kernel (unsplit calls only), so that its static shared word
-  // does not keep a seventh 8 KB unit from fitting at 4 CTAs per SM.
-  static constexpr bool kNoCombine = (kExp_ & 8) != 0;
   // Bit 4: early refill (warp-local pipelines): a unit's buffer is refilled before the wait for
   // the next unit, not after it, so that all kUnits buffers are in flight during the wait.
   static constexpr bool kEarlyRefill = (kExp_ & 16) != 0;
@@ -225,23 +219,15 @@ struct DecodeTraits {
   // Warp-local pipeline: every warp copies exactly the keys it reads (one M block).
   static constexpr bool kWarpLocal = kMBlocks == 1;
   static constexpr bool kHalves = kPipe_ == DecodePipe::kSwizzledHalves && kMBlocks == 1;
-  static constexpr bool kQuarters = (kExp_ & 2) != 0 && kHalves && kSwizzle && kKeysPerWarp == 32;
-  static_assert(!kQuarters || kChunksPerToken == 8);
   // Pipeline units: a tile's K and V (full stages) or its K, then its V (halves).
-  static constexpr int kUnitsPerTile = kQuarters ? 4 : (kHalves ? 2 : 1);
-  static constexpr int kUnitBytes =
-      kQuarters ? kStageHalfBytes / 2 : (kHalves ? kStageHalfBytes : kStageBytes);
-  // (The combine's static shared word takes 128 bytes next to the dynamic memory: 7 units of 8 KB
-  // would leave no room for it at 4 CTAs per SM.)
-  static constexpr int kQuartersFit =
-      (kCtaBudget - kQOutside - (kNoCombine ? 0 : 128)) / (kStageHalfBytes / 2);
+  static constexpr int kUnitsPerTile = kHalves ? 2 : 1;
+  static constexpr int kUnitBytes = kHalves ? kStageHalfBytes : kStageBytes;
   static constexpr int kHalvesFit = (kCtaBudget - kQOutside) / kStageHalfBytes;
   // At four CTAs per SM three halves (two in flight) are the most that fit: the 4-CTA 8-bit
   // kernel at head_dim 128 (3 x 16 KB).
   static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
-      kQuarters ? (kQuartersFit > 4 * kMaxStages ? 4 * kMaxStages : kQuartersFit)
-      : kHalves
+      kHalves
           ? (kHalvesFit < kMinHalves ? kMinHalves
                                      : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
           : kStages;
@@ -253,7 +239,6 @@ struct DecodeTraits {
   static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
   static constexpr int kSmemBytes = kQOutside + kPipelineBytes;
   static_assert(!kSwizzle || kQBytes <= kUnitBytes);
-  static_assert(!kQuarters || kUnits >= 5);
   static constexpr int kMinCtasPerSm =
       std::max(1, std::min(std::max(kTargetCtasPerSm, 3), kDecodeSmemPerSm / (kSmemBytes + 1024)));
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
@@ -663,52 +648,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   };
 
-  // Quarter units: copies K (or V, from `base`) of 16-key block b of this warp's 32 keys (lanes
-  // 16b .. 16b + 15 hold their offsets) into rows 16 * warp .. + 15 of `dst`.
-  auto copy_block = [&](int64_t my_offset, uint8_t* dst, const uint8_t* base, int b) {
-    constexpr int kKeys = 16;
-    constexpr int kCpt = Traits::kChunksPerToken;
-    constexpr int kChunks = kKeys * kCpt;
-    constexpr int kTokenBytes = kCpt * 16;
-    constexpr int kRB = Traits::kKvRowBytes;
-    const int key0 = kKeys * b;
-    const uint32_t warp_dst = smem_u32(dst) + warp * kKeys * kRB;
-    const int64_t first = __shfl_sync(0xffffffffu, my_offset, key0);
-    const bool mine = lane >= key0 && lane < key0 + kKeys;
-    if (__all_sync(0xffffffffu,
-                   !mine || (my_offset >= 0 && my_offset == first + (lane - key0) * kTokenBytes))) {
-      const int64_t src_first =
-          Traits::kBreakQuarters ? __shfl_sync(0xffffffffu, my_offset, 0) : first;
-      const uint8_t* src = base + src_first + lane * 16;
-#pragma unroll
-      for (int c0 = 0; c0 < kChunks; c0 += 32) {
-        const int r = c0 / kCpt + lane / kCpt;
-        decode_cp_async_16_full(warp_dst + r * kRB + (((lane % kCpt) ^ (r & 7)) * 16),
-                                src + c0 * 16);
-      }
-      return;
-    }
-#pragma unroll
-    for (int c0 = 0; c0 < kChunks; c0 += 32) {
-      const int c = c0 + lane;
-      const int token = c / kCpt, part = c % kCpt;
-      const int64_t key_offset = __shfl_sync(0xffffffffu, my_offset, key0 + token);
-      const bool valid = key_offset >= 0;
-      cp_async_16(warp_dst + token * kRB + ((part ^ (token & 7)) * 16),
-                  valid ? base + key_offset + part * 16 : base, valid);
-    }
-  };
-  // Copies unit `part` of a tile: K / V (halves: parts 0 / 1), K0, K1, V0, V1 (quarters).
-  auto copy_unit = [&](int64_t my_offset, uint8_t* dst, int part) {
-    if constexpr (Traits::kQuarters) {
-      copy_block(my_offset, dst, part >= 2 ? p.kv.v_base : p.kv.k_base, part % 2);
-    } else if constexpr (Traits::kHalves) {
-      copy_tile(my_offset, dst, dst, part == 0, part == 1);
-    } else {
-      copy_tile(my_offset, dst, dst + Traits::kStageHalfBytes, true, true);
-    }
-  };
-
   const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
   const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
   const float qk_scale = p.softmax_scale * k_scale;
@@ -755,7 +694,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     for (int u = 0; u < kUnits - 1; ++u) {
       const int tile = u / kUnitsPerTile;
       uint8_t* dst = pipe_smem + u * Traits::kUnitBytes;
-      if (tile < num_tiles) copy_unit(offsets[tile], dst, u % kUnitsPerTile);
+      if (tile < num_tiles) {
+        if constexpr (Traits::kHalves) {
+          copy_tile(offsets[tile], dst, dst, u % 2 == 0, u % 2 == 1);
+        } else {
+          copy_tile(offsets[tile], dst, dst + Traits::kStageHalfBytes, true, true);
+        }
+      }
       cp_async_commit();
     }
     issue_offset = offsets[kIssueTile];
@@ -771,7 +716,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       // The warp has read the unit consumed before (program order; the barrier orders its
       // lanes): refill its buffer first, then wait for the next unit with kUnits in flight.
       __syncwarp();
-      if (issue_tile < num_tiles) copy_unit(issue_offset, dst, part);
+      if (issue_tile < num_tiles) {
+        if constexpr (Traits::kHalves) {
+          copy_tile(issue_offset, dst, dst, part == 0, part == 1);
+        } else {
+          copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
+        }
+      }
       cp_async_commit();
       cp_async_wait<Traits::kBreakEarly ? kUnits : kUnits - 1>();
       __syncwarp();
@@ -782,12 +733,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       } else {
         __syncthreads();
       }
-      if (issue_tile < num_tiles) copy_unit(issue_offset, dst, part);
+      if (issue_tile < num_tiles) {
+        if constexpr (Traits::kHalves) {
+          copy_tile(issue_offset, dst, dst, part == 0, part == 1);
+        } else {
+          copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
+        }
+      }
       cp_async_commit();
     }
     // The next block-table read overlaps this tile's math.
     if constexpr (Traits::kHalves) {
-      if (part == kUnitsPerTile - 1) {
+      if (part == 1) {
         issue_offset = ahead_offset;
         ahead_offset = key_offset(issue_tile + 2);
       }
@@ -840,19 +797,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
-    // Consuming part c of this tile issues unit c + kUnits - 1 ahead.
-    auto consume = [&](auto c) -> const uint8_t* {
-      constexpr int kAhead = decltype(c)::value + kUnits - 1;
-      return next_unit(tile + kAhead / kUnitsPerTile, kAhead % kUnitsPerTile);
-    };
-    const uint8_t* k_smem = consume(std::integral_constant<int, 0>{});
+    const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {
-      if constexpr (Traits::kQuarters) {
-        return nullptr;  // V0 and V1 are waited for by the PV loop
-      } else if constexpr (Traits::kHalves) {
-        return consume(std::integral_constant<int, 1>{});
+      if constexpr (Traits::kHalves) {
+        return next_unit(tile + kUnits / 2, kUnits % 2);
       } else {
         return k_smem + Traits::kStageHalfBytes;
       }
@@ -863,20 +813,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       constexpr int kSub = Traits::kKeysPerWarp / 16;  // 16-key blocks of a warp
       float s[kSub][4] = {}, s_odd[kSub][4] = {};
       if constexpr (Traits::kDirect) {
+        const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int b = 0; b < kSub; ++b) {
-          // This warp's rows of 16-key block b: in a unit of their own with quarter units.
-          const uint8_t* k_rows = k_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
-          int row0 = 16 * b;
-          if constexpr (Traits::kQuarters) {
-            const uint8_t* unit = b == 0 ? k_smem : consume(std::integral_constant<int, 1>{});
-            k_rows = unit + key_warp * 16 * Traits::kKvRowBytes;
-            row0 = 0;
-          }
 #pragma unroll
           for (int kk = 0; kk < kD / 16; kk += 2) {
             uint32_t x[4];
-            ldmatrix_x4(x, smem_u32(k_rows + kv_byte(row0 + ((lane / 8) % 2) * 8 + lane % 8,
+            ldmatrix_x4(x, smem_u32(k_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
                                                      kk + lane / 16)));
 #pragma unroll
             for (int step = 0; step < 2; ++step) {
@@ -976,20 +919,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if constexpr (Traits::kDirect) {
         // Byte rows through .trans: lane (g, t) gets V[2t][2g], V[2t][2g+1], V[2t+1][2g],
         // V[2t+1][2g+1] of a 16-d chunk; MMA row g is d = 2g, row g + 8 is d = 2g + 1.
+        const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
 #pragma unroll
         for (int b = 0; b < kSub; ++b) {
-          const uint8_t* v_rows = v_smem + key_warp * Traits::kKeysPerWarp * Traits::kKvRowBytes;
-          int row0 = 16 * b;
-          if constexpr (Traits::kQuarters) {
-            const uint8_t* unit = b == 0 ? consume(std::integral_constant<int, 2>{})
-                                         : consume(std::integral_constant<int, 3>{});
-            v_rows = unit + key_warp * 16 * Traits::kKvRowBytes;
-            row0 = 0;
-          }
 #pragma unroll
           for (int cc = 0; cc < kD / 16; cc += 2) {
             uint32_t x[4];
-            ldmatrix_x4_trans(x, smem_u32(v_rows + kv_byte(row0 + ((lane / 8) % 2) * 8 + lane % 8,
+            ldmatrix_x4_trans(x, smem_u32(v_rows + kv_byte(16 * b + ((lane / 8) % 2) * 8 + lane % 8,
                                                            cc + lane / 16)));
 #pragma unroll
             for (int step = 0; step < 2; ++step) {
@@ -1236,13 +1172,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (d == 0) p.partial_lse[slot] = lse;
     }
   }
-  if constexpr (!Traits::kNoCombine) {
-    if (p.num_splits > 1 && p.split_counters != nullptr) {
-      // The merge buffers are dead after this barrier: the combine reuses them.
-      __syncthreads();
-      decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
-                                         reinterpret_cast<float*>(pipe_smem));
-    }
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
+    // The merge buffers are dead after this barrier: the combine reuses them.
+    __syncthreads();
+    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
+                                       reinterpret_cast<float*>(pipe_smem));
   }
 }
 
