@@ -6,8 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #include "attnkit/types.h"
@@ -41,84 +39,6 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
   check_launch("decode_kernel");
 }
 
-// EXPERIMENT (dec11, removed before merge): ATTNKIT_EXP_DEC11 selects variants of the 8-bit
-// head_dim 128 kernels with groups of up to 8 heads (plain logits), as tokens joined by '+': words
-// (bit 0: one cvt per fp8 pair), early (bit 4: refill before the wait; also the bf16 kernel of that
-// shape), early_broken (bits 4 + 5: a deliberate break), runs (bit 6: a warp's 32 keys copied as
-// two linear runs of 16), split4 (bit 7, host only: the split heuristic counts 4 CTAs per SM for
-// those kernels); unset or "base": the default kernels (0).
-inline int decode_exp_dec11() {
-  static const int value = [] {
-    const char* e = std::getenv("ATTNKIT_EXP_DEC11");
-    if (e == nullptr || std::strcmp(e, "base") == 0) return 0;
-    int bits = 0;
-    const char* t = e;
-    while (*t != '\0') {
-      const char* end = std::strchr(t, '+');
-      const size_t n = end == nullptr ? std::strlen(t) : static_cast<size_t>(end - t);
-      auto is = [&](const char* name) {
-        return std::strlen(name) == n && std::strncmp(t, name, n) == 0;
-      };
-      if (is("words")) {
-        bits |= 1;
-      } else if (is("early")) {
-        bits |= 16;
-      } else if (is("early_broken")) {
-        bits |= 48;
-      } else if (is("runs")) {
-        bits |= 64;
-      } else if (is("split4")) {
-        bits |= 128;
-      } else {
-        detail::fail("ATTNKIT_EXP_DEC11: '", e,
-                     "' (accepted: base or tokens words, early, early_broken, runs, split4 joined "
-                     "by '+')");
-      }
-      t += n;
-      if (*t == '+') ++t;
-    }
-    return bits;
-  }();
-  return value;
-}
-
-// One variant's launch; instantiated in decode_hd128_dec11_*.cu (four objects that compile in
-// parallel).
-template <typename QTag, typename Kv, int kCtas, int kExp>
-void launch_dec11_exp(const DecodeParams& p, dim3 grid, cudaStream_t stream);
-
-// Launches the kernel variant selected by decode_exp_dec11() (false: none selected).
-template <typename QTag, typename Kv, int kCtas>
-bool launch_dec11(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
-  const int exp = decode_exp_dec11() & 127;
-  switch (exp) {
-    case 0:
-      return false;
-    case 1:
-      launch_dec11_exp<QTag, Kv, kCtas, 1>(p, grid, stream);
-      return true;
-    case 16:
-      launch_dec11_exp<QTag, Kv, kCtas, 16>(p, grid, stream);
-      return true;
-    case 17:
-      launch_dec11_exp<QTag, Kv, kCtas, 17>(p, grid, stream);
-      return true;
-    case 48:
-      launch_dec11_exp<QTag, Kv, kCtas, 48>(p, grid, stream);
-      return true;
-    case 64:
-      launch_dec11_exp<QTag, Kv, kCtas, 64>(p, grid, stream);
-      return true;
-    case 80:
-      launch_dec11_exp<QTag, Kv, kCtas, 80>(p, grid, stream);
-      return true;
-    case 81:
-      launch_dec11_exp<QTag, Kv, kCtas, 81>(p, grid, stream);
-      return true;
-  }
-  detail::fail("ATTNKIT_EXP_DEC11: variant ", exp, " is not compiled");
-}
-
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
@@ -132,23 +52,9 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
   // measured and keep 2.
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
-    using QTag = typename Traits::QTag;
-    using Kv = typename Traits::Kv;
-    if (!transformed && (wide_grid ? launch_dec11<QTag, Kv, 4>(p, grid, stream)
-                                   : launch_dec11<QTag, Kv, 2>(p, grid, stream))) {
-      return;
-    }
     if (!transformed && wide_grid) {
       using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
       launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);
-      return;
-    }
-  }
-  if constexpr (Traits::kHeadDim == 128 && !Traits::k8Bit && Traits::kM == 8 &&
-                Traits::kTargetCtasPerSm == 2) {
-    // EXPERIMENT (dec11): the early refill for 16-bit caches as well.
-    if (!transformed && (decode_exp_dec11() & 16) != 0) {
-      launch_dec11_exp<typename Traits::QTag, KvNative, 2, 16>(p, grid, stream);
       return;
     }
   }
@@ -179,9 +85,9 @@ DecodeKernelInfo info_traits() {
   DecodeKernelInfo info;
   info.tile_n = Traits::kTileN;
   info.ctas_per_sm = ctas;
-  if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8) {
-    // EXPERIMENT (dec11): split4 counts the 4-CTA kernel's slots.
-    if ((decode_exp_dec11() & 128) != 0) info.ctas_per_sm = 4;
+  if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
+                Traits::kTargetCtasPerSm == 2) {
+    info.wide_ctas_per_sm = 4;  // launch_traits' 4-CTA kernel
   }
   return info;
 }

@@ -47,8 +47,9 @@ struct KvFp8E4M3 {
       return pack_pair<Tag>(f.x, f.y);
     }
   }
-  // Both pairs of a word: bytes (0, 1) and (2, 3), the high half read in place by the cvt (no
-  // shift).
+  // Both pairs of a word, bytes (0, 1) and (2, 3): the cvt reads the high half in place, where
+  // widen<Tag, 2, 3> needs a shift first (H200, round 2 at 21:22 UTC, same run, fp8 64 x 4k
+  // 4.187 -> 4.215 TB/s with both widenings by words).
   template <typename Tag>
   __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
     if constexpr (std::is_same_v<Tag, F16Tag>) {
@@ -61,7 +62,8 @@ struct KvFp8E4M3 {
       hi = widen<Tag, 2, 3>(word);
     }
   }
-  // Bytes (0, 2) and (1, 3) of a word: one byte permute for both pairs.
+  // Bytes (0, 2) and (1, 3) of a word: one byte permute for both pairs (widen<Tag, 0, 2> and
+  // widen<Tag, 1, 3> take one each).
   template <typename Tag>
   __device__ __forceinline__ static void widen_word_interleaved(uint32_t word, uint32_t& even,
                                                                 uint32_t& odd) {
@@ -88,6 +90,8 @@ struct KvInt8 {
       return pack_pair<Tag>(lo, hi);
     }
   }
+  // The pairs of a word as KvFp8E4M3's (the byte permutes and the f16x2 subtracts are per pair
+  // already).
   template <typename Tag>
   __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
     lo = widen<Tag, 0, 1>(word);
@@ -146,20 +150,8 @@ constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ = decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
-          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
-          int kExp_ = 0>
+          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_)>
 struct DecodeTraits {
-  // EXPERIMENT (dec11, removed before merge). Bit 0: 8-bit widening by whole words (one cvt per
-  // fp8 pair, no shifts; one byte permute per two V pairs).
-  static constexpr int kExp = kExp_;
-  static constexpr bool kWidenWords = (kExp_ & 1) != 0;
-  // Bit 4: early refill (warp-local pipelines): a unit's buffer is refilled before the wait for
-  // the next unit, not after it, so that all kUnits buffers are in flight during the wait.
-  static constexpr bool kEarlyRefill = (kExp_ & 16) != 0;
-  // Bit 5: a deliberate break of the early refill (no wait for the unit), for the tests.
-  static constexpr bool kBreakEarly = (kExp_ & 32) != 0;
-  // Bit 6: the linear copy of a warp's 32 keys also takes two runs of 16 (pages of 16 keys).
-  static constexpr bool kRuns16 = (kExp_ & 64) != 0 && kKeysPerWarp_ == 32;
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
   using Kv = Kv_;
@@ -575,14 +567,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     // Fast path (warp-uniform): the warp's keys are consecutive tokens of one page run (the usual
     // case), so its copy is one linear run of kChunks 16-byte pieces from the first key.
     const int64_t first = __shfl_sync(0xffffffffu, my_offset, 0);
-    // With kRuns16: keys 16-31 may start a run of their own (pages of 16 keys).
+    // With 32 keys a warp (8-bit caches at head_dim 128), keys 16-31 may start a run of their
+    // own: pages of 16 keys are copied linearly as well, not through the per-token shuffles.
+    // H200, round 2 at 21:22 UTC, same run: fp8 64 x 4k page 16 4.10 -> 4.20 TB/s (page 32: 4.20).
+    constexpr bool kTwoRuns = kCopyKeys == 32;
     int64_t second = first + 16 * kTokenBytes;
     bool linear;
-    if constexpr (Traits::kRuns16) {
+    if constexpr (kTwoRuns) {
       second = __shfl_sync(0xffffffffu, my_offset, 16);
       const int64_t run_first = lane >= 16 ? second : first;
       linear = __all_sync(0xffffffffu,
                           my_offset >= 0 && my_offset == run_first + (lane % 16) * kTokenBytes);
+#if defined(ATTNKIT_DECODE_BREAK_TWO_RUNS)
+      second = first + 16 * kTokenBytes;  // deliberate break (tests only): the second run's start
+#endif
     } else {
       linear =
           __all_sync(0xffffffffu, lane >= kCopyKeys ||
@@ -592,7 +590,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       constexpr int kCpt = Traits::kChunksPerToken;
       const uint8_t* k_src = p.kv.k_base + first + lane * 16;
       const uint8_t* v_src = p.kv.v_base + first + lane * 16;
-      // The second run's pointers, for chunks base >= kChunks / 2 (kRuns16).
+      // The second run's sources, for the chunks of keys 16-31 (base >= kChunks / 2).
       const uint8_t* k_src2 = p.kv.k_base + second - (kChunks / 2) * 16 + lane * 16;
       const uint8_t* v_src2 = p.kv.v_base + second - (kChunks / 2) * 16 + lane * 16;
       // This lane's destination for base = 0; the per-iteration part is a constant when the
@@ -619,7 +617,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           } else {
             dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
           }
-          const bool run2 = Traits::kRuns16 && base >= kChunks / 2;
+          const bool run2 = kTwoRuns && base >= kChunks / 2;
           if (copy_k) decode_cp_async_16_full(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16);
           if (copy_v) decode_cp_async_16_full(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16);
         }
@@ -711,37 +709,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // kUnits - 1 ahead (a tile's K for part 0, its V for part 1; both for full stages), and returns
   // the shared memory of the unit to consume.
   auto next_unit = [&](int issue_tile, int part) -> uint8_t* {
-    uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
-    if constexpr (Traits::kEarlyRefill && Traits::kWarpLocal) {
-      // The warp has read the unit consumed before (program order; the barrier orders its
-      // lanes): refill its buffer first, then wait for the next unit with kUnits in flight.
-      __syncwarp();
-      if (issue_tile < num_tiles) {
-        if constexpr (Traits::kHalves) {
-          copy_tile(issue_offset, dst, dst, part == 0, part == 1);
-        } else {
-          copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
-        }
-      }
-      cp_async_commit();
-      cp_async_wait<Traits::kBreakEarly ? kUnits : kUnits - 1>();
+    cp_async_wait<kUnits - 2>();
+    if constexpr (Traits::kWarpLocal) {
       __syncwarp();
     } else {
-      cp_async_wait<kUnits - 2>();
-      if constexpr (Traits::kWarpLocal) {
-        __syncwarp();
-      } else {
-        __syncthreads();
-      }
-      if (issue_tile < num_tiles) {
-        if constexpr (Traits::kHalves) {
-          copy_tile(issue_offset, dst, dst, part == 0, part == 1);
-        } else {
-          copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
-        }
-      }
-      cp_async_commit();
+      __syncthreads();
     }
+    uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
+    if (issue_tile < num_tiles) {
+      if constexpr (Traits::kHalves) {
+        copy_tile(issue_offset, dst, dst, part == 0, part == 1);
+      } else {
+        copy_tile(issue_offset, dst, dst + Traits::kStageHalfBytes, true, true);
+      }
+    }
+    cp_async_commit();
     // The next block-table read overlaps this tile's math.
     if constexpr (Traits::kHalves) {
       if (part == 1) {
@@ -826,15 +808,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
               if (kk + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
                 uint32_t a[4];
-                if constexpr (Traits::kWidenWords) {
-                  Kv::template widen_word<MmaTag>(lo, a[0], a[2]);
-                  Kv::template widen_word<MmaTag>(hi, a[1], a[3]);
-                } else {
-                  a[0] = Kv::template widen<MmaTag, 0, 1>(lo);
-                  a[1] = Kv::template widen<MmaTag, 0, 1>(hi);
-                  a[2] = Kv::template widen<MmaTag, 2, 3>(lo);
-                  a[3] = Kv::template widen<MmaTag, 2, 3>(hi);
-                }
+                Kv::template widen_word<MmaTag>(lo, a[0], a[2]);
+                Kv::template widen_word<MmaTag>(hi, a[1], a[3]);
                 if (step == 0) {
                   mma_m16n8k16<MmaTag>(s[b], a, q_frag[kk + step]);
                 } else {
@@ -932,15 +907,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
               if (cc + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
                 uint32_t a[4];
-                if constexpr (Traits::kWidenWords) {
-                  Kv::template widen_word_interleaved<MmaTag>(lo, a[0], a[1]);
-                  Kv::template widen_word_interleaved<MmaTag>(hi, a[2], a[3]);
-                } else {
-                  a[0] = Kv::template widen<MmaTag, 0, 2>(lo);
-                  a[1] = Kv::template widen<MmaTag, 1, 3>(lo);
-                  a[2] = Kv::template widen<MmaTag, 0, 2>(hi);
-                  a[3] = Kv::template widen<MmaTag, 1, 3>(hi);
-                }
+                Kv::template widen_word_interleaved<MmaTag>(lo, a[0], a[1]);
+                Kv::template widen_word_interleaved<MmaTag>(hi, a[2], a[3]);
                 mma_m16n8k16<MmaTag>(o[cc + step], a, pb[b]);
               }
             }
@@ -978,8 +946,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #pragma unroll
               for (int n = 0; n < 2; ++n) {
                 const uint32_t word = b[2 * step + n];
-                const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
-                                        Kv::template widen<MmaTag, 2, 3>(word)};
+                uint32_t bn[2];
+                Kv::template widen_word<MmaTag>(word, bn[0], bn[1]);
                 mma_m16n8k16<MmaTag>(s[n], a, bn);
               }
             }
@@ -1067,10 +1035,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           for (int step = 0; step < 2; ++step) {
             if (cc + step < kD / 16) {
               const uint32_t lo = b[2 * step], hi = b[2 * step + 1];  // keys 0-7, keys 8-15
-              const uint32_t even[2] = {Kv::template widen<MmaTag, 0, 2>(lo),
-                                        Kv::template widen<MmaTag, 0, 2>(hi)};
-              const uint32_t odd[2] = {Kv::template widen<MmaTag, 1, 3>(lo),
-                                       Kv::template widen<MmaTag, 1, 3>(hi)};
+              uint32_t even[2], odd[2];
+              Kv::template widen_word_interleaved<MmaTag>(lo, even[0], odd[0]);
+              Kv::template widen_word_interleaved<MmaTag>(hi, even[1], odd[1]);
               mma_m16n8k16<MmaTag>(o[2 * (cc + step)], pa, even);
               mma_m16n8k16<MmaTag>(o[2 * (cc + step) + 1], pa, odd);
             }
