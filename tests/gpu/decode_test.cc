@@ -791,19 +791,22 @@ TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
 }
 
 // 8-bit caches at head_dim 128, plain logits: when the heuristic's split count for the 4-CTA
-// kernel fills it with splits of at least 4k keys, the call takes that count and that kernel
-// (here 4 rows x 32 KV heads: 4 splits, 512 CTAs, where 2 CTAs per SM would take 2 splits); pages
+// kernel fills it with splits of at least 4k keys, the call takes that count and that kernel. 16
+// rows x 8 KV heads with max_seq_len 16400 (a row capacity; the rows themselves are short, which
+// keeps the reference cheap): 4 splits and 512 CTAs, where 2 CTAs per SM would take 2 splits. Pages
 // 16 (two linear runs a warp) and 32, against the quantized reference.
 TEST(DecodeFused, QuantizedKvWideSplitsOfTheFourCtaKernel) {
   ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() ^ 1650);
   uint64_t salt = 1650;
   for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
     DecodeCase c;
     c.kv_dtype = kv;
-    c.hq = 32;
-    c.hkv = 32;
+    c.hq = 8;
+    c.hkv = 8;
     c.page = kv == DType::kFp8E4M3 ? 16 : 32;
-    c.seq_lens = {16400, 12001, 4097, 1};
+    c.seq_lens = lengths(rng, 16, c.page, 1200);
+    c.max_seq_len = 16400;
     c.num_splits = 0;
     run_case(c, salt++);
   }
