@@ -791,6 +791,28 @@ TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
   }
 }
 
+// 8-bit caches at head_dim 128, plain logits: when the heuristic's split count for the 4-CTA
+// kernel fills it with splits of at least 4k keys, the call takes that count and that kernel. 16
+// rows x 8 KV heads with max_seq_len 16400 (a row capacity; the rows themselves are short, which
+// keeps the reference cheap): 4 splits and 512 CTAs, where 2 CTAs per SM would take 2 splits. Pages
+// 16 (two linear runs a warp) and 32, against the quantized reference.
+TEST(DecodeFused, QuantizedKvWideSplitsOfTheFourCtaKernel) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() ^ 1650);
+  uint64_t salt = 1650;
+  for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+    DecodeCase c;
+    c.kv_dtype = kv;
+    c.hq = 8;
+    c.hkv = 8;
+    c.page = kv == DType::kFp8E4M3 ? 16 : 32;
+    c.seq_lens = lengths(rng, 16, c.page, 1200);
+    c.max_seq_len = 16400;
+    c.num_splits = 0;
+    run_case(c, salt++);
+  }
+}
+
 // 8-bit caches at head_dim 128 with groups of up to 8 heads (128-key tiles, 32 keys a warp) at
 // every page size: rows around the 64- and 128-key boundaries on a narrow grid (unsplit and 3
 // splits; the 2-CTA kernel) and on a wide one (8 rows x 8 KV heads x 8 forced splits: the 4-CTA

@@ -102,6 +102,10 @@ DecodeKernelInfo info_traits() {
   DecodeKernelInfo info;
   info.tile_n = Traits::kTileN;
   info.ctas_per_sm = ctas;
+  if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
+                Traits::kTargetCtasPerSm == 2) {
+    info.wide_ctas_per_sm = 4;  // launch_traits' 4-CTA kernel
+  }
   return info;
 }
 

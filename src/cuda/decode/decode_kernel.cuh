@@ -47,6 +47,28 @@ struct KvFp8E4M3 {
       return pack_pair<Tag>(f.x, f.y);
     }
   }
+  // Both pairs of a word, bytes (0, 1) and (2, 3): the cvt reads the high half in place, where
+  // widen<Tag, 2, 3> needs a shift first (H200, round 2 at 21:22 UTC, same run, fp8 64 x 4k
+  // 4.187 -> 4.215 TB/s with both widenings by words).
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
+    if constexpr (std::is_same_v<Tag, F16Tag>) {
+      asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+          "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+          : "=r"(lo), "=r"(hi)
+          : "r"(word));
+    } else {
+      lo = widen<Tag, 0, 1>(word);
+      hi = widen<Tag, 2, 3>(word);
+    }
+  }
+  // Bytes (0, 2) and (1, 3) of a word: one byte permute for both pairs (widen<Tag, 0, 2> and
+  // widen<Tag, 1, 3> take one each).
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word_interleaved(uint32_t word, uint32_t& even,
+                                                                uint32_t& odd) {
+    widen_word<Tag>(__byte_perm(word, 0, 0x3120), even, odd);
+  }
 };
 struct KvInt8 {
   static constexpr int kBytes = 1;
@@ -67,6 +89,19 @@ struct KvInt8 {
       const float hi = static_cast<float>(static_cast<int8_t>((word >> (8 * kHi)) & 0xff));
       return pack_pair<Tag>(lo, hi);
     }
+  }
+  // The pairs of a word as KvFp8E4M3's (the byte permutes and the f16x2 subtracts are per pair
+  // already).
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
+    lo = widen<Tag, 0, 1>(word);
+    hi = widen<Tag, 2, 3>(word);
+  }
+  template <typename Tag>
+  __device__ __forceinline__ static void widen_word_interleaved(uint32_t word, uint32_t& even,
+                                                                uint32_t& odd) {
+    even = widen<Tag, 0, 2>(word);
+    odd = widen<Tag, 1, 3>(word);
   }
 };
 
@@ -554,11 +589,32 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     // Fast path (warp-uniform): the warp's keys are consecutive tokens of one page run (the usual
     // case), so its copy is one linear run of kChunks 16-byte pieces from the first key.
     const int64_t first = __shfl_sync(0xffffffffu, my_offset, 0);
-    if (__all_sync(0xffffffffu, lane >= kCopyKeys ||
-                                    (my_offset >= 0 && my_offset == first + lane * kTokenBytes))) {
+    // With 32 keys a warp (8-bit caches at head_dim 128), keys 16-31 may start a run of their
+    // own: pages of 16 keys are copied linearly as well, not through the per-token shuffles.
+    // H200, round 2 at 21:22 UTC, same run: fp8 64 x 4k page 16 4.10 -> 4.20 TB/s (page 32: 4.20).
+    constexpr bool kTwoRuns = kCopyKeys == 32;
+    int64_t second = first + 16 * kTokenBytes;
+    bool linear;
+    if constexpr (kTwoRuns) {
+      second = __shfl_sync(0xffffffffu, my_offset, 16);
+      const int64_t run_first = lane >= 16 ? second : first;
+      linear = __all_sync(0xffffffffu,
+                          my_offset >= 0 && my_offset == run_first + (lane % 16) * kTokenBytes);
+#if defined(ATTNKIT_DECODE_BREAK_TWO_RUNS)
+      second = first + 16 * kTokenBytes;  // deliberate break (tests only): the second run's start
+#endif
+    } else {
+      linear =
+          __all_sync(0xffffffffu, lane >= kCopyKeys ||
+                                      (my_offset >= 0 && my_offset == first + lane * kTokenBytes));
+    }
+    if (linear) {
       constexpr int kCpt = Traits::kChunksPerToken;
       const uint8_t* k_src = p.kv.k_base + first + lane * 16;
       const uint8_t* v_src = p.kv.v_base + first + lane * 16;
+      // The second run's sources, for the chunks of keys 16-31 (base >= kChunks / 2).
+      const uint8_t* k_src2 = p.kv.k_base + second - (kChunks / 2) * 16 + lane * 16;
+      const uint8_t* v_src2 = p.kv.v_base + second - (kChunks / 2) * 16 + lane * 16;
       // This lane's destination for base = 0; the per-iteration part is a constant when the
       // pieces of a token divide (or are a multiple of) the 32 lanes.
       const uint32_t lane_dst =
@@ -583,8 +639,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           } else {
             dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
           }
-          if (copy_k) decode_cp_async_16_full(k_lane + dst, k_src + base * 16);
-          if (copy_v) decode_cp_async_16_full(v_lane + dst, v_src + base * 16);
+          const bool run2 = kTwoRuns && base >= kChunks / 2;
+          if (copy_k) decode_cp_async_16_full(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16);
+          if (copy_v) decode_cp_async_16_full(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16);
         }
       }
       return;
@@ -772,9 +829,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
             for (int step = 0; step < 2; ++step) {
               if (kk + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys g, g + 8
-                const uint32_t a[4] = {
-                    Kv::template widen<MmaTag, 0, 1>(lo), Kv::template widen<MmaTag, 0, 1>(hi),
-                    Kv::template widen<MmaTag, 2, 3>(lo), Kv::template widen<MmaTag, 2, 3>(hi)};
+                uint32_t a[4];
+                Kv::template widen_word<MmaTag>(lo, a[0], a[2]);
+                Kv::template widen_word<MmaTag>(hi, a[1], a[3]);
                 if (step == 0) {
                   mma_m16n8k16<MmaTag>(s[b], a, q_frag[kk + step]);
                 } else {
@@ -871,9 +928,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
             for (int step = 0; step < 2; ++step) {
               if (cc + step < kD / 16) {
                 const uint32_t lo = x[2 * step], hi = x[2 * step + 1];  // keys 0-7, keys 8-15
-                const uint32_t a[4] = {
-                    Kv::template widen<MmaTag, 0, 2>(lo), Kv::template widen<MmaTag, 1, 3>(lo),
-                    Kv::template widen<MmaTag, 0, 2>(hi), Kv::template widen<MmaTag, 1, 3>(hi)};
+                uint32_t a[4];
+                Kv::template widen_word_interleaved<MmaTag>(lo, a[0], a[1]);
+                Kv::template widen_word_interleaved<MmaTag>(hi, a[2], a[3]);
                 mma_m16n8k16<MmaTag>(o[cc + step], a, pb[b]);
               }
             }
@@ -911,8 +968,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #pragma unroll
               for (int n = 0; n < 2; ++n) {
                 const uint32_t word = b[2 * step + n];
-                const uint32_t bn[2] = {Kv::template widen<MmaTag, 0, 1>(word),
-                                        Kv::template widen<MmaTag, 2, 3>(word)};
+                uint32_t bn[2];
+                Kv::template widen_word<MmaTag>(word, bn[0], bn[1]);
                 mma_m16n8k16<MmaTag>(s[n], a, bn);
               }
             }
@@ -1000,10 +1057,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           for (int step = 0; step < 2; ++step) {
             if (cc + step < kD / 16) {
               const uint32_t lo = b[2 * step], hi = b[2 * step + 1];  // keys 0-7, keys 8-15
-              const uint32_t even[2] = {Kv::template widen<MmaTag, 0, 2>(lo),
-                                        Kv::template widen<MmaTag, 0, 2>(hi)};
-              const uint32_t odd[2] = {Kv::template widen<MmaTag, 1, 3>(lo),
-                                       Kv::template widen<MmaTag, 1, 3>(hi)};
+              uint32_t even[2], odd[2];
+              Kv::template widen_word_interleaved<MmaTag>(lo, even[0], odd[0]);
+              Kv::template widen_word_interleaved<MmaTag>(hi, even[1], odd[1]);
               mma_m16n8k16<MmaTag>(o[2 * (cc + step)], pa, even);
               mma_m16n8k16<MmaTag>(o[2 * (cc + step) + 1], pa, odd);
             }

@@ -233,13 +233,26 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
     // The heuristic counts the resident CTAs of the 2-CTA-per-SM kernels (8-bit caches included:
-    // their 4-CTA kernel is only taken by grids that fill it, below).
+    // their 4-CTA kernel is only taken by grids that fill it, below, and counted just after).
     int64_t max_keys = p.max_seq_len;
     if (params.window > 0) {
       max_keys =
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
     params.num_splits = decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
+    // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
+    // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
+    // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8
+    // TB/s: 32 x 32k 4.24 (1 split, 2 CTAs per SM) -> 4.36 (2 splits, 4), 16 x 32k 4.17 (2) ->
+    // 4.28 (4); 1 x 32k keeps its 32 splits (52 at 4 CTAs per SM did not fill it: 2.61 -> 2.17).
+    if (info.wide_ctas_per_sm > 0 && !spec.alibi && spec.logit_softcap <= 0.0) {
+      const int32_t wide =
+          decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n);
+      if (ctas * wide * 100 >= static_cast<int64_t>(sm_count) * 380 &&
+          max_keys / wide >= 32 * static_cast<int64_t>(info.tile_n)) {
+        params.num_splits = wide;
+      }
+    }
   }
   // Four CTAs per SM, at 95% of a wave: the grid keeps the 4-CTA 8-bit kernel busy.
   choice.wide_grid = ctas * params.num_splits * 100 >= static_cast<int64_t>(sm_count) * 380;

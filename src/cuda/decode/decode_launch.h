@@ -11,6 +11,9 @@ namespace attnkit::cuda {
 struct DecodeKernelInfo {
   int ctas_per_sm = 1;  // resident CTAs per SM (the split heuristic's unit of parallelism)
   int tile_n = 64;      // keys per pipeline tile (splits are whole tiles)
+  // Resident CTAs per SM of the kernel that wide grids take with plain logits (4 for the 8-bit
+  // caches at head_dim 128 with groups <= 8); 0: none.
+  int wide_ctas_per_sm = 0;
 };
 
 // Which tile configuration serves a call: heads_per_cta = DecodeTraits::kM (8: keys as MMA rows,
