@@ -4,7 +4,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -155,6 +158,77 @@ DeviceLimits device_limits(int ordinal) {
 
 bool is_8bit(DType dtype) { return dtype == DType::kFp8E4M3 || dtype == DType::kInt8; }
 
+// EXPERIMENT (pre9, session 6; removed before merge): host-side variants for same-run A/B.
+// ATTNKIT_EXP_PRE9_TILE=m128|m64|m128w4|m128w4n128 forces a tile when the call forces none;
+// ATTNKIT_EXP_PRE9_WAVES=<x> sets the section size to x resident waves (all: one section);
+// ATTNKIT_EXP_PRE9_RUNS=off takes the general paged kernels for a block table.
+std::optional<PrefillTile> exp_tile() {
+  const char* v = std::getenv("ATTNKIT_EXP_PRE9_TILE");
+  if (v == nullptr || *v == 0) return std::nullopt;
+  for (PrefillTile t : kAllPrefillTiles) {
+    if (std::strcmp(v, prefill_tile_name(t)) == 0) return t;
+  }
+  ATTNKIT_CHECK(false, "ATTNKIT_EXP_PRE9_TILE: unknown tile ", v);
+  return std::nullopt;
+}
+double exp_waves() {  // 0: unset; < 0: one section
+  const char* v = std::getenv("ATTNKIT_EXP_PRE9_WAVES");
+  if (v == nullptr || *v == 0) return 0;
+  if (std::strcmp(v, "all") == 0) return -1;
+  return std::atof(v);
+}
+// ATTNKIT_EXP_PRE9_SKIP=1..4: packed causal bf16 takes the kSkipDeadWarps kernel of that level
+// where one is instantiated (head_dim 64 kM128W4: 1-4, kM128W4N128: 3; 128 kM128W4: 1, 3;
+// 256 kM64: 3-6); 2, 4 and 6 are broken on purpose.
+Launcher exp_skip_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool paged) {
+  const char* v = std::getenv("ATTNKIT_EXP_PRE9_SKIP");
+  if (v == nullptr || !masked || paged || dtype != DType::kBF16) return nullptr;
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+  const int level = std::atoi(v);
+  constexpr DType kB = DType::kBF16;
+  constexpr PrefillTile kM128W4 = PrefillTile::kM128W4, kM128W4N128 = PrefillTile::kM128W4N128,
+                        kM64 = PrefillTile::kM64;
+  if (head_dim == 64 && tile == kM128W4) {
+    switch (level) {
+      case 1:
+        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 1>;
+      case 2:
+        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 2>;
+      case 3:
+        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 3>;
+      case 4:
+        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 4>;
+    }
+  }
+  if (head_dim == 64 && tile == kM128W4N128 && level == 3) {
+    return &launch_prefill<64, kM128W4N128, kB, true, false, false, true, false, 3>;
+  }
+  if (head_dim == 128 && tile == kM128W4 && level == 1) {
+    return &launch_prefill<128, kM128W4, kB, true, false, false, true, false, 1>;
+  }
+  if (head_dim == 128 && tile == kM128W4 && level == 3) {
+    return &launch_prefill<128, kM128W4, kB, true, false, false, true, false, 3>;
+  }
+  if (head_dim == 256 && tile == kM64 && level == 3) {
+    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 3>;
+  }
+  if (head_dim == 256 && tile == kM64 && level == 4) {
+    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 4>;
+  }
+  if (head_dim == 256 && tile == kM64 && level == 5) {
+    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 5>;
+  }
+  if (head_dim == 256 && tile == kM64 && level == 6) {
+    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 6>;
+  }
+#endif
+  return nullptr;
+}
+bool exp_runs_off() {
+  const char* v = std::getenv("ATTNKIT_EXP_PRE9_RUNS");
+  return v != nullptr && std::strcmp(v, "off") == 0;
+}
+
 // What the kernel family needs of a call, shared by prefill() and dense().
 struct CallShape {
   int device = 0;
@@ -238,6 +312,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   }
   ATTNKIT_CHECK(!tiles.empty(), "prefill: no tile for head_dim ", c.head_dim,
                 " fits the device's shared memory (", dev.smem_optin, " bytes per block)");
+  if (!forced) forced = exp_tile();
   if (forced) {
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
@@ -268,6 +343,9 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
     const int64_t waves = masked ? 4 : 1;
     section = (resident * waves + prm.num_m_blocks - 1) / prm.num_m_blocks;
     if (masked && 4 * pairs <= resident) section = pairs;
+    const double xw = exp_waves();
+    if (xw < 0) section = pairs;
+    if (xw > 0) section = static_cast<int64_t>(std::ceil(resident * xw / prm.num_m_blocks));
   }
   prm.section_pairs = static_cast<int32_t>(std::clamp<int64_t>(section, 1, pairs));
 }
@@ -423,8 +501,12 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
-  const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
-  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
+  const bool runs =
+      p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0 && !exp_runs_off();
+  Launcher launch = exp_skip_launcher(spec.head_dim, tile, p.dtype, masked, p.paged);
+  if (launch == nullptr) {
+    launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
+  }
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }

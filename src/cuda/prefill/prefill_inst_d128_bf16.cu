@@ -10,4 +10,11 @@ ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM64, DType::kBF16)
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM128W4, DType::kBF16)
 #endif
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+// EXPERIMENT pre9: causal packed kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP).
+template void launch_prefill<128, PrefillTile::kM128W4, DType::kBF16, true, false, false,
+                             swizzle_default(128), false, 1>(const PrefillParams&, cudaStream_t);
+template void launch_prefill<128, PrefillTile::kM128W4, DType::kBF16, true, false, false,
+                             swizzle_default(128), false, 3>(const PrefillParams&, cudaStream_t);
+#endif
 }  // namespace attnkit::cuda::prefill

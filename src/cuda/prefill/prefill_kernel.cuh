@@ -433,12 +433,13 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly>
+          bool kSwizzle, bool kRunsOnly, int kSkipDeadWarps>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
   static_assert(kPaged || !kRunsOnly, "row runs are a paged copy");
+  static_assert(kSkipDeadWarps == 0 || kMasked, "only a causal mask leaves warps without keys");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
@@ -747,13 +748,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly>
+          bool kSwizzle, bool kRunsOnly, int kSkipDeadWarps>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
-  auto kernel =
-      prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle, kRunsOnly>;
+  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
+                               kRunsOnly, kSkipDeadWarps>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
