@@ -177,49 +177,47 @@ double exp_waves() {  // 0: unset; < 0: one section
   if (std::strcmp(v, "all") == 0) return -1;
   return std::atof(v);
 }
-// ATTNKIT_EXP_PRE9_SKIP=1..4: packed causal bf16 takes the kSkipDeadWarps kernel of that level
-// where one is instantiated (head_dim 64 kM128W4: 1-4, kM128W4N128: 3; 128 kM128W4: 1, 3;
-// 256 kM64: 3-6); 2, 4 and 6 are broken on purpose.
-Launcher exp_skip_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool paged) {
+// ATTNKIT_EXP_PRE9_SKIP=1..6 and ATTNKIT_EXP_PRE9_PF=1: packed bf16 takes the experimental kernel
+// with kSkipDeadWarps = level | (PF ? 16 : 0) where one is instantiated (kExpKernels); 2, 4 and 6
+// are broken on purpose. PF=k: L2 prefetch of the Q tile k waves ahead (prefetch_stride).
+int exp_flags() {
   const char* v = std::getenv("ATTNKIT_EXP_PRE9_SKIP");
-  if (v == nullptr || !masked || paged || dtype != DType::kBF16) return nullptr;
+  const char* pf = std::getenv("ATTNKIT_EXP_PRE9_PF");
+  return (v != nullptr ? std::atoi(v) : 0) | (pf != nullptr && std::atoi(pf) >= 1 ? 16 : 0);
+}
+struct ExpKernel {
+  int head_dim;
+  PrefillTile tile;
+  bool masked;
+  int flags;
+  Launcher launch;
+};
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-  const int level = std::atoi(v);
-  constexpr DType kB = DType::kBF16;
-  constexpr PrefillTile kM128W4 = PrefillTile::kM128W4, kM128W4N128 = PrefillTile::kM128W4N128,
-                        kM64 = PrefillTile::kM64;
-  if (head_dim == 64 && tile == kM128W4) {
-    switch (level) {
-      case 1:
-        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 1>;
-      case 2:
-        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 2>;
-      case 3:
-        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 3>;
-      case 4:
-        return &launch_prefill<64, kM128W4, kB, true, false, false, true, false, 4>;
+#define ATTNKIT_EXP(D, TILE, M, F)                                                           \
+  {                                                                                          \
+    D, PrefillTile::TILE, M, F,                                                              \
+        &launch_prefill<D, PrefillTile::TILE, DType::kBF16, M, false, false, true, false, F> \
+  }
+const ExpKernel kExpKernels[] = {
+    ATTNKIT_EXP(64, kM128W4, true, 1),     ATTNKIT_EXP(64, kM128W4, true, 2),
+    ATTNKIT_EXP(64, kM128W4, true, 3),     ATTNKIT_EXP(64, kM128W4, true, 4),
+    ATTNKIT_EXP(64, kM128W4, true, 16),    ATTNKIT_EXP(64, kM128W4, true, 19),
+    ATTNKIT_EXP(64, kM128W4N128, true, 3), ATTNKIT_EXP(128, kM128W4, true, 1),
+    ATTNKIT_EXP(128, kM128W4, true, 3),    ATTNKIT_EXP(256, kM64, true, 3),
+    ATTNKIT_EXP(256, kM64, true, 4),       ATTNKIT_EXP(256, kM64, true, 5),
+    ATTNKIT_EXP(256, kM64, true, 6),       ATTNKIT_EXP(256, kM64, true, 16),
+    ATTNKIT_EXP(256, kM64, true, 21),      ATTNKIT_EXP(256, kM64, false, 16),
+};
+#undef ATTNKIT_EXP
+#endif
+Launcher exp_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool paged) {
+  const int flags = exp_flags();
+  if (flags == 0 || paged || dtype != DType::kBF16) return nullptr;
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+  for (const ExpKernel& k : kExpKernels) {
+    if (k.head_dim == head_dim && k.tile == tile && k.masked == masked && k.flags == flags) {
+      return k.launch;
     }
-  }
-  if (head_dim == 64 && tile == kM128W4N128 && level == 3) {
-    return &launch_prefill<64, kM128W4N128, kB, true, false, false, true, false, 3>;
-  }
-  if (head_dim == 128 && tile == kM128W4 && level == 1) {
-    return &launch_prefill<128, kM128W4, kB, true, false, false, true, false, 1>;
-  }
-  if (head_dim == 128 && tile == kM128W4 && level == 3) {
-    return &launch_prefill<128, kM128W4, kB, true, false, false, true, false, 3>;
-  }
-  if (head_dim == 256 && tile == kM64 && level == 3) {
-    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 3>;
-  }
-  if (head_dim == 256 && tile == kM64 && level == 4) {
-    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 4>;
-  }
-  if (head_dim == 256 && tile == kM64 && level == 5) {
-    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 5>;
-  }
-  if (head_dim == 256 && tile == kM64 && level == 6) {
-    return &launch_prefill<256, kM64, kB, true, false, false, true, false, 6>;
   }
 #endif
   return nullptr;
@@ -503,7 +501,15 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs =
       p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0 && !exp_runs_off();
-  Launcher launch = exp_skip_launcher(spec.head_dim, tile, p.dtype, masked, p.paged);
+  if (exp_flags() & 16) {
+    const DeviceLimits dev = device_limits(shape.device);
+    const int smem = prefill_smem_bytes(spec.head_dim, tile, quant_kv);
+    const int by_smem = std::max(1, dev.smem_per_sm / (smem + 1024));
+    const int by_regs = std::max(1, 65536 / (prefill_threads(tile) * 255));
+    prm.prefetch_stride =
+        std::atoi(std::getenv("ATTNKIT_EXP_PRE9_PF")) * dev.sm_count * std::min(by_smem, by_regs);
+  }
+  Launcher launch = exp_launcher(spec.head_dim, tile, p.dtype, masked, p.paged);
   if (launch == nullptr) {
     launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
   }

@@ -7,7 +7,7 @@ namespace attnkit::cuda::prefill {
 ATTNKIT_PREFILL_INSTANTIATE_TILE(256, PrefillTile::kM64, DType::kBF16)
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-// EXPERIMENT pre9: causal packed kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP).
+// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP / _PF).
 template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
                              swizzle_default(256), false, 3>(const PrefillParams&, cudaStream_t);
 template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
@@ -16,5 +16,11 @@ template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, 
                              swizzle_default(256), false, 5>(const PrefillParams&, cudaStream_t);
 template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
                              swizzle_default(256), false, 6>(const PrefillParams&, cudaStream_t);
+template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
+                             swizzle_default(256), false, 16>(const PrefillParams&, cudaStream_t);
+template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
+                             swizzle_default(256), false, 21>(const PrefillParams&, cudaStream_t);
+template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
+                             swizzle_default(256), false, 16>(const PrefillParams&, cudaStream_t);
 #endif
 }  // namespace attnkit::cuda::prefill

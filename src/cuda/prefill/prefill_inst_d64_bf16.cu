@@ -13,7 +13,7 @@ ATTNKIT_PREFILL_INSTANTIATE_TILE(64, PrefillTile::kM64, DType::kBF16)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(64, PrefillTile::kM128W4, DType::kBF16)
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-// EXPERIMENT pre9: causal packed kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP).
+// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP / _PF).
 template void launch_prefill<64, PrefillTile::kM128W4, DType::kBF16, true, false, false,
                              swizzle_default(64), false, 1>(const PrefillParams&, cudaStream_t);
 template void launch_prefill<64, PrefillTile::kM128W4, DType::kBF16, true, false, false,
@@ -22,5 +22,9 @@ template void launch_prefill<64, PrefillTile::kM128W4, DType::kBF16, true, false
                              swizzle_default(64), false, 3>(const PrefillParams&, cudaStream_t);
 template void launch_prefill<64, PrefillTile::kM128W4, DType::kBF16, true, false, false,
                              swizzle_default(64), false, 4>(const PrefillParams&, cudaStream_t);
+template void launch_prefill<64, PrefillTile::kM128W4, DType::kBF16, true, false, false,
+                             swizzle_default(64), false, 16>(const PrefillParams&, cudaStream_t);
+template void launch_prefill<64, PrefillTile::kM128W4, DType::kBF16, true, false, false,
+                             swizzle_default(64), false, 19>(const PrefillParams&, cudaStream_t);
 #endif
 }  // namespace attnkit::cuda::prefill

@@ -439,7 +439,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
   static_assert(kPaged || !kRunsOnly, "row runs are a paged copy");
-  static_assert(kSkipDeadWarps == 0 || kMasked, "only a causal mask leaves warps without keys");
+  static_assert((kSkipDeadWarps & 15) == 0 || kMasked,
+                "only a causal mask leaves warps without keys");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
@@ -628,6 +629,41 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     entry_v = entry;
     entry = lookup(1);
     cp_async_commit();
+  }
+
+  // EXPERIMENT pre9 (kSkipDeadWarps & 16): prefetch into L2 the Q rows of the CTA that takes this
+  // slot a wave later (issued after this CTA's own loads; nothing waits for it), so that a wave's
+  // start reads its Q tiles from L2 rather than all of them from DRAM at once.
+  {
+    if constexpr ((kSkipDeadWarps & 16) != 0 && !kPaged) {
+      const uint64_t total = static_cast<uint64_t>(gridDim.x) * gridDim.y * gridDim.z;
+      const uint64_t next =
+          blockIdx.x +
+          static_cast<uint64_t>(gridDim.x) * (blockIdx.y + uint64_t{gridDim.y} * blockIdx.z) +
+          static_cast<uint64_t>(p.prefetch_stride);
+      if (p.prefetch_stride > 0 && next < total) {
+        const PrefillWorkTile w = LongestFirstScheduler::decompose<uint64_t>(p, next);
+        const SequenceInfo ns = sequence_info<kPaged>(p, w.batch);
+        const int32_t nm0 = w.m_block * T::kBlockM;
+        const int32_t rows = min(T::kBlockM, ns.q_len - nm0);
+        const Elem* nq = static_cast<const Elem*>(p.q) + ns.q_offset + w.head * p.q_head_stride;
+        // One lane per warp: the bulk prefetch takes a uniform operand, so the compiler loops
+        // over the lanes that issue one.
+        for (int r = warp; lane == 0 && r < rows; r += T::kWarps) {
+          const Elem* row = nq + static_cast<int64_t>(nm0 + r) * p.q_tok_stride;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row),
+                       "r"(T::kHeadDim * 2));
+#else
+#pragma unroll
+          for (int b = 0; b < T::kHeadDim * 2; b += 128) {
+            asm volatile(
+                "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint8_t*>(row) + b));
+          }
+#endif
+        }
+      }
+    }
   }
 
   // Scales: the cache's K scale folds into the logit scale, its V scale into the epilogue. Without
