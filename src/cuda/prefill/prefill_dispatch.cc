@@ -44,16 +44,17 @@ constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 template <int D, PrefillTile kTile, DType kDT>
 Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
-    // runs: the kRunsOnly paged kernels (no per-chunk slot copy), measured on H200 at head_dim
-    // 128 bf16 (docs/prefill_design.md: causal 2k 294 -> 312 TFLOP/s vs packed 320).
-    constexpr bool kSw = swizzle_default(D);
-    if (runs && quant_kv) {
-      return masked ? &launch_prefill<D, kTile, kDT, true, true, true, kSw, true>
-                    : &launch_prefill<D, kTile, kDT, false, true, true, kSw, true>;
-    }
-    if (runs) {
-      return masked ? &launch_prefill<D, kTile, kDT, true, false, true, kSw, true>
-                    : &launch_prefill<D, kTile, kDT, false, false, true, kSw, true>;
+    // runs: the kRunsOnly paged kernels (no per-chunk slot copy) where runs_compiled() has them.
+    if constexpr (runs_compiled(D)) {
+      constexpr bool kSw = swizzle_default(D);
+      if (runs && quant_kv) {
+        return masked ? &launch_prefill<D, kTile, kDT, true, true, true, kSw, true>
+                      : &launch_prefill<D, kTile, kDT, false, true, true, kSw, true>;
+      }
+      if (runs) {
+        return masked ? &launch_prefill<D, kTile, kDT, true, false, true, kSw, true>
+                      : &launch_prefill<D, kTile, kDT, false, false, true, kSw, true>;
+      }
     }
     if (quant_kv) {
       return masked ? &launch_prefill<D, kTile, kDT, true, true, true>
@@ -177,13 +178,11 @@ double exp_waves() {  // 0: unset; < 0: one section
   if (std::strcmp(v, "all") == 0) return -1;
   return std::atof(v);
 }
-// ATTNKIT_EXP_PRE9_SKIP=1..6 and ATTNKIT_EXP_PRE9_PF=1: packed bf16 takes the experimental kernel
-// with kSkipDeadWarps = level | (PF ? 16 : 0) where one is instantiated (kExpKernels); 2, 4 and 6
-// are broken on purpose. PF=k: L2 prefetch of the Q tile k waves ahead (prefetch_stride).
+// ATTNKIT_EXP_PRE9_SKIP=level: packed causal bf16 takes the kSkipDeadWarps kernel of that level
+// where one is instantiated (kExpKernels); 2 and 8 are broken on purpose.
 int exp_flags() {
   const char* v = std::getenv("ATTNKIT_EXP_PRE9_SKIP");
-  const char* pf = std::getenv("ATTNKIT_EXP_PRE9_PF");
-  return (v != nullptr ? std::atoi(v) : 0) | (pf != nullptr && std::atoi(pf) >= 1 ? 16 : 0);
+  return v != nullptr ? std::atoi(v) : 0;
 }
 struct ExpKernel {
   int head_dim;
@@ -199,14 +198,9 @@ struct ExpKernel {
         &launch_prefill<D, PrefillTile::TILE, DType::kBF16, M, false, false, true, false, F> \
   }
 const ExpKernel kExpKernels[] = {
-    ATTNKIT_EXP(64, kM128W4, true, 1),     ATTNKIT_EXP(64, kM128W4, true, 2),
-    ATTNKIT_EXP(64, kM128W4, true, 3),     ATTNKIT_EXP(64, kM128W4, true, 4),
-    ATTNKIT_EXP(64, kM128W4, true, 16),    ATTNKIT_EXP(64, kM128W4, true, 19),
-    ATTNKIT_EXP(64, kM128W4N128, true, 3), ATTNKIT_EXP(128, kM128W4, true, 1),
-    ATTNKIT_EXP(128, kM128W4, true, 3),    ATTNKIT_EXP(256, kM64, true, 3),
-    ATTNKIT_EXP(256, kM64, true, 4),       ATTNKIT_EXP(256, kM64, true, 5),
-    ATTNKIT_EXP(256, kM64, true, 6),       ATTNKIT_EXP(256, kM64, true, 16),
-    ATTNKIT_EXP(256, kM64, true, 21),      ATTNKIT_EXP(256, kM64, false, 16),
+    ATTNKIT_EXP(64, kM128W4, true, 1),  ATTNKIT_EXP(64, kM128W4, true, 2),
+    ATTNKIT_EXP(64, kM128W4, true, 7),  ATTNKIT_EXP(64, kM128W4, true, 8),
+    ATTNKIT_EXP(128, kM128W4, true, 1), ATTNKIT_EXP(128, kM128W4, true, 7),
 };
 #undef ATTNKIT_EXP
 #endif
@@ -501,14 +495,6 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs =
       p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0 && !exp_runs_off();
-  if (exp_flags() & 16) {
-    const DeviceLimits dev = device_limits(shape.device);
-    const int smem = prefill_smem_bytes(spec.head_dim, tile, quant_kv);
-    const int by_smem = std::max(1, dev.smem_per_sm / (smem + 1024));
-    const int by_regs = std::max(1, 65536 / (prefill_threads(tile) * 255));
-    prm.prefetch_stride =
-        std::atoi(std::getenv("ATTNKIT_EXP_PRE9_PF")) * dev.sm_count * std::min(by_smem, by_regs);
-  }
   Launcher launch = exp_launcher(spec.head_dim, tile, p.dtype, masked, p.paged);
   if (launch == nullptr) {
     launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);

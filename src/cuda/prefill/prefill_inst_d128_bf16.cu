@@ -1,20 +1,23 @@
 // Explicit instantiations of the prefill kernel: head_dim 128, bf16. Must match
-// tile_compiled() in prefill_build_set.h.
+// tile_compiled() and runs_compiled() in prefill_build_set.h.
 #include "cuda/prefill/prefill_kernel.cuh"
 
 namespace attnkit::cuda::prefill {
 ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM128, DType::kBF16)
+ATTNKIT_PREFILL_INSTANTIATE_RUNS(128, PrefillTile::kM128, DType::kBF16)
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM64, DType::kBF16)
+ATTNKIT_PREFILL_INSTANTIATE_RUNS(128, PrefillTile::kM64, DType::kBF16)
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM128W4, DType::kBF16)
+ATTNKIT_PREFILL_INSTANTIATE_RUNS(128, PrefillTile::kM128W4, DType::kBF16)
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP / _PF).
+// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP).
 template void launch_prefill<128, PrefillTile::kM128W4, DType::kBF16, true, false, false,
                              swizzle_default(128), false, 1>(const PrefillParams&, cudaStream_t);
 template void launch_prefill<128, PrefillTile::kM128W4, DType::kBF16, true, false, false,
-                             swizzle_default(128), false, 3>(const PrefillParams&, cudaStream_t);
+                             swizzle_default(128), false, 7>(const PrefillParams&, cudaStream_t);
 #endif
 }  // namespace attnkit::cuda::prefill

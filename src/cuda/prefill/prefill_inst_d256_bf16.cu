@@ -6,21 +6,4 @@ namespace attnkit::cuda::prefill {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(256, PrefillTile::kM64, DType::kBF16)
 #endif
-#if !defined(ATTNKIT_KERNEL_SUBSET)
-// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP / _PF).
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                             swizzle_default(256), false, 3>(const PrefillParams&, cudaStream_t);
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                             swizzle_default(256), false, 4>(const PrefillParams&, cudaStream_t);
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                             swizzle_default(256), false, 5>(const PrefillParams&, cudaStream_t);
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                             swizzle_default(256), false, 6>(const PrefillParams&, cudaStream_t);
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                             swizzle_default(256), false, 16>(const PrefillParams&, cudaStream_t);
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                             swizzle_default(256), false, 21>(const PrefillParams&, cudaStream_t);
-template void launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
-                             swizzle_default(256), false, 16>(const PrefillParams&, cudaStream_t);
-#endif
 }  // namespace attnkit::cuda::prefill

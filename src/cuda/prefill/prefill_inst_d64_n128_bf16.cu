@@ -6,9 +6,4 @@ namespace attnkit::cuda::prefill {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(64, PrefillTile::kM128W4N128, DType::kBF16)
 #endif
-#if !defined(ATTNKIT_KERNEL_SUBSET)
-// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP / _PF).
-template void launch_prefill<64, PrefillTile::kM128W4N128, DType::kBF16, true, false, false,
-                             swizzle_default(64), false, 3>(const PrefillParams&, cudaStream_t);
-#endif
 }  // namespace attnkit::cuda::prefill

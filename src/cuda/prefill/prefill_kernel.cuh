@@ -439,8 +439,10 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
   static_assert(kPaged || !kRunsOnly, "row runs are a paged copy");
-  static_assert((kSkipDeadWarps & 15) == 0 || kMasked,
-                "only a causal mask leaves warps without keys");
+  static_assert(
+      kSkipDeadWarps == 0 || (kMasked && !kQuantKv && kHeadDim < 256),
+      "row blocks before a tile's first key exist under a causal mask; the skip needs the "
+      "kStages ring (one barrier per tile)");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
@@ -631,41 +633,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     cp_async_commit();
   }
 
-  // EXPERIMENT pre9 (kSkipDeadWarps & 16): prefetch into L2 the Q rows of the CTA that takes this
-  // slot a wave later (issued after this CTA's own loads; nothing waits for it), so that a wave's
-  // start reads its Q tiles from L2 rather than all of them from DRAM at once.
-  {
-    if constexpr ((kSkipDeadWarps & 16) != 0 && !kPaged) {
-      const uint64_t total = static_cast<uint64_t>(gridDim.x) * gridDim.y * gridDim.z;
-      const uint64_t next =
-          blockIdx.x +
-          static_cast<uint64_t>(gridDim.x) * (blockIdx.y + uint64_t{gridDim.y} * blockIdx.z) +
-          static_cast<uint64_t>(p.prefetch_stride);
-      if (p.prefetch_stride > 0 && next < total) {
-        const PrefillWorkTile w = LongestFirstScheduler::decompose<uint64_t>(p, next);
-        const SequenceInfo ns = sequence_info<kPaged>(p, w.batch);
-        const int32_t nm0 = w.m_block * T::kBlockM;
-        const int32_t rows = min(T::kBlockM, ns.q_len - nm0);
-        const Elem* nq = static_cast<const Elem*>(p.q) + ns.q_offset + w.head * p.q_head_stride;
-        // One lane per warp: the bulk prefetch takes a uniform operand, so the compiler loops
-        // over the lanes that issue one.
-        for (int r = warp; lane == 0 && r < rows; r += T::kWarps) {
-          const Elem* row = nq + static_cast<int64_t>(nm0 + r) * p.q_tok_stride;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row),
-                       "r"(T::kHeadDim * 2));
-#else
-#pragma unroll
-          for (int b = 0; b < T::kHeadDim * 2; b += 128) {
-            asm volatile(
-                "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint8_t*>(row) + b));
-          }
-#endif
-        }
-      }
-    }
-  }
-
   // Scales: the cache's K scale folds into the logit scale, its V scale into the epilogue. Without
   // logit modifiers the scale (in log2 units) folds into the exponent's FFMA; with them the
   // logits are modified in natural units first.
@@ -688,9 +655,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       o_acc[a][i][0] = o_acc[a][i][1] = o_acc[a][i][2] = o_acc[a][i][3] = 0.f;
   float row_max[kA][2];  // log2 units (scaled)
   float row_sum[kA][2];  // this thread's partial sums
-  const int warp_row = warp * T::kRowsPerWarp;
+  // Row block a of this warp starts at query row warp_row + a * kAtomStride of the CTA: the warp's
+  // rows are contiguous, or (kSkipDeadWarps >= 7) its blocks interleaved across the warps.
+  static_assert(kSkipDeadWarps < 7 || kA == 2, "interleaved row blocks need two per warp");
+  constexpr int kAtomStride = kSkipDeadWarps >= 7 ? 16 * T::kWarps : 16;
+  const int warp_row = kSkipDeadWarps >= 7 ? 16 * warp : warp * T::kRowsPerWarp;
   // Query position of this thread's row i (g, g + 8) of row block a; recomputed, not kept live.
-  auto pos_row = [&](int a, int i) { return p_lo + warp_row + 16 * a + g + 8 * i; };
+  auto pos_row = [&](int a, int i) { return p_lo + warp_row + a * kAtomStride + g + 8 * i; };
 #pragma unroll
   for (int a = 0; a < kA; ++a) {
     row_max[a][0] = row_max[a][1] = -INFINITY;
@@ -752,16 +723,17 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 #pragma unroll
     for (int dt = 0; dt < T::kDTiles; ++dt) {
       // warp_row is a multiple of 16: the warp's local rows keep the swizzle phase.
-      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(16 * a + g, dt) + t4 * 4) =
+      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g, dt) + t4 * 4) =
           pack_pair<Tag>(o_acc[a][dt][0] * inv_sum[0], o_acc[a][dt][1] * inv_sum[0]);
-      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(16 * a + g + 8, dt) + t4 * 4) =
+      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g + 8, dt) + t4 * 4) =
           pack_pair<Tag>(o_acc[a][dt][2] * inv_sum[1], o_acc[a][dt][3] * inv_sum[1]);
     }
   }
   __syncwarp();
   Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + head * p.o_head_stride;
   for (int c = lane; c < T::kRowsPerWarp * T::kChunksPerRow; c += 32) {
-    const int r = c / T::kChunksPerRow;
+    const int rw = c / T::kChunksPerRow;  // the warp's rw-th row
+    const int r = kAtomStride == 16 ? rw : rw / 16 * kAtomStride + rw % 16;
     const int ch = c % T::kChunksPerRow;
     const int32_t row = m0 + warp_row + r;
     if (row < seq.q_len) {
@@ -774,7 +746,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     for (int a = 0; a < kA; ++a)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int32_t row = m0 + warp_row + 16 * a + g + 8 * i;
+        const int32_t row = m0 + warp_row + a * kAtomStride + g + 8 * i;
         if (row < seq.q_len) {
           p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
               row_sum[a][i] > 0.f ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2 : -INFINITY;
@@ -800,25 +772,28 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
 }  // namespace attnkit::cuda::prefill
 
 // One instantiation of every (tile, kMasked, K/V source) for a head_dim and dtype: packed 16-bit,
-// paged 16-bit and 8-bit with both copies (contiguous and cyclic caches), and paged 16-bit and
-// 8-bit with only the row-run copy (kRunsOnly: a block table without a cyclic window).
-#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                              \
-  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&,             \
-                                                                 cudaStream_t);                    \
-  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,              \
-                                                                cudaStream_t);                     \
-  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,              \
-                                                                cudaStream_t);                     \
-  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,               \
-                                                               cudaStream_t);                      \
-  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,               \
-                                                               cudaStream_t);                      \
-  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t); \
-  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>(         \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(          \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(          \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(           \
+// paged 16-bit and 8-bit with both copies (contiguous and cyclic caches).
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                  \
+  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&, \
+                                                                 cudaStream_t);        \
+  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t);
+
+// The paged kernels that hold only the row-run copy (kRunsOnly: a block table without a cyclic
+// window), 16-bit and 8-bit caches, both masks; the head dims of runs_compiled().
+#define ATTNKIT_PREFILL_INSTANTIATE_RUNS(D, TILE, DT)                                      \
+  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>( \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(   \
       const PrefillParams&, cudaStream_t);

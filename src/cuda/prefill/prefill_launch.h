@@ -18,10 +18,9 @@ namespace attnkit::cuda::prefill {
 // implies kPaged. A compile-time property: the paged kernels copy row runs in every tile
 // configuration, the packed kernels hold only the packed copy.
 // kSwizzle: XOR-swizzled smem rows (PrefillTraits); else 16-byte row padding.
-// kSkipDeadWarps (EXPERIMENT pre9; kMasked only): 1: a warp whose rows all lie before a tile's
-// first key skips that tile's MMAs and softmax; 3: also the groups of 16 keys past the warp's last
-// row; 5: those groups in P V only; 2, 4, 6: deliberately broken variants of 1, 3, 5
-// (prefill_tile_step.inc).
+// kSkipDeadWarps (EXPERIMENT pre9; causal kStages-ring kernels): 1: a warp whose rows all lie
+// before a tile's first key skips that tile's MMAs and softmax; 7: each row block, the blocks
+// interleaved across the warps; 2, 8: deliberately broken variants (prefill_tile_step.inc).
 // kRunsOnly (kPaged only): a paged cache with a block table and no cyclic window; the kernel holds
 // only the row-run copy. Else a paged kernel also holds the per-chunk slot copy (contiguous and
 // cyclic caches) and picks one at run time.

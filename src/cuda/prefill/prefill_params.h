@@ -82,9 +82,6 @@ struct PrefillParams {
   float softcap = 0.f;  // 0: off
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
-  // EXPERIMENT pre9 (kernels with kSkipDeadWarps & 16): a CTA prefetches into L2 the Q tile of
-  // the CTA prefetch_stride launch indices later (the one that takes its slot a wave later).
-  int32_t prefetch_stride = 0;
 };
 
 }  // namespace attnkit::cuda::prefill
