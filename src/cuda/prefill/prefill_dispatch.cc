@@ -179,10 +179,10 @@ double exp_waves() {  // 0: unset; < 0: one section
   return std::atof(v);
 }
 // ATTNKIT_EXP_PRE9_SKIP=level: packed causal bf16 takes the kSkipDeadWarps kernel of that level
-// where one is instantiated (kExpKernels); 2 and 8 are broken on purpose.
-int exp_flags() {
+// where one is instantiated (kExpKernels); 8 is broken on purpose.
+int exp_flags() {  // round 3: level 7 is the default; ATTNKIT_EXP_PRE9_SKIP=0 takes the old kernel
   const char* v = std::getenv("ATTNKIT_EXP_PRE9_SKIP");
-  return v != nullptr ? std::atoi(v) : 0;
+  return v != nullptr ? std::atoi(v) : 7;
 }
 struct ExpKernel {
   int head_dim;
@@ -198,9 +198,9 @@ struct ExpKernel {
         &launch_prefill<D, PrefillTile::TILE, DType::kBF16, M, false, false, true, false, F> \
   }
 const ExpKernel kExpKernels[] = {
-    ATTNKIT_EXP(64, kM128W4, true, 1),  ATTNKIT_EXP(64, kM128W4, true, 2),
-    ATTNKIT_EXP(64, kM128W4, true, 7),  ATTNKIT_EXP(64, kM128W4, true, 8),
-    ATTNKIT_EXP(128, kM128W4, true, 1), ATTNKIT_EXP(128, kM128W4, true, 7),
+    ATTNKIT_EXP(64, kM128W4, true, 7),
+    ATTNKIT_EXP(64, kM128W4, true, 8),
+    ATTNKIT_EXP(128, kM128W4, true, 7),
 };
 #undef ATTNKIT_EXP
 #endif
