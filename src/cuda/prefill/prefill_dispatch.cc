@@ -4,10 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -116,6 +113,38 @@ Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked,
   return nullptr;
 }
 
+// Longest key range for which causal calls take the tiles and kernels below.
+constexpr int32_t kShortCausalKeys = 4096;
+
+// The packed causal kM128W4 kernel with interleaved row blocks and dead-block skip
+// (kSkipDeadBlocks, prefill_kernel.cuh). Measured on H200 (bf16 grid, same run, twice each,
+// TFLOP/s, contiguous rows -> interleaved with skip; session 6 round 3): head_dim 64 causal 512
+// 154.6 -> 169.5, 1k 208.5 -> 221.4; head_dim 128 causal 512 200.6 -> 216.6, 1k 264.0 -> 276.6, 2k
+// 317.7 -> 323.4, 4k 358.4 -> 358.4, but 8k 381.9 -> 377.2 and 16k 395.2 -> 389.6, so head_dim 128
+// takes it up to kShortCausalKeys keys. (Round 2: a whole warp's skip with contiguous rows reached
+// 162.9 / 215.7 at head_dim 64 512 / 1k, 205.6 at head_dim 128 512.)
+template <int D, DType kDT>
+Launcher skip_dead_launcher_for() {
+  if constexpr (tile_compiled(D, PrefillTile::kM128W4, kDT)) {
+    return &launch_prefill<D, PrefillTile::kM128W4, kDT, true, false, false, swizzle_default(D),
+                           false, true>;
+  } else {
+    return nullptr;
+  }
+}
+
+Launcher skip_dead_launcher(int head_dim, DType dtype, int32_t max_seqlen_kv) {
+  const bool bf16 = dtype == DType::kBF16;
+  if (head_dim == 64)
+    return bf16 ? skip_dead_launcher_for<64, DType::kBF16>()
+                : skip_dead_launcher_for<64, DType::kF16>();
+  if (head_dim == 128 && max_seqlen_kv <= kShortCausalKeys) {
+    return bf16 ? skip_dead_launcher_for<128, DType::kBF16>()
+                : skip_dead_launcher_for<128, DType::kF16>();
+  }
+  return nullptr;
+}
+
 template <int D>
 int smem_bytes_for(PrefillTile tile, bool quant_kv) {
   switch (tile) {
@@ -158,68 +187,6 @@ DeviceLimits device_limits(int ordinal) {
 }
 
 bool is_8bit(DType dtype) { return dtype == DType::kFp8E4M3 || dtype == DType::kInt8; }
-
-// EXPERIMENT (pre9, session 6; removed before merge): host-side variants for same-run A/B.
-// ATTNKIT_EXP_PRE9_TILE=m128|m64|m128w4|m128w4n128 forces a tile when the call forces none;
-// ATTNKIT_EXP_PRE9_WAVES=<x> sets the section size to x resident waves (all: one section);
-// ATTNKIT_EXP_PRE9_RUNS=off takes the general paged kernels for a block table.
-std::optional<PrefillTile> exp_tile() {
-  const char* v = std::getenv("ATTNKIT_EXP_PRE9_TILE");
-  if (v == nullptr || *v == 0) return std::nullopt;
-  for (PrefillTile t : kAllPrefillTiles) {
-    if (std::strcmp(v, prefill_tile_name(t)) == 0) return t;
-  }
-  ATTNKIT_CHECK(false, "ATTNKIT_EXP_PRE9_TILE: unknown tile ", v);
-  return std::nullopt;
-}
-double exp_waves() {  // 0: unset; < 0: one section
-  const char* v = std::getenv("ATTNKIT_EXP_PRE9_WAVES");
-  if (v == nullptr || *v == 0) return 0;
-  if (std::strcmp(v, "all") == 0) return -1;
-  return std::atof(v);
-}
-// ATTNKIT_EXP_PRE9_SKIP=level: packed causal bf16 takes the kSkipDeadWarps kernel of that level
-// where one is instantiated (kExpKernels); 8 is broken on purpose.
-int exp_flags() {  // round 3: level 7 is the default; ATTNKIT_EXP_PRE9_SKIP=0 takes the old kernel
-  const char* v = std::getenv("ATTNKIT_EXP_PRE9_SKIP");
-  return v != nullptr ? std::atoi(v) : 7;
-}
-struct ExpKernel {
-  int head_dim;
-  PrefillTile tile;
-  bool masked;
-  int flags;
-  Launcher launch;
-};
-#if !defined(ATTNKIT_KERNEL_SUBSET)
-#define ATTNKIT_EXP(D, TILE, M, F)                                                           \
-  {                                                                                          \
-    D, PrefillTile::TILE, M, F,                                                              \
-        &launch_prefill<D, PrefillTile::TILE, DType::kBF16, M, false, false, true, false, F> \
-  }
-const ExpKernel kExpKernels[] = {
-    ATTNKIT_EXP(64, kM128W4, true, 7),
-    ATTNKIT_EXP(64, kM128W4, true, 8),
-    ATTNKIT_EXP(128, kM128W4, true, 7),
-};
-#undef ATTNKIT_EXP
-#endif
-Launcher exp_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool paged) {
-  const int flags = exp_flags();
-  if (flags == 0 || paged || dtype != DType::kBF16) return nullptr;
-#if !defined(ATTNKIT_KERNEL_SUBSET)
-  for (const ExpKernel& k : kExpKernels) {
-    if (k.head_dim == head_dim && k.tile == tile && k.masked == masked && k.flags == flags) {
-      return k.launch;
-    }
-  }
-#endif
-  return nullptr;
-}
-bool exp_runs_off() {
-  const char* v = std::getenv("ATTNKIT_EXP_PRE9_RUNS");
-  return v != nullptr && std::strcmp(v, "off") == 0;
-}
 
 // What the kernel family needs of a call, shared by prefill() and dense().
 struct CallShape {
@@ -274,16 +241,18 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
 // blocks): kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit
 // cache). The 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel
 // subset. head_dim 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs.
-// Causal head_dim 64 with packed K/V and at most 1k keys per sequence takes kM128W4 (64 keys): a
-// CTA there visits 1-8 128-key tiles and the diagonal one is half masked; measured on H200 (bf16
-// grid, twice each, same run, TFLOP/s) kM128W4 vs kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0
-// vs 209.3, 2k 257.2 vs 259.9. Paged calls keep kM128W4N128 (not measured there).
+// Causal head_dim 64 with packed K/V and at most kShortCausalKeys keys per sequence takes kM128W4
+// (64 keys, with the dead-block skip): a CTA there visits few 128-key tiles and the diagonal one
+// is half masked; measured on H200 (bf16 grid, twice each, same run, TFLOP/s) kM128W4 vs
+// kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0 vs 209.3 (before the skip); with the skip (session 6
+// round 3) 2k 264.7 / 264.6 vs 259.4 / 259.1, 4k 294.5 / 294.3 vs 293.3 / 293.2. Paged calls
+// keep kM128W4N128 (not measured there).
 PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count,
                         bool masked, int32_t max_seqlen_kv) {
   if (tiles.size() == 1) return tiles[0];
   auto has = [&](PrefillTile t) { return std::find(tiles.begin(), tiles.end(), t) != tiles.end(); };
   if (ctas_m128 >= sm_count) {
-    if (masked && max_seqlen_kv <= 1024 && has(PrefillTile::kM128W4N128) &&
+    if (masked && max_seqlen_kv <= kShortCausalKeys && has(PrefillTile::kM128W4N128) &&
         has(PrefillTile::kM128W4)) {
       return PrefillTile::kM128W4;
     }
@@ -304,7 +273,6 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   }
   ATTNKIT_CHECK(!tiles.empty(), "prefill: no tile for head_dim ", c.head_dim,
                 " fits the device's shared memory (", dev.smem_optin, " bytes per block)");
-  if (!forced) forced = exp_tile();
   if (forced) {
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
@@ -335,9 +303,6 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
     const int64_t waves = masked ? 4 : 1;
     section = (resident * waves + prm.num_m_blocks - 1) / prm.num_m_blocks;
     if (masked && 4 * pairs <= resident) section = pairs;
-    const double xw = exp_waves();
-    if (xw < 0) section = pairs;
-    if (xw > 0) section = static_cast<int64_t>(std::ceil(resident * xw / prm.num_m_blocks));
   }
   prm.section_pairs = static_cast<int32_t>(std::clamp<int64_t>(section, 1, pairs));
 }
@@ -493,9 +458,10 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
-  const bool runs =
-      p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0 && !exp_runs_off();
-  Launcher launch = exp_launcher(spec.head_dim, tile, p.dtype, masked, p.paged);
+  const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
+  Launcher launch = masked && !p.paged && tile == PrefillTile::kM128W4
+                        ? skip_dead_launcher(spec.head_dim, p.dtype, p.max_seqlen_kv)
+                        : nullptr;
   if (launch == nullptr) {
     launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
   }

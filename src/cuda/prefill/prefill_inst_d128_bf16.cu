@@ -11,11 +11,7 @@ ATTNKIT_PREFILL_INSTANTIATE_RUNS(128, PrefillTile::kM64, DType::kBF16)
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(128, PrefillTile::kM128W4, DType::kBF16)
+ATTNKIT_PREFILL_INSTANTIATE_SKIP(128, DType::kBF16)
 ATTNKIT_PREFILL_INSTANTIATE_RUNS(128, PrefillTile::kM128W4, DType::kBF16)
-#endif
-#if !defined(ATTNKIT_KERNEL_SUBSET)
-// EXPERIMENT pre9: kernels with kSkipDeadWarps (ATTNKIT_EXP_PRE9_SKIP).
-template void launch_prefill<128, PrefillTile::kM128W4, DType::kBF16, true, false, false,
-                             swizzle_default(128), false, 7>(const PrefillParams&, cudaStream_t);
 #endif
 }  // namespace attnkit::cuda::prefill

@@ -433,16 +433,12 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, int kSkipDeadWarps>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   static_assert(kPaged || !kQuantKv, "8-bit K/V come only from the paged cache");
   static_assert(kPaged || !kRunsOnly, "row runs are a paged copy");
-  static_assert(
-      kSkipDeadWarps == 0 || (kMasked && !kQuantKv && kHeadDim < 256),
-      "row blocks before a tile's first key exist under a causal mask; the skip needs the "
-      "kStages ring (one barrier per tile)");
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   using Tag = typename TagOf<kDType>::Type;
   using Elem = uint16_t;
@@ -461,6 +457,15 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   // 2k), head_dim 256 non-causal (S=512 277 -> 272), the 64-key tile at head_dim 64 (1k causal
   // 210.0 -> 206.3) and the paged kernels (page 64 causal 287 -> 267).
   constexpr bool kSplitEdge = !kPaged && (T::kBlockN == 128 || (T::kHeadDim == 256 && kMasked));
+  // kSkipDeadBlocks (prefill_tile_step.inc): in the 128-row, 64-key tile (kM128W4) under a causal
+  // mask a query block's last key tile lies past its first 64 rows, and the tile before it has
+  // every key attended by its last 64 rows. A warp's two 16-row blocks are interleaved across the
+  // warps (rows 16 w and 16 (w + 4)), and a block whose rows all lie before a tile's first key
+  // skips the tile's MMAs and softmax: every warp keeps one live block on the diagonal, so no warp
+  // waits at the barrier for another's full tile. Dispatch: prefill_dispatch.cc.
+  static_assert(!kSkipDeadBlocks ||
+                    (kMasked && !kPaged && T::kMAtoms == 2 && T::kBlockN < T::kBlockM && kRing),
+                "dead row blocks: packed causal kernels of the 128-row 64-key tile");
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + T::kQBytes;
@@ -656,10 +661,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   float row_max[kA][2];  // log2 units (scaled)
   float row_sum[kA][2];  // this thread's partial sums
   // Row block a of this warp starts at query row warp_row + a * kAtomStride of the CTA: the warp's
-  // rows are contiguous, or (kSkipDeadWarps >= 7) its blocks interleaved across the warps.
-  static_assert(kSkipDeadWarps < 7 || kA == 2, "interleaved row blocks need two per warp");
-  constexpr int kAtomStride = kSkipDeadWarps >= 7 ? 16 * T::kWarps : 16;
-  const int warp_row = kSkipDeadWarps >= 7 ? 16 * warp : warp * T::kRowsPerWarp;
+  // rows are contiguous, or (kSkipDeadBlocks) its two blocks interleaved across the warps.
+  constexpr int kAtomStride = kSkipDeadBlocks ? 16 * T::kWarps : 16;
+  const int warp_row = kSkipDeadBlocks ? 16 * warp : warp * T::kRowsPerWarp;
   // Query position of this thread's row i (g, g + 8) of row block a; recomputed, not kept live.
   auto pos_row = [&](int a, int i) { return p_lo + warp_row + a * kAtomStride + g + 8 * i; };
 #pragma unroll
@@ -756,13 +760,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, int kSkipDeadWarps>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
   auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
-                               kRunsOnly, kSkipDeadWarps>;
+                               kRunsOnly, kSkipDeadBlocks>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
@@ -797,3 +801,9 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
       const PrefillParams&, cudaStream_t);                                                 \
   template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(   \
       const PrefillParams&, cudaStream_t);
+
+// The packed causal kM128W4 kernel with interleaved row blocks and dead-block skip.
+#define ATTNKIT_PREFILL_INSTANTIATE_SKIP(D, DT)                                       \
+  template void launch_prefill<D, PrefillTile::kM128W4, DT, true, false, false,       \
+                               swizzle_default(D), false, true>(const PrefillParams&, \
+                                                                cudaStream_t);
