@@ -41,16 +41,17 @@ constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 template <int D, PrefillTile kTile, DType kDT>
 Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
-    // runs: the kRunsOnly paged kernels (no per-chunk slot copy), measured on H200 at head_dim
-    // 128 bf16 (docs/prefill_design.md: causal 2k 294 -> 312 TFLOP/s vs packed 320).
-    constexpr bool kSw = swizzle_default(D);
-    if (runs && quant_kv) {
-      return masked ? &launch_prefill<D, kTile, kDT, true, true, true, kSw, true>
-                    : &launch_prefill<D, kTile, kDT, false, true, true, kSw, true>;
-    }
-    if (runs) {
-      return masked ? &launch_prefill<D, kTile, kDT, true, false, true, kSw, true>
-                    : &launch_prefill<D, kTile, kDT, false, false, true, kSw, true>;
+    // runs: the kRunsOnly paged kernels (no per-chunk slot copy) where runs_compiled() has them.
+    if constexpr (runs_compiled(D)) {
+      constexpr bool kSw = swizzle_default(D);
+      if (runs && quant_kv) {
+        return masked ? &launch_prefill<D, kTile, kDT, true, true, true, kSw, true>
+                      : &launch_prefill<D, kTile, kDT, false, true, true, kSw, true>;
+      }
+      if (runs) {
+        return masked ? &launch_prefill<D, kTile, kDT, true, false, true, kSw, true>
+                      : &launch_prefill<D, kTile, kDT, false, false, true, kSw, true>;
+      }
     }
     if (quant_kv) {
       return masked ? &launch_prefill<D, kTile, kDT, true, true, true>
@@ -109,6 +110,38 @@ Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked,
     return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs);
   if (dtype == DType::kF16)
     return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs);
+  return nullptr;
+}
+
+// Longest key range for which causal calls take the tiles and kernels below.
+constexpr int32_t kShortCausalKeys = 4096;
+
+// The packed causal kM128W4 kernel with interleaved row blocks and dead-block skip
+// (kSkipDeadBlocks, prefill_kernel.cuh). Measured on H200 (bf16 grid, same run, twice each,
+// TFLOP/s, contiguous rows -> interleaved with skip; session 6 round 3): head_dim 64 causal 512
+// 154.6 -> 169.5, 1k 208.5 -> 221.4; head_dim 128 causal 512 200.6 -> 216.6, 1k 264.0 -> 276.6, 2k
+// 317.7 -> 323.4, 4k 358.4 -> 358.4, but 8k 381.9 -> 377.2 and 16k 395.2 -> 389.6, so head_dim 128
+// takes it up to kShortCausalKeys keys. (Round 2: a whole warp's skip with contiguous rows reached
+// 162.9 / 215.7 at head_dim 64 512 / 1k, 205.6 at head_dim 128 512.)
+template <int D, DType kDT>
+Launcher skip_dead_launcher_for() {
+  if constexpr (tile_compiled(D, PrefillTile::kM128W4, kDT)) {
+    return &launch_prefill<D, PrefillTile::kM128W4, kDT, true, false, false, swizzle_default(D),
+                           false, true>;
+  } else {
+    return nullptr;
+  }
+}
+
+Launcher skip_dead_launcher(int head_dim, DType dtype, int32_t max_seqlen_kv) {
+  const bool bf16 = dtype == DType::kBF16;
+  if (head_dim == 64)
+    return bf16 ? skip_dead_launcher_for<64, DType::kBF16>()
+                : skip_dead_launcher_for<64, DType::kF16>();
+  if (head_dim == 128 && max_seqlen_kv <= kShortCausalKeys) {
+    return bf16 ? skip_dead_launcher_for<128, DType::kBF16>()
+                : skip_dead_launcher_for<128, DType::kF16>();
+  }
   return nullptr;
 }
 
@@ -208,16 +241,18 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
 // blocks): kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit
 // cache). The 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel
 // subset. head_dim 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs.
-// Causal head_dim 64 with packed K/V and at most 1k keys per sequence takes kM128W4 (64 keys): a
-// CTA there visits 1-8 128-key tiles and the diagonal one is half masked; measured on H200 (bf16
-// grid, twice each, same run, TFLOP/s) kM128W4 vs kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0
-// vs 209.3, 2k 257.2 vs 259.9. Paged calls keep kM128W4N128 (not measured there).
+// Causal head_dim 64 with packed K/V and at most kShortCausalKeys keys per sequence takes kM128W4
+// (64 keys, with the dead-block skip): a CTA there visits few 128-key tiles and the diagonal one
+// is half masked; measured on H200 (bf16 grid, twice each, same run, TFLOP/s) kM128W4 vs
+// kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0 vs 209.3 (before the skip); with the skip (session 6
+// round 3) 2k 264.7 / 264.6 vs 259.4 / 259.1, 4k 294.5 / 294.3 vs 293.3 / 293.2. Paged calls
+// keep kM128W4N128 (not measured there).
 PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count,
                         bool masked, int32_t max_seqlen_kv) {
   if (tiles.size() == 1) return tiles[0];
   auto has = [&](PrefillTile t) { return std::find(tiles.begin(), tiles.end(), t) != tiles.end(); };
   if (ctas_m128 >= sm_count) {
-    if (masked && max_seqlen_kv <= 1024 && has(PrefillTile::kM128W4N128) &&
+    if (masked && max_seqlen_kv <= kShortCausalKeys && has(PrefillTile::kM128W4N128) &&
         has(PrefillTile::kM128W4)) {
       return PrefillTile::kM128W4;
     }
@@ -424,7 +459,12 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
-  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
+  Launcher launch = masked && !p.paged && tile == PrefillTile::kM128W4
+                        ? skip_dead_launcher(spec.head_dim, p.dtype, p.max_seqlen_kv)
+                        : nullptr;
+  if (launch == nullptr) {
+    launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
+  }
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }

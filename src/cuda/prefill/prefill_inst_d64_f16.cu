@@ -11,5 +11,6 @@ ATTNKIT_PREFILL_INSTANTIATE_TILE(64, PrefillTile::kM64, DType::kF16)
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(64, PrefillTile::kM128W4, DType::kF16)
+ATTNKIT_PREFILL_INSTANTIATE_SKIP(64, DType::kF16)
 #endif
 }  // namespace attnkit::cuda::prefill

@@ -1,9 +1,10 @@
 // Explicit instantiations of the prefill kernel: head_dim 96, f16. Must match
-// tile_compiled() in prefill_build_set.h.
+// tile_compiled() and runs_compiled() in prefill_build_set.h.
 #include "cuda/prefill/prefill_kernel.cuh"
 
 namespace attnkit::cuda::prefill {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(96, PrefillTile::kM128, DType::kF16)
+ATTNKIT_PREFILL_INSTANTIATE_RUNS(96, PrefillTile::kM128, DType::kF16)
 #endif
 }  // namespace attnkit::cuda::prefill

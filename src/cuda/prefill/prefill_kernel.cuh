@@ -433,7 +433,7 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -457,6 +457,15 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   // 2k), head_dim 256 non-causal (S=512 277 -> 272), the 64-key tile at head_dim 64 (1k causal
   // 210.0 -> 206.3) and the paged kernels (page 64 causal 287 -> 267).
   constexpr bool kSplitEdge = !kPaged && (T::kBlockN == 128 || (T::kHeadDim == 256 && kMasked));
+  // kSkipDeadBlocks (prefill_tile_step.inc): in the 128-row, 64-key tile (kM128W4) under a causal
+  // mask a query block's last key tile lies past its first 64 rows, and the tile before it has
+  // every key attended by its last 64 rows. A warp's two 16-row blocks are interleaved across the
+  // warps (rows 16 w and 16 (w + 4)), and a block whose rows all lie before a tile's first key
+  // skips the tile's MMAs and softmax: every warp keeps one live block on the diagonal, so no warp
+  // waits at the barrier for another's full tile. Dispatch: prefill_dispatch.cc.
+  static_assert(!kSkipDeadBlocks ||
+                    (kMasked && !kPaged && T::kMAtoms == 2 && T::kBlockN < T::kBlockM && kRing),
+                "dead row blocks: packed causal kernels of the 128-row 64-key tile");
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + T::kQBytes;
@@ -651,9 +660,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       o_acc[a][i][0] = o_acc[a][i][1] = o_acc[a][i][2] = o_acc[a][i][3] = 0.f;
   float row_max[kA][2];  // log2 units (scaled)
   float row_sum[kA][2];  // this thread's partial sums
-  const int warp_row = warp * T::kRowsPerWarp;
+  // Row block a of this warp starts at query row warp_row + a * kAtomStride of the CTA: the warp's
+  // rows are contiguous, or (kSkipDeadBlocks) its two blocks interleaved across the warps.
+  constexpr int kAtomStride = kSkipDeadBlocks ? 16 * T::kWarps : 16;
+  const int warp_row = kSkipDeadBlocks ? 16 * warp : warp * T::kRowsPerWarp;
   // Query position of this thread's row i (g, g + 8) of row block a; recomputed, not kept live.
-  auto pos_row = [&](int a, int i) { return p_lo + warp_row + 16 * a + g + 8 * i; };
+  auto pos_row = [&](int a, int i) { return p_lo + warp_row + a * kAtomStride + g + 8 * i; };
 #pragma unroll
   for (int a = 0; a < kA; ++a) {
     row_max[a][0] = row_max[a][1] = -INFINITY;
@@ -715,16 +727,17 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 #pragma unroll
     for (int dt = 0; dt < T::kDTiles; ++dt) {
       // warp_row is a multiple of 16: the warp's local rows keep the swizzle phase.
-      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(16 * a + g, dt) + t4 * 4) =
+      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g, dt) + t4 * 4) =
           pack_pair<Tag>(o_acc[a][dt][0] * inv_sum[0], o_acc[a][dt][1] * inv_sum[0]);
-      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(16 * a + g + 8, dt) + t4 * 4) =
+      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g + 8, dt) + t4 * 4) =
           pack_pair<Tag>(o_acc[a][dt][2] * inv_sum[1], o_acc[a][dt][3] * inv_sum[1]);
     }
   }
   __syncwarp();
   Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + head * p.o_head_stride;
   for (int c = lane; c < T::kRowsPerWarp * T::kChunksPerRow; c += 32) {
-    const int r = c / T::kChunksPerRow;
+    const int rw = c / T::kChunksPerRow;  // the warp's rw-th row
+    const int r = kAtomStride == 16 ? rw : rw / 16 * kAtomStride + rw % 16;
     const int ch = c % T::kChunksPerRow;
     const int32_t row = m0 + warp_row + r;
     if (row < seq.q_len) {
@@ -737,7 +750,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     for (int a = 0; a < kA; ++a)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int32_t row = m0 + warp_row + 16 * a + g + 8 * i;
+        const int32_t row = m0 + warp_row + a * kAtomStride + g + 8 * i;
         if (row < seq.q_len) {
           p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
               row_sum[a][i] > 0.f ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2 : -INFINITY;
@@ -747,13 +760,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
-  auto kernel =
-      prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle, kRunsOnly>;
+  auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
+                               kRunsOnly, kSkipDeadBlocks>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
@@ -763,25 +776,34 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
 }  // namespace attnkit::cuda::prefill
 
 // One instantiation of every (tile, kMasked, K/V source) for a head_dim and dtype: packed 16-bit,
-// paged 16-bit and 8-bit with both copies (contiguous and cyclic caches), and paged 16-bit and
-// 8-bit with only the row-run copy (kRunsOnly: a block table without a cyclic window).
-#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                              \
-  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&,             \
-                                                                 cudaStream_t);                    \
-  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,              \
-                                                                cudaStream_t);                     \
-  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,              \
-                                                                cudaStream_t);                     \
-  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,               \
-                                                               cudaStream_t);                      \
-  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,               \
-                                                               cudaStream_t);                      \
-  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t); \
-  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>(         \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(          \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(          \
-      const PrefillParams&, cudaStream_t);                                                         \
-  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(           \
+// paged 16-bit and 8-bit with both copies (contiguous and cyclic caches).
+#define ATTNKIT_PREFILL_INSTANTIATE_TILE(D, TILE, DT)                                  \
+  template void launch_prefill<D, TILE, DT, false, false, false>(const PrefillParams&, \
+                                                                 cudaStream_t);        \
+  template void launch_prefill<D, TILE, DT, true, false, false>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, false, false, true>(const PrefillParams&,  \
+                                                                cudaStream_t);         \
+  template void launch_prefill<D, TILE, DT, true, false, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, false, true, true>(const PrefillParams&,   \
+                                                               cudaStream_t);          \
+  template void launch_prefill<D, TILE, DT, true, true, true>(const PrefillParams&, cudaStream_t);
+
+// The paged kernels that hold only the row-run copy (kRunsOnly: a block table without a cyclic
+// window), 16-bit and 8-bit caches, both masks; the head dims of runs_compiled().
+#define ATTNKIT_PREFILL_INSTANTIATE_RUNS(D, TILE, DT)                                      \
+  template void launch_prefill<D, TILE, DT, false, false, true, swizzle_default(D), true>( \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, false, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, false, true, true, swizzle_default(D), true>(  \
+      const PrefillParams&, cudaStream_t);                                                 \
+  template void launch_prefill<D, TILE, DT, true, true, true, swizzle_default(D), true>(   \
       const PrefillParams&, cudaStream_t);
+
+// The packed causal kM128W4 kernel with interleaved row blocks and dead-block skip.
+#define ATTNKIT_PREFILL_INSTANTIATE_SKIP(D, DT)                                       \
+  template void launch_prefill<D, PrefillTile::kM128W4, DT, true, false, false,       \
+                               swizzle_default(D), false, true>(const PrefillParams&, \
+                                                                cudaStream_t);

@@ -18,11 +18,14 @@ namespace attnkit::cuda::prefill {
 // implies kPaged. A compile-time property: the paged kernels copy row runs in every tile
 // configuration, the packed kernels hold only the packed copy.
 // kSwizzle: XOR-swizzled smem rows (PrefillTraits); else 16-byte row padding.
-// kRunsOnly (kPaged only): a paged cache with a block table and no cyclic window; the kernel holds
-// only the row-run copy. Else a paged kernel also holds the per-chunk slot copy (contiguous and
-// cyclic caches) and picks one at run time.
+// kSkipDeadBlocks (packed causal kM128W4 only): a warp's two row blocks interleaved across the
+// warps, and a block whose rows all lie before a tile's first key skips the tile
+// (prefill_kernel.cuh). kRunsOnly (kPaged only): a paged cache with a block table and no cyclic
+// window; the kernel holds only the row-run copy. Else a paged kernel also holds the per-chunk slot
+// copy (contiguous and cyclic caches) and picks one at run time.
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle = swizzle_default(kHeadDim), bool kRunsOnly = false>
+          bool kSwizzle = swizzle_default(kHeadDim), bool kRunsOnly = false,
+          bool kSkipDeadBlocks = false>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.
