@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -460,22 +459,9 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
-  Launcher launch = nullptr;
-#if !defined(ATTNKIT_KERNEL_SUBSET)
-  // EXPERIMENT pre9: ATTNKIT_EXP_PRE9_L1=1 takes the head_dim 256 bf16 packed kernels whose K/V
-  // copies allocate in L1.
-  if (const char* l1 = std::getenv("ATTNKIT_EXP_PRE9_L1");
-      l1 != nullptr && l1[0] == '1' && spec.head_dim == 256 && !p.paged &&
-      p.dtype == DType::kBF16 && tile == PrefillTile::kM64) {
-    launch = masked ? &launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                                      true, false, false, true>
-                    : &launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
-                                      true, false, false, true>;
-  }
-#endif
-  if (launch == nullptr && masked && !p.paged && tile == PrefillTile::kM128W4) {
-    launch = skip_dead_launcher(spec.head_dim, p.dtype, p.max_seqlen_kv);
-  }
+  Launcher launch = masked && !p.paged && tile == PrefillTile::kM128W4
+                        ? skip_dead_launcher(spec.head_dim, p.dtype, p.max_seqlen_kv)
+                        : nullptr;
   if (launch == nullptr) {
     launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
   }

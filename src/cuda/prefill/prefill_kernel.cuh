@@ -269,14 +269,7 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t lane_off, int cs) {
 // Issues the cp.async copies of the kBlockN 16-bit rows of key block `n_block` from the packed
 // tensor `packed0` (and `packed1` when kTwo; tok_bytes apart) into T::offset() rows. Rows past
 // kv_len are zero-filled. The paged kernels copy with load_rows_paged below.
-// EXPERIMENT pre9 (kExpL1): cp.async.ca (allocates in L1) for the packed K/V copies.
-__device__ __forceinline__ void cp_async_16_ca(uint32_t smem_addr, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src),
-               "r"(src_bytes));
-}
-
-template <class T, bool kTwo, bool kL1 = false>
+template <class T, bool kTwo>
 __device__ __forceinline__ void load_rows(int32_t kv_len, int32_t n_block, const uint8_t* packed0,
                                           int64_t tok_bytes0, uint8_t* dst0, const uint8_t* packed1,
                                           int64_t tok_bytes1, uint8_t* dst1) {
@@ -311,13 +304,8 @@ __device__ __forceinline__ void load_rows(int32_t kv_len, int32_t n_block, const
         const uint32_t d = i * kRowStep * T::kRowBytes +
                            (T::kSwizzle ? ch_phase ^ ((i * kRowStep & 7) * 16) : ch_phase);
         // Rows past kv_len copy 0 bytes (zero fill): their address is never read.
-        if constexpr (kL1) {
-          cp_async_16_ca(s0 + d, src0, valid);
-          if constexpr (kTwo) cp_async_16_ca(s1 + d, src1, valid);
-        } else {
-          cp_async_16(s0 + d, src0, valid);
-          if constexpr (kTwo) cp_async_16(s1 + d, src1, valid);
-        }
+        cp_async_16(s0 + d, src0, valid);
+        if constexpr (kTwo) cp_async_16(s1 + d, src1, valid);
       }
       src0 += step0;
       if constexpr (kTwo) src1 += step1;
@@ -445,7 +433,7 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kExpL1>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -557,8 +545,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.k_base,
                                               s_k + buf * T::kKvTileBytes, nullptr);
     } else {
-      load_rows<T, false, kExpL1>(src.kv_len, range.block(t), src.k_packed, src.k_tok_bytes,
-                                  s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr);
+      load_rows<T, false>(src.kv_len, range.block(t), src.k_packed, src.k_tok_bytes,
+                          s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr);
     }
   };
   auto load_v = [&](int32_t t, Entry entry) {
@@ -566,8 +554,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.v_base, s_v,
                                               nullptr);
     } else {
-      load_rows<T, false, kExpL1>(src.kv_len, range.block(t), src.v_packed, src.v_tok_bytes, s_v,
-                                  nullptr, 0, nullptr);
+      load_rows<T, false>(src.kv_len, range.block(t), src.v_packed, src.v_tok_bytes, s_v, nullptr,
+                          0, nullptr);
     }
   };
   auto load_kv = [&](int32_t t, Entry entry, int buf) {
@@ -772,13 +760,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kExpL1>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = T::smem_bytes(kQuantKv);
   auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
-                               kRunsOnly, kSkipDeadBlocks, kExpL1>;
+                               kRunsOnly, kSkipDeadBlocks>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
