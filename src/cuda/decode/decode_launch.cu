@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -96,11 +95,7 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n) {
   const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
-  // Experiment (dec10): ATTNKIT_EXP_DEC10_MINTILES = the fewest tiles of keys a split gets (4).
-  const char* env = std::getenv("ATTNKIT_EXP_DEC10_MINTILES");
-  const int64_t min_tiles = env != nullptr && std::atoi(env) > 0 ? std::atoi(env) : 4;
-  const int64_t max_splits =
-      std::clamp<int64_t>(max_keys / (min_tiles * tile_n), 1, kDecodeMaxSplits);
+  const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, kDecodeMaxSplits);
   int64_t best = 1;
   double best_fill = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
