@@ -596,30 +596,40 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
   }
 }
 
+// The three split calls that the multi-stream tests keep in flight together: GQA 32/8 bf16 with
+// forced splits, f16 GQA 16/2 split by the heuristic (a batch this small), and MQA 32/1 (one CTA
+// per row unless split) with forced splits.
+struct StreamCases {
+  DecodeCase gqa, f16, mqa;
+};
+StreamCases stream_cases() {
+  StreamCases c;
+  c.gqa.hq = 32;
+  c.gqa.hkv = 8;
+  c.gqa.page = 32;
+  c.gqa.seq_lens = {1, 77, 1000, 4097};
+  c.gqa.num_splits = 7;
+  c.f16 = c.gqa;
+  c.f16.hq = 16;
+  c.f16.hkv = 2;
+  c.f16.dtype = c.f16.kv_dtype = DType::kF16;
+  c.f16.seq_lens = {3001, 33, 65};
+  c.f16.num_splits = 0;
+  c.mqa = c.gqa;
+  c.mqa.hkv = 1;
+  c.mqa.seq_lens = {2000, 999};
+  c.mqa.num_splits = 13;
+  return c;
+}
+
 // Split-KV calls in flight together on two streams, and one captured in a CUDA graph and replayed
 // between eager calls: each call's workspace and arrival counters must be its own. Context
 // lengths are not multiples of the 64-key tile nor of the page, so every split's last tile is
 // partial.
 TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  DecodeCase a;
-  a.hq = 32;
-  a.hkv = 8;
-  a.page = 32;
-  a.seq_lens = {1, 77, 1000, 4097};
-  a.num_splits = 7;
-  DecodeCase b = a;
-  b.hq = 16;
-  b.hkv = 2;
-  b.dtype = b.kv_dtype = DType::kF16;
-  b.seq_lens = {3001, 33, 65};
-  b.num_splits = 0;  // the heuristic splits a batch this small
-  DecodeCase m = a;  // MQA: one CTA per row unless split
-  m.hq = 32;
-  m.hkv = 1;
-  m.seq_lens = {2000, 999};
-  m.num_splits = 13;
-  PreparedCase pa(a, 900), pb(b, 901), pm(m, 902);
+  const StreamCases c = stream_cases();
+  PreparedCase pa(c.gqa, 900), pb(c.f16, 901), pm(c.mqa, 902);
   cudaStream_t s1 = nullptr, s2 = nullptr;
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
@@ -1067,23 +1077,8 @@ TEST(DecodeWorkspace, CapturedGraphReplaysThroughOneWorkspace) {
 // Two streams, one workspace each, split calls in flight on both at once.
 TEST(DecodeWorkspace, TwoStreamsTwoWorkspaces) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  DecodeCase a;
-  a.hq = 32;
-  a.hkv = 8;
-  a.page = 32;
-  a.seq_lens = {1, 77, 1000, 4097};
-  a.num_splits = 7;
-  DecodeCase b = a;
-  b.hq = 16;
-  b.hkv = 2;
-  b.dtype = b.kv_dtype = DType::kF16;
-  b.seq_lens = {3001, 33, 65};
-  b.num_splits = 0;
-  DecodeCase m = a;
-  m.hkv = 1;
-  m.seq_lens = {2000, 999};
-  m.num_splits = 13;
-  PreparedCase pa(a, 1700), pb(b, 1701), pm(m, 1702);
+  const StreamCases c = stream_cases();
+  PreparedCase pa(c.gqa, 1700), pb(c.f16, 1701), pm(c.mqa, 1702);
   AttentionSpec sizing;
   sizing.num_q_heads = 32;
   sizing.num_kv_heads = 8;
