@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "core/check.h"
+#include "cuda/common/cuda_status.h"
 #include "kv_cache/kv_memory.h"
 
 namespace attnkit::detail {
@@ -16,25 +17,12 @@ void check_cuda(cudaError_t status, const char* what) {
   }
 }
 
-// Makes `device` current for a scope and restores the caller's device after it.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 class CudaKvMemory final : public KvMemory {
  public:
   CudaKvMemory(int device, int32_t num_blocks, int64_t host_slots, int64_t block_bytes,
                void* stream)
       : device_(device), block_bytes_(block_bytes), stream_(static_cast<cudaStream_t>(stream)) {
-    DeviceGuard guard(device);
+    cuda::DeviceScope scope(device, "KvCacheManager: cudaSetDevice");
     check_cuda(cudaMalloc(&pool_, static_cast<size_t>(num_blocks) * block_bytes), "cudaMalloc");
     if (host_slots > 0) {
       const cudaError_t status =
@@ -46,8 +34,8 @@ class CudaKvMemory final : public KvMemory {
     }
   }
   ~CudaKvMemory() override {
-    DeviceGuard guard(device_);
-    cudaStreamSynchronize(stream_);  // copies out of the pool may still be in flight
+    cuda::DeviceScope scope(device_, nullptr);  // a destructor: never throws
+    cudaStreamSynchronize(stream_);             // copies out of the pool may still be in flight
     if (host_) cudaFreeHost(host_);
     cudaFree(pool_);
   }
@@ -100,13 +88,10 @@ int64_t cuda_free_memory_bytes(int device) {
   }
   ATTNKIT_CHECK(device >= 0 && device < count, "KvCacheManagerConfig.device: cuda:", device,
                 " is not present (", count, " CUDA devices visible)");
-  int current = 0;
-  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  cuda::DeviceScope scope(device, "KvCacheManager: cudaSetDevice");
   size_t free_bytes = 0, total_bytes = 0;
-  const cudaError_t status = cudaMemGetInfo(&free_bytes, &total_bytes);
-  cudaSetDevice(current);
-  check_cuda(status, "cudaMemGetInfo (free_gpu_memory_fraction)");
+  check_cuda(cudaMemGetInfo(&free_bytes, &total_bytes),
+             "cudaMemGetInfo (free_gpu_memory_fraction)");
   return static_cast<int64_t>(free_bytes);
 }
 

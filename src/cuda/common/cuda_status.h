@@ -21,4 +21,22 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 
 inline cudaStream_t as_cuda_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+// Makes `device` current for a scope and restores the caller's device after it. With `what` a
+// failed switch throws attnkit::Error naming it; with nullptr (destructors, which must not throw)
+// the failure is left to the next checked call.
+class DeviceScope {
+ public:
+  DeviceScope(int device, const char* what) {
+    cudaGetDevice(&previous_);
+    const cudaError_t status = cudaSetDevice(device);
+    if (what != nullptr) check_cuda(status, what);
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 }  // namespace attnkit::cuda

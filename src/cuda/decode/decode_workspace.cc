@@ -13,21 +13,6 @@ namespace {
 
 constexpr int64_t kAlign = 256;
 
-// Makes `device` current for a scope and restores the caller's device after it.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cuda::check_cuda(cudaGetDevice(&previous_), "DecodeWorkspace: cudaGetDevice");
-    cuda::check_cuda(cudaSetDevice(device), "DecodeWorkspace: cudaSetDevice");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
 }  // namespace
 
 DecodeWorkspace::DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, int32_t max_splits,
@@ -41,7 +26,7 @@ DecodeWorkspace::DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, in
                 " does not exist (", count, " CUDA devices)");
   const int64_t counter_bytes = (size.counters * 4 + kAlign - 1) / kAlign * kAlign;
   bytes_ = counter_bytes + size.partial_floats * 4;
-  DeviceScope scope(device.index);
+  cuda::DeviceScope scope(device.index, "DecodeWorkspace: cudaSetDevice");
   cuda::check_cuda(cudaMalloc(&memory_, static_cast<size_t>(bytes_)),
                    "DecodeWorkspace: cudaMalloc");
   // Zeroed and finished before the constructor returns: calls on any stream (non-blocking ones
@@ -59,15 +44,12 @@ DecodeWorkspace::DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, in
 
 DecodeWorkspace::~DecodeWorkspace() {
   if (memory_ == nullptr) return;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_.index);
+  cuda::DeviceScope scope(device_.index, nullptr);
   cudaFree(memory_);
-  cudaSetDevice(previous);
 }
 
 void DecodeWorkspace::reset(Stream stream) {
-  DeviceScope scope(device_.index);
+  cuda::DeviceScope scope(device_.index, "DecodeWorkspace::reset: cudaSetDevice");
   cuda::check_cuda(
       cudaMemsetAsync(memory_, 0, static_cast<size_t>(counters_) * 4, cuda::as_cuda_stream(stream)),
       "DecodeWorkspace::reset: cudaMemsetAsync");
