@@ -229,6 +229,10 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
   const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
+  // Four CTAs per SM, at 95% of a wave: a grid that keeps the 4-CTA 8-bit kernel busy.
+  const auto fills_four_ctas_per_sm = [&](int64_t grid_ctas) {
+    return grid_ctas * 100 >= static_cast<int64_t>(sm_count) * 380;
+  };
   if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
@@ -248,14 +252,13 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     if (info.wide_ctas_per_sm > 0 && !spec.alibi && spec.logit_softcap <= 0.0) {
       const int32_t wide =
           decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n);
-      if (ctas * wide * 100 >= static_cast<int64_t>(sm_count) * 380 &&
+      if (fills_four_ctas_per_sm(ctas * wide) &&
           max_keys / wide >= 32 * static_cast<int64_t>(info.tile_n)) {
         params.num_splits = wide;
       }
     }
   }
-  // Four CTAs per SM, at 95% of a wave: the grid keeps the 4-CTA 8-bit kernel busy.
-  choice.wide_grid = ctas * params.num_splits * 100 >= static_cast<int64_t>(sm_count) * 380;
+  choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
     const int64_t tile_n = info.tile_n;
