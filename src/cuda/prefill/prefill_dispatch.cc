@@ -39,8 +39,14 @@ using Launcher = void (*)(const PrefillParams&, cudaStream_t);
 constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 
 template <int D, PrefillTile kTile, DType kDT>
-Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs) {
+Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
+    // skip_dead: the packed causal kM128W4 kernels with dead-block skip (head_dim 64 and 128).
+    if constexpr (kTile == PrefillTile::kM128W4 && (D == 64 || D == 128)) {
+      if (skip_dead) {
+        return &launch_prefill<D, kTile, kDT, true, false, false, swizzle_default(D), false, true>;
+      }
+    }
     // runs: the kRunsOnly paged kernels (no per-chunk slot copy) where runs_compiled() has them.
     if constexpr (runs_compiled(D)) {
       constexpr bool kSw = swizzle_default(D);
@@ -69,47 +75,50 @@ Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs) {
 }
 
 template <int D, DType kDT>
-Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, bool runs) {
+Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, bool runs,
+                      bool skip_dead) {
   switch (tile) {
     case PrefillTile::kM128:
-      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs);
+      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs, skip_dead);
     case PrefillTile::kM64:
-      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs);
+      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs, skip_dead);
     case PrefillTile::kM128W4:
-      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs);
+      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs, skip_dead);
     case PrefillTile::kM128W4N128:
-      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs);
+      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs,
+                                                            skip_dead);
   }
   return nullptr;
 }
 
 template <DType kDT>
 Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv, bool paged,
-                      bool runs) {
+                      bool runs, bool skip_dead) {
   switch (head_dim) {
     case 64:
-      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs);
+      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
     case 80:
-      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs);
+      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
     case 96:
-      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs);
+      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
     case 128:
-      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs);
+      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
     case 256:
-      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs);
+      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
     default:
       return nullptr;
   }
 }
 
 // The one place where runtime values become template arguments. runs: a paged cache with a block
-// table and no cyclic window (the kRunsOnly kernels).
+// table and no cyclic window (the kRunsOnly kernels). skip_dead: a packed causal call that takes
+// the dead-block-skip kernel (see skips_dead_blocks).
 Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv,
-                       bool paged, bool runs = false) {
+                       bool paged, bool runs = false, bool skip_dead = false) {
   if (dtype == DType::kBF16)
-    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs);
+    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead);
   if (dtype == DType::kF16)
-    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs);
+    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead);
   return nullptr;
 }
 
@@ -122,27 +131,12 @@ constexpr int32_t kShortCausalKeys = 4096;
 // 154.6 -> 169.5, 1k 208.5 -> 221.4; head_dim 128 causal 512 200.6 -> 216.6, 1k 264.0 -> 276.6, 2k
 // 317.7 -> 323.4, 4k 358.4 -> 358.4, but 8k 381.9 -> 377.2 and 16k 395.2 -> 389.6, so head_dim 128
 // takes it up to kShortCausalKeys keys. (Round 2: a whole warp's skip with contiguous rows reached
-// 162.9 / 215.7 at head_dim 64 512 / 1k, 205.6 at head_dim 128 512.)
-template <int D, DType kDT>
-Launcher skip_dead_launcher_for() {
-  if constexpr (tile_compiled(D, PrefillTile::kM128W4, kDT)) {
-    return &launch_prefill<D, PrefillTile::kM128W4, kDT, true, false, false, swizzle_default(D),
-                           false, true>;
-  } else {
-    return nullptr;
-  }
-}
-
-Launcher skip_dead_launcher(int head_dim, DType dtype, int32_t max_seqlen_kv) {
-  const bool bf16 = dtype == DType::kBF16;
-  if (head_dim == 64)
-    return bf16 ? skip_dead_launcher_for<64, DType::kBF16>()
-                : skip_dead_launcher_for<64, DType::kF16>();
-  if (head_dim == 128 && max_seqlen_kv <= kShortCausalKeys) {
-    return bf16 ? skip_dead_launcher_for<128, DType::kBF16>()
-                : skip_dead_launcher_for<128, DType::kF16>();
-  }
-  return nullptr;
+// 162.9 / 215.7 at head_dim 64 512 / 1k, 205.6 at head_dim 128 512.) Whether a packed causal call
+// on tile kM128W4 takes it: head_dim 64 always, head_dim 128 up to kShortCausalKeys keys.
+bool skips_dead_blocks(int head_dim, PrefillTile tile, bool masked, bool paged,
+                       int32_t max_seqlen_kv) {
+  if (!masked || paged || tile != PrefillTile::kM128W4) return false;
+  return head_dim == 64 || (head_dim == 128 && max_seqlen_kv <= kShortCausalKeys);
 }
 
 template <int D>
@@ -459,12 +453,9 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
-  Launcher launch = masked && !p.paged && tile == PrefillTile::kM128W4
-                        ? skip_dead_launcher(spec.head_dim, p.dtype, p.max_seqlen_kv)
-                        : nullptr;
-  if (launch == nullptr) {
-    launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs);
-  }
+  const bool skip_dead = skips_dead_blocks(spec.head_dim, tile, masked, p.paged, p.max_seqlen_kv);
+  const Launcher launch =
+      find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs, skip_dead);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }
