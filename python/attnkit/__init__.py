@@ -25,6 +25,7 @@ __all__ = [
     "AttentionConfig",
     "KvView",
     "KvCache",
+    "DecodeWorkspace",
     "info",
     "prefill",
     "decode",
@@ -390,6 +391,7 @@ def decode(
     cache_indirection: Any = None,
     num_splits: int = 0,
     max_seq_len: int = 0,
+    workspace: Optional["DecodeWorkspace"] = None,
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
@@ -403,7 +405,9 @@ def decode(
     k_scale / v_scale float32 [1] or [Hkv] (fp8 / int8 caches), kv_dtype for uint8 / uint16
     storage. window / sink_tokens: sliding-window mask (window_slots: cyclic cache capacity).
     beam_width / cache_indirection int32 [rows / beam_width, beam_width, max_seq]: beam search.
-    num_splits: split-KV override (0: heuristic). out: [rows, Hq, D]; lse: float32 [rows, Hq].
+    num_splits: split-KV override (0: heuristic). workspace: a DecodeWorkspace for split calls on
+    this stream (None: a per-call allocation and counter memset on the stream).
+    out: [rows, Hq, D]; lse: float32 [rows, Hq].
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     rows, hq, d = _shape(q, "q", 3)
@@ -434,6 +438,7 @@ def decode(
         cache_indirection=_int32(cache_indirection, q, "cache_indirection"),
         num_splits=int(num_splits),
         max_seq_len=int(max_seq_len),
+        workspace=_workspace(workspace, "workspace"),
         stream=_stream(q, stream),
     )
     return (out, lse) if lse is not None else out
@@ -543,6 +548,7 @@ def forward(
     backend: str = "auto",
     num_splits: int = 0,
     workspace: Any = None,
+    decode_workspace: Optional["DecodeWorkspace"] = None,
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
@@ -555,6 +561,7 @@ def forward(
     seq_lens int32 [rows] hold the lengths after this step (rows: one per context request, then
     beam_width per generation request). cu_seqlens_q: int32 [requests + 1] token offsets (host
     memory); past_lens: int32 [requests] tokens cached before this step (host memory).
+    decode_workspace: a DecodeWorkspace for the generation rows' split-KV calls (see decode).
     out: [num_tokens, Hq, D]; lse: float32 [num_tokens, Hq].
     Returns out, or (out, lse) when return_lse or lse is given.
     """
@@ -597,6 +604,7 @@ def forward(
         lse=lse,
         workspace=workspace,
         num_splits=int(num_splits),
+        decode_workspace=_workspace(decode_workspace, "decode_workspace"),
         stream=_stream(qkv, stream),
     )
     return (out, lse) if lse is not None else out
@@ -692,6 +700,52 @@ def merge_states(
 
 
 # ---- KV cache manager -------------------------------------------------------------------------
+
+
+class DecodeWorkspace:
+    """Caller-owned split-KV workspace (the C++ DecodeWorkspace): partial outputs, LSEs and
+    arrival counters for decode calls of up to ``max_rows`` rows and ``max_splits`` splits with
+    these heads, allocated once on ``device`` ("cuda" or "cuda:N") with its counters zeroed. Pass
+    it as ``decode(..., workspace=)`` or ``forward(..., decode_workspace=)``: a split call is then
+    one kernel, with no allocation or memset (and no such nodes in a captured CUDA graph).
+
+    One workspace per stream (or per set of calls that never run at the same time): calls that
+    run concurrently must not share one. After a failed launch, ``reset(stream)`` re-zeroes the
+    counters. A call that does not fit raises Error naming the argument.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_rows: int,
+        max_splits: int = 128,
+        device: str = "cuda",
+    ) -> None:
+        spec = _spec(num_q_heads, num_kv_heads, head_dim, None, False, 0.0, "auto")
+        self._ws = _C.DecodeWorkspace(spec, int(max_rows), int(max_splits), str(device))
+
+    @property
+    def bytes(self) -> int:
+        return self._ws.bytes
+
+    @property
+    def device(self) -> str:
+        return self._ws.device
+
+    def reset(self, stream: Optional[int] = None) -> None:
+        """Enqueues a zeroing of the counters on ``stream`` (default: the legacy stream 0)."""
+        self._ws.reset(int(stream) if stream is not None else 0)
+
+
+def _workspace(ws: Any, name: str) -> Any:
+    if ws is None:
+        return None
+    if not isinstance(ws, DecodeWorkspace):
+        raise Error(f"{name}: expected an attnkit.DecodeWorkspace or None, got {type(ws).__name__}")
+    return ws._ws
 
 
 class KvCache:

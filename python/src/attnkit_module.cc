@@ -325,6 +325,17 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
 
 Stream to_stream(uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
 
+// "cpu", "cuda" or "cuda:N" (the names Device::str() writes).
+Device parse_device_name(const std::string& name) {
+  if (name == "cpu") return Device::cpu();
+  if (name == "cuda") return Device::cuda(0);
+  if (name.rfind("cuda:", 0) == 0 && name.size() > 5 &&
+      name.find_first_not_of("0123456789", 5) == std::string::npos && name.size() < 15) {
+    return Device::cuda(std::stoi(name.substr(5)));
+  }
+  fail("device: expected 'cpu', 'cuda' or 'cuda:N', got '" + name + "'");
+}
+
 // ---- entry points ------------------------------------------------------------------------------
 
 void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_seqlens_q,
@@ -355,7 +366,7 @@ void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_s
 void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_cache,
                const OutArray& out, const std::optional<OutArray>& lse, int32_t beam_width,
                const std::optional<InArray>& cache_indirection, int32_t num_splits,
-               int32_t max_seq_len, uintptr_t stream) {
+               int32_t max_seq_len, DecodeWorkspace* workspace, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   DecodeArgs args;
   args.q = to_view(q, "q");
@@ -366,6 +377,7 @@ void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_c
   args.cache_indirection = opt_view(cache_indirection, "cache_indirection");
   args.num_splits = num_splits;
   args.max_seq_len = max_seq_len;
+  args.workspace = workspace;
   nb::gil_scoped_release release;
   decode(spec, args, to_stream(stream));
 }
@@ -394,7 +406,8 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
                 const InArray& cu_seqlens_q, const InArray& past_lens, int32_t num_context,
                 const OutArray& out, int32_t beam_width, const std::optional<InArray>& qkv_bias,
                 const std::optional<InArray>& cache_indirection, const std::optional<OutArray>& lse,
-                const std::optional<OutArray>& workspace, int32_t num_splits, uintptr_t stream) {
+                const std::optional<OutArray>& workspace, int32_t num_splits,
+                DecodeWorkspace* decode_workspace, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   ForwardArgs args;
   args.qkv = to_view(qkv, "qkv");
@@ -409,6 +422,7 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
   args.lse = opt_view(lse, "lse");
   args.workspace = opt_view(workspace, "workspace");
   args.num_splits = num_splits;
+  args.decode_workspace = decode_workspace;
   nb::gil_scoped_release release;
   forward(spec, args, to_stream(stream));
 }
@@ -486,14 +500,7 @@ KvCacheManagerConfig manager_config(const nb::dict& d) {
   c.head_dim = get<int32_t>(d, "head_dim", 0);
   c.tokens_per_block = get<int32_t>(d, "tokens_per_block", 16);
   c.dtype = parse_dtype_name(get<std::string>(d, "dtype", "f16"), "dtype");
-  const std::string device = get<std::string>(d, "device", "cpu");
-  if (device == "cpu") {
-    c.device = Device::cpu();
-  } else if (device.rfind("cuda", 0) == 0) {
-    c.device = Device::cuda(device.size() > 5 ? std::stoi(device.substr(5)) : 0);
-  } else {
-    fail("device: expected 'cpu' or 'cuda[:N]', got '" + device + "'");
-  }
+  c.device = parse_device_name(get<std::string>(d, "device", "cpu"));
   c.max_tokens = get<int64_t>(d, "max_tokens", 0);
   c.max_bytes = get<int64_t>(d, "max_bytes", 0);
   c.free_gpu_memory_fraction = get<double>(d, "free_gpu_memory_fraction", 0.9);
@@ -668,6 +675,24 @@ NB_MODULE(_attnkit, m) {
   m.doc() = "attnkit C++ bindings (use the `attnkit` package, not this module directly)";
   nb::exception<attnkit::Error>(m, "Error", PyExc_ValueError);
 
+  nb::class_<attnkit::DecodeWorkspace>(
+      m, "DecodeWorkspace",
+      "Caller-owned split-KV workspace for decode / forward on one stream (C++ DecodeWorkspace).")
+      .def(
+          "__init__",
+          [](attnkit::DecodeWorkspace* self, const nb::dict& spec, int64_t max_rows,
+             int32_t max_splits, const std::string& device) {
+            new (self) attnkit::DecodeWorkspace(spec_from_dict(spec), max_rows, max_splits,
+                                                parse_device_name(device));
+          },
+          "spec"_a, "max_rows"_a, "max_splits"_a, "device"_a)
+      .def_prop_ro("bytes", &attnkit::DecodeWorkspace::bytes)
+      .def_prop_ro("device", [](const attnkit::DecodeWorkspace& w) { return w.device().str(); })
+      .def(
+          "reset",
+          [](attnkit::DecodeWorkspace& w, uintptr_t stream) { w.reset(to_stream(stream)); },
+          "stream"_a = 0, "Enqueues a zeroing of the arrival counters on `stream`.");
+
   m.def("prefill", &py_prefill, "spec"_a, "q"_a, "cu_seqlens_q"_a, "out"_a.noconvert(),
         "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "cu_seqlens_kv"_a.none() = nb::none(),
         "kv_cache"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
@@ -675,7 +700,7 @@ NB_MODULE(_attnkit, m) {
   m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "beam_width"_a = 1,
         "cache_indirection"_a.none() = nb::none(), "num_splits"_a = 0, "max_seq_len"_a = 0,
-        "stream"_a = 0);
+        "workspace"_a.none() = nb::none(), "stream"_a = 0);
   m.def("append_kv", &py_append_kv, "spec"_a, "kv_cache"_a, "positions"_a, "row_of_token"_a,
         "q_out"_a.noconvert(), "qkv"_a.none() = nb::none(), "q"_a.none() = nb::none(),
         "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "qkv_bias"_a.none() = nb::none(),
@@ -683,13 +708,15 @@ NB_MODULE(_attnkit, m) {
   m.def("forward", &py_forward, "spec"_a, "qkv"_a, "kv_cache"_a, "cu_seqlens_q"_a, "past_lens"_a,
         "num_context"_a, "out"_a.noconvert(), "beam_width"_a = 1, "qkv_bias"_a.none() = nb::none(),
         "cache_indirection"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
-        "workspace"_a.noconvert().none() = nb::none(), "num_splits"_a = 0, "stream"_a = 0);
+        "workspace"_a.noconvert().none() = nb::none(), "num_splits"_a = 0,
+        "decode_workspace"_a.none() = nb::none(), "stream"_a = 0);
   m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "timestep"_a = 0.0, "block_m"_a = 128,
         "block_n"_a = 128, "stream"_a = 0);
   m.def("merge_states", &py_merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a,
         "out"_a.noconvert(), "lse"_a.noconvert().none() = nb::none(), "stream"_a = 0);
   m.def("info", &py_info);
+
   m.def("default_alibi_slopes", &attnkit::default_alibi_slopes, "num_heads"_a);
 
   nb::class_<attnkit::AttentionConfig>(
