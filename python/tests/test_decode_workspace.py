@@ -103,19 +103,25 @@ def test_cuda_decode_split_calls_through_one_workspace(rng):
 
 @needs_cuda
 def test_cuda_decode_rejects_a_too_small_workspace(rng):
-    lens = [600, 600, 600]
+    lens = [2000, 2000, 2000]  # 32 tiles a row: all 8 splits get keys
     cache, view, q, _, _ = _filled_cache(rng, lens)
     last = torch.tensor(np.cumsum(lens) - 1, device="cuda")
     qd = q[last].contiguous()
     out = torch.full_like(qd, float("nan"))
-    small = attnkit.DecodeWorkspace(**HEADS, max_rows=2, max_splits=16)
-    with pytest.raises(attnkit.Error, match="workspace"):
-        attnkit.decode(qd, view, num_splits=8, workspace=small, out=out)
+    # Capacity is checked against what the call needs (rows x splits x Hq x (D + 1) partial
+    # floats, rows x KV heads counters), not against max_rows / max_splits themselves: 3 rows x 8
+    # splits need 24768 floats; these hold 2 x 2 x 8 x 129 = 4128 and 4 x 4 x 8 x 129 = 16512.
+    for max_rows, max_splits in ((2, 2), (4, 4)):
+        small = attnkit.DecodeWorkspace(**HEADS, max_rows=max_rows, max_splits=max_splits)
+        with pytest.raises(attnkit.Error, match="workspace"):
+            attnkit.decode(qd, view, num_splits=8, workspace=small, out=out)
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all()  # rejected before any launch: nothing written
-    few = attnkit.DecodeWorkspace(**HEADS, max_rows=4, max_splits=4)
-    with pytest.raises(attnkit.Error, match="workspace"):
-        attnkit.decode(qd, view, num_splits=8, workspace=few, out=out)
+    # One that holds the call exactly (3 rows x 8 splits) runs it.
+    exact = attnkit.DecodeWorkspace(**HEADS, max_rows=3, max_splits=8)
+    attnkit.decode(qd, view, num_splits=8, workspace=exact, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
 
 
 @needs_cuda
