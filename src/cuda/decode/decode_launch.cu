@@ -6,7 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -79,6 +82,12 @@ void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType 
 #endif
   }
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
+}
+
+// Experiment switches (device A/B runs; removed before the final commit).
+int exp_env(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0' ? std::atoi(value) : fallback;
 }
 
 int device_attribute(cudaDeviceAttr attr, int device) {
@@ -259,6 +268,33 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     }
   }
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
+  // Cluster reduction of the splits (sm_90+, one head block per KV head): the largest cluster of
+  // 2..16 consecutive splits whose padded grid stays one resident wave.
+  if (params.num_splits > 1 && params.head_blocks == 1 && major >= 9) {
+    const int limit = exp_env("ATTNKIT_EXP_CLUSTER", 16);
+    for (int k = 3; k >= 0; --k) {
+      const int size = 2 << k;
+      if (size > limit || size > params.num_splits || info.cluster_ctas[k] == 0) continue;
+      const int32_t padded = (params.num_splits + size - 1) / size * size;
+      if (ctas * padded > info.cluster_ctas[k]) continue;
+      params.cluster_size = size;
+      params.cluster_splits = padded;
+      break;
+    }
+    params.exp_cluster_break = exp_env("ATTNKIT_EXP_CLUSTER_BREAK", 0);
+  }
+  if (exp_env("ATTNKIT_EXP_CLUSTER_LOG", 0) != 0) {
+    static std::atomic<int> logged{0};
+    if (logged.fetch_add(1) < 2) {
+      std::fprintf(stderr,
+                   "decode plan: ctas %lld splits %d cluster %d cluster_splits %d resident "
+                   "2/4/8/16: %d %d %d %d, ctas_per_sm %d\n",
+                   static_cast<long long>(ctas), params.num_splits, params.cluster_size,
+                   params.cluster_splits, info.cluster_ctas[0], info.cluster_ctas[1],
+                   info.cluster_ctas[2], info.cluster_ctas[3], info.ctas_per_sm);
+    }
+  }
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
     const int64_t tile_n = info.tile_n;
@@ -272,8 +308,14 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   // (dec10, 21:20 UTC, two repetitions, TB/s, through a caller workspace, without -> with):
   // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
   // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
-  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
+  params.pdl = major >= 9 ? 1 : 0;
   return plan;
+}
+
+// One cluster per (row, KV head) writes the output itself: no partials, no counter.
+bool needs_workspace(const DecodeParams& params) {
+  if (params.num_splits == 1) return false;
+  return params.cluster_size <= 1 || params.cluster_splits > params.cluster_size;
 }
 
 int64_t counters_of(const DecodeParams& params) {
@@ -303,7 +345,7 @@ void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& a
                                   const detail::DecodeProblem& p, const char* what) {
   if (args.workspace == nullptr) return;
   const DecodePlan plan = plan_decode(spec, args, p);
-  if (plan.params.num_splits > 1) check_workspace(*args.workspace, plan.params, what);
+  if (needs_workspace(plan.params)) check_workspace(*args.workspace, plan.params, what);
 }
 
 void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
@@ -317,7 +359,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
   };
-  if (params.num_splits == 1) {
+  if (!needs_workspace(params)) {
     launch();
     return;
   }

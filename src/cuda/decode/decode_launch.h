@@ -14,6 +14,9 @@ struct DecodeKernelInfo {
   // Resident CTAs per SM of the kernel that wide grids take with plain logits (4 for the 8-bit
   // caches at head_dim 128 with groups <= 8); 0: none.
   int wide_ctas_per_sm = 0;
+  // CTAs resident at once when launched in clusters of 2, 4, 8, 16 consecutive splits (sm_90+
+  // with the cluster reduction; 0: that size does not run).
+  int cluster_ctas[4] = {};
 };
 
 // Which tile configuration serves a call: heads_per_cta = DecodeTraits::kM (8: keys as MMA rows,

@@ -67,6 +67,15 @@ struct DecodeParams {
   // first tiles before seq_len arrives, at split * split_keys_guess, and uses them only when the
   // row's own split start matches (entries of keys past the row's end are never used).
   int32_t split_keys_guess = 0;
+  // Cluster reduction of the splits (sm_90+, head_blocks 1; 0 = off): the grid's x holds
+  // cluster_splits = num_splits rounded up to a multiple of cluster_size (the extra splits are
+  // empty), and each cluster of cluster_size consecutive splits merges its partials through
+  // distributed shared memory. One cluster per (row, KV head) writes the output itself; more write
+  // one partial per cluster (slot = cluster index) for the last CTA's merge.
+  int32_t cluster_size = 0;
+  int32_t cluster_splits = 0;
+  // Experiment switch (device runs only): the cluster reduction skips its last rank.
+  int32_t exp_cluster_break = 0;
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;
