@@ -473,6 +473,11 @@ __device__ __forceinline__ const T* decode_cluster_peer(const T* local, int rank
 __device__ __forceinline__ void decode_cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
+// Arrival without release semantics: only this CTA's reads of the others' shared memory must be
+// done (their values are consumed) before they may exit.
+__device__ __forceinline__ void decode_cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void decode_cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -512,17 +517,16 @@ __device__ __forceinline__ void decode_cluster_reduce(const DecodeParams& p, int
       const int r = i / kVecs;
       float lse[kMaxCluster];
       float4 v[kMaxCluster];
-      float m = -INFINITY;
+      // Every load is issued before the first use (one round trip through the cluster).
 #pragma unroll
       for (int c = 0; c < kMaxCluster; ++c) {
-        lse[c] = -INFINITY;
-        v[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (c < ranks) {
-          lse[c] = *decode_cluster_peer(cluster_lse + r, c);
-          v[c] = *decode_cluster_peer(reinterpret_cast<const float4*>(cluster_o) + i, c);
-        }
-        m = fmaxf(m, lse[c]);
+        v[c] = c < ranks ? *decode_cluster_peer(reinterpret_cast<const float4*>(cluster_o) + i, c)
+                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        lse[c] = c < ranks ? *decode_cluster_peer(cluster_lse + r, c) : -INFINITY;
       }
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kMaxCluster; ++c) m = fmaxf(m, lse[c]);
       float sum = 0.0f;
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -557,7 +561,7 @@ __device__ __forceinline__ void decode_cluster_reduce(const DecodeParams& p, int
       }
     }
     // This CTA's reads of the others' shared memory are done; it waits for theirs before it exits.
-    decode_cluster_arrive();
+    decode_cluster_arrive_relaxed();
     if (num_clusters > 1) {
       decode_combine_in_last_cta<Traits>(p, row, kv_head, 0, first_head, heads_here, scratch,
                                          p.cluster_splits, num_clusters);
