@@ -24,59 +24,32 @@ void prepare_kernel() {
   static std::once_flag flags[16];
   int device = 0;
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
-  std::call_once(flags[device & 15], [device] {
+  std::call_once(flags[device & 15], [] {
     check_cuda(
         cudaFuncSetAttribute(decode_kernel<Traits, kLogits>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
         "decode: cudaFuncSetAttribute(max dynamic shared memory)");
-    int major = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-               "decode: cudaDeviceGetAttribute");
-    if (Traits::kClusterFits && major >= 9) {
-      // Clusters of 16 splits are a non-portable size on sm_90.
-      check_cuda(cudaFuncSetAttribute(decode_kernel<Traits, kLogits>,
-                                      cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-                 "decode: cudaFuncSetAttribute(non-portable cluster size)");
-    }
   });
 }
-
-// Launch configuration of a decode grid: programmatic dependent launch and the cluster of
-// consecutive splits (sm_90+), each when the parameters ask for it.
-struct DecodeLaunchConfig {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attributes[2];
-  DecodeLaunchConfig(const DecodeParams& p, dim3 grid, int threads, int smem_bytes,
-                     cudaStream_t stream) {
-    config.gridDim = grid;
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = stream;
-    config.attrs = attributes;
-    if (p.pdl) {
-      attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attributes[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-      ++config.numAttrs;
-    }
-    if (p.cluster_size > 1) {
-      attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-      attributes[config.numAttrs].val.clusterDim.x = p.cluster_size;
-      attributes[config.numAttrs].val.clusterDim.y = 1;
-      attributes[config.numAttrs].val.clusterDim.z = 1;
-      ++config.numAttrs;
-    }
-  }
-};
 
 template <typename Traits, DecodeLogits kLogits>
 void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   prepare_kernel<Traits, kLogits>();
-  if (p.pdl || p.cluster_size > 1) {
+  if (p.pdl) {
     // Programmatic dependent launch (sm_90+): the kernel waits for its predecessor
-    // (griddepcontrol.wait) before it reads anything. Clusters: decode_cluster_reduce.
-    DecodeLaunchConfig launch(p, grid, Traits::kThreads, Traits::kSmemBytes, stream);
-    check_cuda(cudaLaunchKernelEx(&launch.config, decode_kernel<Traits, kLogits>, p),
-               "decode_kernel (cudaLaunchKernelEx)");
+    // (griddepcontrol.wait) before it reads anything.
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(Traits::kThreads);
+    config.dynamicSmemBytes = Traits::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&config, decode_kernel<Traits, kLogits>, p),
+               "decode_kernel (PDL)");
     return;
   }
   decode_kernel<Traits, kLogits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
@@ -85,8 +58,7 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
 
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
-  const int grid_splits = p.cluster_size > 1 ? p.cluster_splits : p.num_splits;
-  const dim3 grid(grid_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
+  const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
   // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits, and a grid that fills four
   // CTAs per SM: 4 CTAs per SM (<= 128 registers; 128-key tiles in 3 swizzled halves of 16 KB,
   // two in flight) rather than 2 CTAs of 7 halves: more warps hide the per-tile latency. Measured
@@ -130,32 +102,6 @@ DecodeKernelInfo info_traits() {
   DecodeKernelInfo info;
   info.tile_n = Traits::kTileN;
   info.ctas_per_sm = ctas;
-  if constexpr (Traits::kClusterFits) {
-    // CTAs resident at once in clusters of 2, 4, 8 and 16 (sm_90+; cached per device).
-    static std::atomic<int> cluster_cached[16][4] = {};
-    int major = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-               "decode: cudaDeviceGetAttribute");
-    for (int k = 0; k < 4 && major >= 9; ++k) {
-      const int size = 2 << k;
-      int resident = cluster_cached[device & 15][k].load(std::memory_order_relaxed);
-      if (resident == 0) {
-        DecodeParams probe;
-        probe.cluster_size = size;
-        DecodeLaunchConfig launch(probe, dim3(size * 64), Traits::kThreads, Traits::kSmemBytes,
-                                  nullptr);
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<Traits, DecodeLogits::kPlain>,
-                                           &launch.config) != cudaSuccess) {
-          cudaGetLastError();
-          clusters = 0;
-        }
-        resident = clusters * size > 0 ? clusters * size : -1;
-        cluster_cached[device & 15][k].store(resident, std::memory_order_relaxed);
-      }
-      info.cluster_ctas[k] = resident > 0 ? resident : 0;
-    }
-  }
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
     info.wide_ctas_per_sm = 4;  // launch_traits' 4-CTA kernel

@@ -232,18 +232,6 @@ struct DecodeTraits {
       kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) * static_cast<int>(sizeof(float));
   static constexpr int kCombineBytes = kM * kDecodeMaxSplits * static_cast<int>(sizeof(float));
   static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
-  // The cluster reduction (sm_90+) keeps each split's normalized partial O [kM][kHeadDim] and LSE
-  // [kM] at the end of the pipeline memory, past the warp merge's buffers (read while it is
-  // written) and the split combine's weights and staging (written while other CTAs of the cluster
-  // may still read it). Configurations where it does not fit keep the global merge alone.
-  static constexpr int kClusterRegionBytes = (kM * (kHeadDim + 1) * 4 + 15) / 16 * 16;
-  static constexpr bool kClusterFits =
-      kPipelineBytes >= kMergeBytes + kClusterRegionBytes &&
-      (kPipelineBytes - kCombineBytes - kClusterRegionBytes) / 32 >= kM * kHeadDim / 4;
-  static constexpr int kClusterBytes = kClusterFits ? kClusterRegionBytes : 0;
-  static constexpr int kClusterOffset = kPipelineBytes - kClusterBytes;
-  // The largest cluster the reduction takes (a non-portable size on sm_90).
-  static constexpr int kMaxCluster = kClusterFits ? 16 : 0;
   static constexpr int kSmemBytes = kQOutside + kPipelineBytes;
   static_assert(!kSwizzle || kQBytes <= kUnitBytes);
   static constexpr int kMinCtasPerSm =
@@ -298,17 +286,15 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
-// The last split CTA of a (row, KV head, head block) to arrive (of `arrivals`) merges the
-// num_parts partials (one per split, or one per cluster of splits) of normalized output and LSE:
-// out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse = m + log(sum). The
-// splits' writes are made visible by the fence before the arrival count (the CUDA
-// threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
+// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
+// output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
+// m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
+// CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
 template <typename Traits>
 __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
                                                            int kv_head, int head_block,
                                                            int first_head, int heads_here,
-                                                           float* scratch, int arrivals,
-                                                           int num_parts) {
+                                                           float* scratch) {
   using QT = typename Traits::QTag::Storage;
   constexpr int kD = Traits::kHeadDim;
   __shared__ int is_last;
@@ -329,7 +315,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
                  : "=r"(arrived)
                  : "l"(counter)
                  : "memory");
-    is_last = arrived == arrivals - 1;
+    is_last = arrived == p.num_splits - 1;
     // Every split of this (row, KV head, head block) has counted: the counter is free again, so
     // the next call through the same workspace finds it at zero without a memset.
     if (is_last) *counter = 0;
@@ -338,7 +324,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   if (!is_last) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_splits = num_parts;
+  const int num_splits = p.num_splits;
   const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
   const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
   constexpr int kVecs = kD / 4;
@@ -351,8 +337,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // (batch 1 x 32k, same run: 2.75 -> 2.85 TB/s against loading 16 float4s per thread into
   // registers at a time).
   constexpr int kWeightFloats = Traits::kM * kDecodeMaxSplits;
-  constexpr int kBufferVecs =
-      (Traits::kPipelineBytes - kWeightFloats * 4 - Traits::kClusterBytes) / 16 / 2;
+  constexpr int kBufferVecs = (Traits::kPipelineBytes - kWeightFloats * 4) / 16 / 2;
   static_assert(kBufferVecs >= Traits::kM * kVecs,
                 "the merge stages at least one split per buffer");
   // Chunks are sized by the heads this CTA has (groups of 4 heads in the kM = 8 kernel: twice the
@@ -462,115 +447,6 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   }
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The generic address of `local` (this CTA's shared memory) in CTA `rank` of the cluster.
-template <typename T>
-__device__ __forceinline__ const T* decode_cluster_peer(const T* local, int rank) {
-  uint64_t remote;
-  asm("mapa.u64 %0, %1, %2;\n" : "=l"(remote) : "l"(local), "r"(rank));
-  return reinterpret_cast<const T*>(remote);
-}
-__device__ __forceinline__ void decode_cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-// Arrival without release semantics: only this CTA's reads of the others' shared memory must be
-// done (their values are consumed) before they may exit.
-__device__ __forceinline__ void decode_cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void decode_cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-#endif
-
-// Cluster reduction of the splits (sm_90+; head_blocks 1, so the cluster's CTAs are the
-// cluster_size consecutive splits of one (row, KV head)). Each CTA has left its normalized partial
-// in cluster_o ([kM][kD], then the LSEs [kM]); after one cluster barrier CTA `rank` merges slice
-// `rank` of the heads_here x kD outputs over every CTA's partial through distributed shared
-// memory, all slices at once. With one cluster per (row, KV head) that is the output; otherwise
-// it is the cluster's partial, and the last CTA to count merges num_splits / cluster_size of them
-// instead of every split's.
-template <typename Traits>
-__device__ __forceinline__ void decode_cluster_reduce(const DecodeParams& p, int row, int kv_head,
-                                                      int first_head, int heads_here,
-                                                      float* cluster_o, float* scratch) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (Traits::kClusterFits) {
-    using QT = typename Traits::QTag::Storage;
-    constexpr int kD = Traits::kHeadDim;
-    constexpr int kVecs = kD / 4;
-    constexpr int kMaxCluster = Traits::kMaxCluster;
-    const int size = p.cluster_size;
-    const int rank = blockIdx.x % size;
-    const int cluster = blockIdx.x / size;
-    const int num_clusters = p.cluster_splits / size;
-    const float* cluster_lse = cluster_o + Traits::kM * kD;
-    // Release / acquire: every CTA's partial (written before the barrier by all its threads) is
-    // visible to the cluster after it.
-    decode_cluster_arrive();
-    decode_cluster_wait();
-    const int ranks = p.exp_cluster_break ? size - 1 : size;
-    const int vecs = heads_here * kVecs;
-    const int per_rank = (vecs + size - 1) / size;
-    const int end = min(vecs, (rank + 1) * per_rank);
-    for (int i = rank * per_rank + threadIdx.x; i < end; i += Traits::kThreads) {
-      const int r = i / kVecs;
-      float lse[kMaxCluster];
-      float4 v[kMaxCluster];
-      // Every load is issued before the first use (one round trip through the cluster).
-#pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c) {
-        v[c] = c < ranks ? *decode_cluster_peer(reinterpret_cast<const float4*>(cluster_o) + i, c)
-                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        lse[c] = c < ranks ? *decode_cluster_peer(cluster_lse + r, c) : -INFINITY;
-      }
-      float m = -INFINITY;
-#pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c) m = fmaxf(m, lse[c]);
-      float sum = 0.0f;
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c) {
-        // Empty splits have LSE -inf (and zeros): weight 0.
-        const float w = lse[c] == -INFINITY ? 0.0f : __expf(lse[c] - m);
-        sum += w;
-        acc.x += w * v[c].x;
-        acc.y += w * v[c].y;
-        acc.z += w * v[c].z;
-        acc.w += w * v[c].w;
-      }
-      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-      acc = make_float4(acc.x * inv_sum, acc.y * inv_sum, acc.z * inv_sum, acc.w * inv_sum);
-      const float lse_out = sum > 0.0f ? m + logf(sum) : -INFINITY;
-      const int head = first_head + r;
-      const int d = (i % kVecs) * 4;
-      if (num_clusters == 1) {
-        QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + head * p.out_head_stride + d;
-        out[0] = QT(acc.x);
-        out[1] = QT(acc.y);
-        out[2] = QT(acc.z);
-        out[3] = QT(acc.w);
-        if (d == 0 && p.lse != nullptr) {
-          p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse_out;
-        }
-      } else {
-        const int64_t slot =
-            (static_cast<int64_t>(cluster) * p.num_rows + row) * p.num_q_heads + head;
-        *reinterpret_cast<float4*>(p.partial_out + slot * kD + d) = acc;
-        if (d == 0) p.partial_lse[slot] = lse_out;
-      }
-    }
-    // This CTA's reads of the others' shared memory are done; it waits for theirs before it exits.
-    decode_cluster_arrive_relaxed();
-    if (num_clusters > 1) {
-      decode_combine_in_last_cta<Traits>(p, row, kv_head, 0, first_head, heads_here, scratch,
-                                         p.cluster_splits, num_clusters);
-    }
-    decode_cluster_wait();
-  }
-#endif
-}
-
 template <typename Traits, DecodeLogits kLogits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     decode_kernel(const __grid_constant__ DecodeParams p) {
@@ -638,7 +514,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int32_t* table_row =
       plain_paged ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
   const bool early_table = plain_paged && p.window == 0;
-  const int32_t guess_begin = split * p.split_keys_guess;
+  const int32_t guess_begin =
+      p.exp_balanced ? static_cast<int32_t>(static_cast<int64_t>(split) * p.split_tiles_guess /
+                                            p.num_splits * kTileN)
+                     : split * p.split_keys_guess;
   int32_t early_block[kOffsetTiles];
 #pragma unroll
   for (int s = 0; s < kOffsetTiles; ++s) {
@@ -674,9 +553,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
       ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
-  const int32_t key_begin = split * keys_per_split;
+  const int64_t row_tiles = (keys.num_keys + kTileN - 1) / kTileN;
+  const int32_t key_begin = p.exp_balanced
+                                ? static_cast<int32_t>(split * row_tiles / p.num_splits * kTileN)
+                                : split * keys_per_split;
   // An empty split (key_begin >= key_end) runs no tile and writes zeros with LSE -inf.
-  const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
+  const int32_t key_end =
+      p.exp_balanced
+          ? min(keys.num_keys,
+                static_cast<int32_t>((split + 1) * row_tiles / p.num_splits * kTileN)) -
+                (p.exp_balanced == 2 && split + 1 < p.num_splits ? 1 : 0)  // deliberate break
+          : min(keys.num_keys, key_begin + keys_per_split);
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;
@@ -1257,13 +1144,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   }
   __syncthreads();
 
-  // The cluster reduction (sm_90+ launches only) takes the partial from shared memory.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const bool cluster = Traits::kClusterFits && p.cluster_size > 1;
-#else
-  constexpr bool cluster = false;
-#endif
-  float* cluster_o = reinterpret_cast<float*>(pipe_smem + Traits::kClusterOffset);
   for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
     const int r = i / kD, d = i % kD;
     // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
@@ -1291,26 +1171,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
       }
     } else {
-      if (cluster) {
-        cluster_o[r * kD + d] = value;
-        if (d == 0) cluster_o[kM * kD + r] = lse;
-      } else {
-        const int64_t slot =
-            (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
-        p.partial_out[slot * kD + d] = value;
-        if (d == 0) p.partial_lse[slot] = lse;
-      }
+      const int64_t slot = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
+      p.partial_out[slot * kD + d] = value;
+      if (d == 0) p.partial_lse[slot] = lse;
     }
   }
-  if (cluster) {
-    decode_cluster_reduce<Traits>(p, row, kv_head, first_head, heads_here, cluster_o,
-                                  reinterpret_cast<float*>(pipe_smem));
-  } else if (p.num_splits > 1 && p.split_counters != nullptr) {
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
     decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
-                                       reinterpret_cast<float*>(pipe_smem), p.num_splits,
-                                       p.num_splits);
+                                       reinterpret_cast<float*>(pipe_smem));
   }
 }
 

@@ -6,9 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -84,12 +82,6 @@ void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType 
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
 }
 
-// Experiment switches (device A/B runs; removed before the final commit).
-int exp_env(const char* name, int fallback) {
-  const char* value = std::getenv(name);
-  return value != nullptr && value[0] != '\0' ? std::atoi(value) : fallback;
-}
-
 int device_attribute(cudaDeviceAttr attr, int device) {
   int value = 0;
   check_cuda(cudaDeviceGetAttribute(&value, attr, device), "decode: cudaDeviceGetAttribute");
@@ -101,8 +93,8 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
 // tiles of keys per split (the prologue and the combine are not free).
-int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
-                          int tile_n) {
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
+                          bool balanced) {
   const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
   const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, kDecodeMaxSplits);
   int64_t best = 1;
@@ -117,9 +109,15 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
     }
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
   }
+  const int64_t tiles = (max_keys + tile_n - 1) / tile_n;
+  if (balanced) {
+    // EXPERIMENT (dec12 round 2): one wave fills every resident slot (1 x 32k: 33 splits of 15-16
+    // tiles instead of 32 of 16); balanced splits never leave one without a tile.
+    if (ctas * best <= slots) best = std::max<int64_t>(best, std::min(max_splits, slots / ctas));
+    return static_cast<int32_t>(std::min(best, tiles));
+  }
   // Splits are whole tiles: drop the splits that would get none (the same work per split, fewer
   // CTAs; e.g. 512 tiles over 33 splits is 16 tiles each, so 32 splits).
-  const int64_t tiles = (max_keys + tile_n - 1) / tile_n;
   const int64_t tiles_per_split = (tiles + best - 1) / best;
   return static_cast<int32_t>(
       std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
@@ -242,6 +240,12 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const auto fills_four_ctas_per_sm = [&](int64_t grid_ctas) {
     return grid_ctas * 100 >= static_cast<int64_t>(sm_count) * 380;
   };
+  // EXPERIMENT (dec12 round 2): ATTNKIT_EXP_BALANCED=1 selects balanced splits and the heuristic
+  // that fills every slot of one wave.
+  const char* balanced_env = std::getenv("ATTNKIT_EXP_BALANCED");
+  const bool balanced =
+      balanced_env != nullptr && (balanced_env[0] == '1' || balanced_env[0] == '2');
+  params.exp_balanced = balanced ? balanced_env[0] - '0' : 0;  // 2: the deliberate break
   if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
@@ -252,7 +256,8 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       max_keys =
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
-    params.num_splits = decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
+    params.num_splits =
+        decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n, balanced);
     // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
     // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
     // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8
@@ -260,7 +265,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     // 4.28 (4); 1 x 32k keeps its 32 splits (52 at 4 CTAs per SM did not fill it: 2.61 -> 2.17).
     if (info.wide_ctas_per_sm > 0 && !spec.alibi && spec.logit_softcap <= 0.0) {
       const int32_t wide =
-          decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n);
+          decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n, balanced);
       if (fills_four_ctas_per_sm(ctas * wide) &&
           max_keys / wide >= 32 * static_cast<int64_t>(info.tile_n)) {
         params.num_splits = wide;
@@ -268,39 +273,13 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     }
   }
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
-  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-  // Cluster reduction of the splits (sm_90+, one head block per KV head): the largest cluster of
-  // 2..16 consecutive splits whose padded grid stays one resident wave.
-  if (params.num_splits > 1 && params.head_blocks == 1 && major >= 9) {
-    const int limit = exp_env("ATTNKIT_EXP_CLUSTER", 16);
-    for (int k = 3; k >= 0; --k) {
-      const int size = 2 << k;
-      if (size > limit || size > params.num_splits || info.cluster_ctas[k] == 0) continue;
-      const int32_t padded = (params.num_splits + size - 1) / size * size;
-      if (ctas * padded > info.cluster_ctas[k]) continue;
-      params.cluster_size = size;
-      params.cluster_splits = padded;
-      break;
-    }
-    params.exp_cluster_break = exp_env("ATTNKIT_EXP_CLUSTER_BREAK", 0);
-  }
-  if (exp_env("ATTNKIT_EXP_CLUSTER_LOG", 0) != 0) {
-    static std::atomic<int> logged{0};
-    if (logged.fetch_add(1) < 2) {
-      std::fprintf(stderr,
-                   "decode plan: ctas %lld splits %d cluster %d cluster_splits %d resident "
-                   "2/4/8/16: %d %d %d %d, ctas_per_sm %d\n",
-                   static_cast<long long>(ctas), params.num_splits, params.cluster_size,
-                   params.cluster_splits, info.cluster_ctas[0], info.cluster_ctas[1],
-                   info.cluster_ctas[2], info.cluster_ctas[3], info.ctas_per_sm);
-    }
-  }
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
     const int64_t tile_n = info.tile_n;
     const int64_t per_split =
         (static_cast<int64_t>(p.max_seq_len) + params.num_splits - 1) / params.num_splits;
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
+    params.split_tiles_guess = static_cast<int32_t>((p.max_seq_len + tile_n - 1) / tile_n);
   }
 
   // Programmatic dependent launch on sm_90+: the next kernel's CTAs become resident while this
@@ -308,14 +287,8 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   // (dec10, 21:20 UTC, two repetitions, TB/s, through a caller workspace, without -> with):
   // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
   // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
-  params.pdl = major >= 9 ? 1 : 0;
+  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
   return plan;
-}
-
-// One cluster per (row, KV head) writes the output itself: no partials, no counter.
-bool needs_workspace(const DecodeParams& params) {
-  if (params.num_splits == 1) return false;
-  return params.cluster_size <= 1 || params.cluster_splits > params.cluster_size;
 }
 
 int64_t counters_of(const DecodeParams& params) {
@@ -345,7 +318,7 @@ void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& a
                                   const detail::DecodeProblem& p, const char* what) {
   if (args.workspace == nullptr) return;
   const DecodePlan plan = plan_decode(spec, args, p);
-  if (needs_workspace(plan.params)) check_workspace(*args.workspace, plan.params, what);
+  if (plan.params.num_splits > 1) check_workspace(*args.workspace, plan.params, what);
 }
 
 void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
@@ -359,7 +332,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
   };
-  if (!needs_workspace(params)) {
+  if (params.num_splits == 1) {
     launch();
     return;
   }

@@ -14,9 +14,6 @@ struct DecodeKernelInfo {
   // Resident CTAs per SM of the kernel that wide grids take with plain logits (4 for the 8-bit
   // caches at head_dim 128 with groups <= 8); 0: none.
   int wide_ctas_per_sm = 0;
-  // CTAs resident at once when launched in clusters of 2, 4, 8, 16 consecutive splits (sm_90+
-  // with the cluster reduction; 0: that size does not run).
-  int cluster_ctas[4] = {};
 };
 
 // Which tile configuration serves a call: heads_per_cta = DecodeTraits::kM (8: keys as MMA rows,
@@ -38,8 +35,8 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range.
-int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
-                          int tile_n);
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
+                          bool balanced = false);
 
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \

@@ -67,15 +67,11 @@ struct DecodeParams {
   // first tiles before seq_len arrives, at split * split_keys_guess, and uses them only when the
   // row's own split start matches (entries of keys past the row's end are never used).
   int32_t split_keys_guess = 0;
-  // Cluster reduction of the splits (sm_90+, head_blocks 1; 0 = off): the grid's x holds
-  // cluster_splits = num_splits rounded up to a multiple of cluster_size (the extra splits are
-  // empty), and each cluster of cluster_size consecutive splits merges its partials through
-  // distributed shared memory. One cluster per (row, KV head) writes the output itself; more write
-  // one partial per cluster (slot = cluster index) for the last CTA's merge.
-  int32_t cluster_size = 0;
-  int32_t cluster_splits = 0;
-  // Experiment switch (device runs only): the cluster reduction skips its last rank.
-  int32_t exp_cluster_break = 0;
+  // EXPERIMENT (dec12, round 2): balanced splits. Split s of a row of T tiles takes tiles
+  // [s * T / num_splits, (s + 1) * T / num_splits), so that every split of a count up to T has a
+  // tile; split_tiles_guess is T for a row of max_seq_len keys (the early ramp's guess).
+  int32_t exp_balanced = 0;
+  int32_t split_tiles_guess = 0;
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;
