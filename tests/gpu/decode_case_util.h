@@ -1,4 +1,4 @@
-// The fused decode's GPU test harness, shared by decode_test.cc and decode_cluster_test.cc: a
+// The fused decode's GPU test harness, shared by decode_test.cc and decode_split_test.cc: a
 // case description, the paged / contiguous / cyclic host cache with NaN-poisoned unused slots, the
 // fp64 oracle with its naive same-precision yardstick (DESIGN.md 6: max |out - ref64| <=
 // 2 * max |naive_same_precision - ref64| + 1e-3), and a prepared case that runs on a stream.

@@ -1,9 +1,10 @@
 // Split-KV decode: split bounds and counts against the fp64 oracle of decode_case_util.h. Forced
-// counts that divide the row's tiles and counts that do not (balanced splits give every split
-// of a count up to the tile count a tile), the heuristic's one-wave counts, empty splits, rows
-// of different lengths, groups of 4 / 8 / 16 / 32 heads, 8-bit caches, window + sinks, ALiBi and
-// soft-cap, through a caller DecodeWorkspace and without, and in a captured graph replayed
-// several times. Contexts are short (a few thousand keys) except one 32k row: the oracle's cost.
+// counts that divide the row's tiles and counts that do not, up to one split per tile and beyond
+// (empty splits), the heuristic's counts at batch 1 (one CTA per SM for short splits), empty
+// splits next to rows of different lengths, groups of 4 / 8 / 16 / 32 heads, 8-bit caches,
+// window + sinks, ALiBi and soft-cap, through a caller DecodeWorkspace and without, and in a
+// captured graph replayed several times. Contexts are short (at most 32k keys over 2 KV heads):
+// the host oracle's cost.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -65,8 +66,8 @@ TEST(DecodeSplit, ForcedCountsDividingTheTilesAndNot) {
   }
 }
 
-// The heuristic's one-wave counts at batch 1: GQA 32/8 at 8448 keys (132 tiles: 33 splits of 4
-// tiles fill 2 CTAs on each of 132 SMs) and 2 KV heads at 32k keys (the 128-split limit).
+// The heuristic's counts at batch 1: GQA 32/8 at 8448 keys (short splits: one CTA per SM, 15
+// splits of 9 tiles on the H200) and 2 KV heads at 32k keys (64 splits of 8 tiles).
 TEST(DecodeSplit, HeuristicCountsAtBatchOne) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(32, 1);
@@ -139,9 +140,9 @@ TEST(DecodeSplit, QuantizedWindowAlibiSoftcap) {
   }
 }
 
-// Split calls with uneven counts captured in one graph (through the caller workspace and through
-// per-call workspaces), replayed three times with the outputs poisoned before each replay and the
-// workspace counters zero after each.
+// Split calls (heuristic and forced counts) captured in one graph (through the caller workspace and
+// through per-call workspaces), replayed three times with the outputs poisoned before each replay
+// and the workspace counters zero after each.
 TEST(DecodeSplit, CapturedGraphReplays) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(8, 2);

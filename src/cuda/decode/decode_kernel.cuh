@@ -514,10 +514,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int32_t* table_row =
       plain_paged ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
   const bool early_table = plain_paged && p.window == 0;
-  const int32_t guess_begin =
-      p.exp_balanced ? static_cast<int32_t>(static_cast<int64_t>(split) * p.split_tiles_guess /
-                                            p.num_splits * kTileN)
-                     : split * p.split_keys_guess;
+  const int32_t guess_begin = split * p.split_keys_guess;
   int32_t early_block[kOffsetTiles];
 #pragma unroll
   for (int s = 0; s < kOffsetTiles; ++s) {
@@ -553,17 +550,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
       ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
-  const int64_t row_tiles = (keys.num_keys + kTileN - 1) / kTileN;
-  const int32_t key_begin = p.exp_balanced
-                                ? static_cast<int32_t>(split * row_tiles / p.num_splits * kTileN)
-                                : split * keys_per_split;
+  const int32_t key_begin = split * keys_per_split;
   // An empty split (key_begin >= key_end) runs no tile and writes zeros with LSE -inf.
-  const int32_t key_end =
-      p.exp_balanced
-          ? min(keys.num_keys,
-                static_cast<int32_t>((split + 1) * row_tiles / p.num_splits * kTileN)) -
-                (p.exp_balanced == 2 && split + 1 < p.num_splits ? 1 : 0)  // deliberate break
-          : min(keys.num_keys, key_begin + keys_per_split);
+  const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;

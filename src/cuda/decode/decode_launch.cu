@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -92,9 +91,15 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
-// tiles of keys per split (the prologue and the combine are not free).
-int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
-                          bool balanced) {
+// tiles of keys per split (the prologue and the combine are not free). Splits that short (at most
+// kShortSplitKeys keys) take one CTA per SM instead: fewer, longer splits, fewer partials for the
+// merge. H200, same run (dec12 round 2, 00:20 UTC, GQA 32/8, D 128, bf16, TB/s, 16 splits (one CTA
+// per SM) vs the 32 of two CTAs per SM): 1 x 8k 2.185 vs 2.056 / 2.057, 1 x 16k 2.872 vs 2.706 /
+// 2.708 (24 splits: 1.878, 2.416); 1 x 32k keeps 32 splits of 1024 keys (3.39 in that run; 16
+// splits lost there in the afternoon, 2.68 vs 2.83, 24: 2.89 vs 3.39 at 21:58).
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
+                          int tile_n) {
+  constexpr int64_t kShortSplitKeys = 512;
   const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
   const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, kDecodeMaxSplits);
   int64_t best = 1;
@@ -109,15 +114,14 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
     }
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
   }
-  const int64_t tiles = (max_keys + tile_n - 1) / tile_n;
-  if (balanced) {
-    // EXPERIMENT (dec12 round 2): one wave fills every resident slot (1 x 32k: 33 splits of 15-16
-    // tiles instead of 32 of 16); balanced splits never leave one without a tile.
-    if (ctas * best <= slots) best = std::max<int64_t>(best, std::min(max_splits, slots / ctas));
-    return static_cast<int32_t>(std::min(best, tiles));
+  const int64_t one_per_sm = sm_count / std::max<int64_t>(ctas, 1);
+  if (ctas_per_sm > 1 && one_per_sm >= 2 && one_per_sm < best &&
+      (max_keys + best - 1) / best <= kShortSplitKeys) {
+    best = one_per_sm;
   }
   // Splits are whole tiles: drop the splits that would get none (the same work per split, fewer
   // CTAs; e.g. 512 tiles over 33 splits is 16 tiles each, so 32 splits).
+  const int64_t tiles = (max_keys + tile_n - 1) / tile_n;
   const int64_t tiles_per_split = (tiles + best - 1) / best;
   return static_cast<int32_t>(
       std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
@@ -240,12 +244,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const auto fills_four_ctas_per_sm = [&](int64_t grid_ctas) {
     return grid_ctas * 100 >= static_cast<int64_t>(sm_count) * 380;
   };
-  // EXPERIMENT (dec12 round 2): ATTNKIT_EXP_BALANCED=1 selects balanced splits and the heuristic
-  // that fills every slot of one wave.
-  const char* balanced_env = std::getenv("ATTNKIT_EXP_BALANCED");
-  const bool balanced =
-      balanced_env != nullptr && (balanced_env[0] == '1' || balanced_env[0] == '2');
-  params.exp_balanced = balanced ? balanced_env[0] - '0' : 0;  // 2: the deliberate break
   if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
@@ -256,8 +254,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       max_keys =
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
-    params.num_splits =
-        decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n, balanced);
+    params.num_splits = decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
     // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
     // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
     // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8
@@ -265,7 +262,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     // 4.28 (4); 1 x 32k keeps its 32 splits (52 at 4 CTAs per SM did not fill it: 2.61 -> 2.17).
     if (info.wide_ctas_per_sm > 0 && !spec.alibi && spec.logit_softcap <= 0.0) {
       const int32_t wide =
-          decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n, balanced);
+          decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n);
       if (fills_four_ctas_per_sm(ctas * wide) &&
           max_keys / wide >= 32 * static_cast<int64_t>(info.tile_n)) {
         params.num_splits = wide;
@@ -279,7 +276,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     const int64_t per_split =
         (static_cast<int64_t>(p.max_seq_len) + params.num_splits - 1) / params.num_splits;
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
-    params.split_tiles_guess = static_cast<int32_t>((p.max_seq_len + tile_n - 1) / tile_n);
   }
 
   // Programmatic dependent launch on sm_90+: the next kernel's CTAs become resident while this

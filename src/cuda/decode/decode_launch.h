@@ -35,8 +35,8 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range.
-int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
-                          bool balanced = false);
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
+                          int tile_n);
 
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \

@@ -67,11 +67,6 @@ struct DecodeParams {
   // first tiles before seq_len arrives, at split * split_keys_guess, and uses them only when the
   // row's own split start matches (entries of keys past the row's end are never used).
   int32_t split_keys_guess = 0;
-  // EXPERIMENT (dec12, round 2): balanced splits. Split s of a row of T tiles takes tiles
-  // [s * T / num_splits, (s + 1) * T / num_splits), so that every split of a count up to T has a
-  // tile; split_tiles_guess is T for a row of max_seq_len keys (the early ramp's guess).
-  int32_t exp_balanced = 0;
-  int32_t split_tiles_guess = 0;
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;
