@@ -91,9 +91,15 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
-// tiles of keys per split (the prologue and the combine are not free).
+// tiles of keys per split (the prologue and the combine are not free). Splits that short (at most
+// kShortSplitKeys keys) take one CTA per SM instead: fewer, longer splits, fewer partials for the
+// merge. H200, same run (dec12 round 2, 00:20 UTC, GQA 32/8, D 128, bf16, TB/s, 16 splits (one CTA
+// per SM) vs the 32 of two CTAs per SM): 1 x 8k 2.185 vs 2.056 / 2.057, 1 x 16k 2.872 vs 2.706 /
+// 2.708 (24 splits: 1.878, 2.416); 1 x 32k keeps 32 splits of 1024 keys (3.39 in that run; 16
+// splits lost there in the afternoon, 2.68 vs 2.83, 24: 2.89 vs 3.39 at 21:58).
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n) {
+  constexpr int64_t kShortSplitKeys = 512;
   const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
   const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, kDecodeMaxSplits);
   int64_t best = 1;
@@ -107,6 +113,11 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
       break;
     }
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
+  }
+  const int64_t one_per_sm = sm_count / std::max<int64_t>(ctas, 1);
+  if (ctas_per_sm > 1 && one_per_sm >= 2 && one_per_sm < best &&
+      (max_keys + best - 1) / best <= kShortSplitKeys) {
+    best = one_per_sm;
   }
   // Splits are whole tiles: drop the splits that would get none (the same work per split, fewer
   // CTAs; e.g. 512 tiles over 33 splits is 16 tiles each, so 32 splits).

@@ -1,0 +1,364 @@
+// The fused decode's GPU test harness, shared by decode_test.cc and decode_split_test.cc: a
+// case description, the paged / contiguous / cyclic host cache with NaN-poisoned unused slots, the
+// fp64 oracle with its naive same-precision yardstick (DESIGN.md 6: max |out - ref64| <=
+// 2 * max |naive_same_precision - ref64| + 1e-3), and a prepared case that runs on a stream.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "common/test_util.h"
+#include "core/check.h"
+#include "core/numerics.h"
+#include "gpu/gpu_util.h"
+
+namespace attnkit::test {
+
+struct DecodeCase {
+  int32_t hq = 8, hkv = 2, head_dim = 128;
+  int32_t page = 16;  // tokens_per_block (paged)
+  bool paged = true;
+  DType dtype = DType::kBF16;
+  DType kv_dtype = DType::kBF16;
+  bool per_head_scale = false;
+  std::vector<int32_t> seq_lens{1, 37, 128};  // per row (beams of one sequence share it)
+  int32_t beam_width = 1;
+  MaskSpec mask{};
+  bool cyclic = false;
+  bool alibi = false;
+  double softcap = 0.0;
+  float q_range = 1.0f;  // larger values make soft-cap and the softmax sharper
+  int32_t num_splits = 0;
+  int32_t max_seq_len = 0;  // DecodeArgs::max_seq_len (0: the longest row)
+  bool with_lse = true;
+  Backend backend = Backend::kFused;
+
+  std::string str() const {
+    return detail::concat("hq=", hq, " hkv=", hkv, " D=", head_dim, " page=", page,
+                          " paged=", paged, " q=", dtype_name(dtype), " kv=", dtype_name(kv_dtype),
+                          " per_head_scale=", per_head_scale, " beams=", beam_width,
+                          " mask=", mask_name(mask.kind), " W=", mask.window,
+                          " S=", mask.sink_tokens, " cyclic=", cyclic, " alibi=", alibi,
+                          " softcap=", softcap, " splits=", num_splits);
+  }
+};
+
+inline double round_to(DType dtype, double x) {
+  const float f = static_cast<float>(x);
+  if (dtype == DType::kBF16) return numerics::bf16_bits_to_float(numerics::float_to_bf16_bits(f));
+  if (dtype == DType::kF16) return numerics::f16_bits_to_float(numerics::float_to_f16_bits(f));
+  return f;
+}
+
+struct HostCache {
+  int32_t tokens_per_block = 0, max_blocks = 0, num_blocks = 0, window_slots = 0;
+  HostTensor pool;         // [num_blocks, 2, Hkv, T, D]
+  HostTensor block_table;  // int32 [rows, max_blocks]
+  HostTensor seq_lens;     // int32 [rows]
+  HostTensor k_scale, v_scale;
+  HostTensor indirection;  // int32 [rows / beams, beams, max_seq]
+  std::vector<float> k_scales, v_scales;
+
+  int64_t element(int64_t block, int kv, int head, int64_t token, int d,
+                  const DecodeCase& c) const {
+    return (((block * 2 + kv) * c.hkv + head) * tokens_per_block + token) * c.head_dim + d;
+  }
+};
+
+struct Result {
+  std::vector<double> out, lse;
+};
+
+inline int64_t slot_of(const DecodeCase& c, const HostCache& h, int64_t pos) {
+  if (h.window_slots == 0 || pos < c.mask.sink_tokens) return pos;
+  return c.mask.sink_tokens + (pos - c.mask.sink_tokens) % h.window_slots;
+}
+
+inline HostCache build_cache(const DecodeCase& c, std::mt19937_64& rng) {
+  HostCache h;
+  const int64_t rows = static_cast<int64_t>(c.seq_lens.size());
+  const int32_t longest = *std::max_element(c.seq_lens.begin(), c.seq_lens.end());
+  int64_t slots = longest;
+  if (c.cyclic) {
+    h.window_slots = cyclic_window_slots(c.mask.window, c.page);
+    slots = std::min<int64_t>(slots, c.mask.sink_tokens + h.window_slots);
+  }
+  if (c.paged) {
+    h.tokens_per_block = c.page;
+    h.max_blocks = static_cast<int32_t>((slots + c.page - 1) / c.page);
+    h.num_blocks = static_cast<int32_t>(rows * h.max_blocks + 3);
+  } else {
+    h.tokens_per_block = static_cast<int32_t>((slots + 15) / 16 * 16);
+    h.max_blocks = 1;
+    h.num_blocks = static_cast<int32_t>(rows);
+  }
+  h.pool = HostTensor(c.kv_dtype, {h.num_blocks, 2, c.hkv, h.tokens_per_block, c.head_dim});
+  // Poison: NaN for float types (fp8 0x7F); int8 has no NaN, so its poison is a huge value.
+  h.pool.fill(c.kv_dtype == DType::kInt8 ? 127.0f : NAN);
+
+  const bool quantized = c.kv_dtype == DType::kFp8E4M3 || c.kv_dtype == DType::kInt8;
+  const int scales = c.per_head_scale ? c.hkv : 1;
+  std::uniform_real_distribution<float> scale_dist(0.5f, 2.0f);
+  const float base = c.kv_dtype == DType::kInt8 ? 1.0f / 64 : (quantized ? 1.0f / 128 : 1.0f);
+  h.k_scale = HostTensor(DType::kF32, {scales});
+  h.v_scale = HostTensor(DType::kF32, {scales});
+  for (int i = 0; i < scales; ++i) {
+    h.k_scale.set(i, base * scale_dist(rng));
+    h.v_scale.set(i, base * scale_dist(rng));
+  }
+  for (int i = 0; i < c.hkv; ++i) {
+    h.k_scales.push_back(h.k_scale.get(c.per_head_scale ? i : 0));
+    h.v_scales.push_back(h.v_scale.get(c.per_head_scale ? i : 0));
+  }
+
+  std::vector<int32_t> order(h.num_blocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  h.block_table = HostTensor(DType::kInt32, {rows, h.max_blocks});
+  h.seq_lens = HostTensor(DType::kInt32, {rows});
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    h.seq_lens.data<int32_t>()[r] = c.seq_lens[r];
+    const int64_t used_slots = std::min<int64_t>(c.seq_lens[r], slots);
+    for (int32_t b = 0; b < h.max_blocks; ++b) {
+      const bool used = b * static_cast<int64_t>(h.tokens_per_block) < used_slots;
+      h.block_table.data<int32_t>()[r * h.max_blocks + b] = used ? order[r * h.max_blocks + b] : -1;
+    }
+    for (int64_t s = 0; s < used_slots; ++s) {
+      const int64_t block =
+          c.paged ? h.block_table.data<int32_t>()[r * h.max_blocks + s / h.tokens_per_block] : r;
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int head = 0; head < c.hkv; ++head) {
+          const float scale = kv == 0 ? h.k_scales[head] : h.v_scales[head];
+          for (int d = 0; d < c.head_dim; ++d) {
+            // Stored values are round(x / scale) for quantized caches (DESIGN.md section 3).
+            h.pool.set(h.element(block, kv, head, s % h.tokens_per_block, d, c),
+                       quantized ? value(rng) / scale : value(rng));
+          }
+        }
+      }
+    }
+  }
+  if (c.beam_width > 1) {
+    const int64_t seqs = rows / c.beam_width;
+    h.indirection = HostTensor(DType::kInt32, {seqs, c.beam_width, longest});
+    std::uniform_int_distribution<int32_t> beam(0, c.beam_width - 1);
+    for (int64_t i = 0; i < h.indirection.numel(); ++i)
+      h.indirection.data<int32_t>()[i] = beam(rng);
+  }
+  return h;
+}
+
+// fp64 oracle (ref) and the naive computation in the input precision (naive): float logits and
+// sums, probabilities and the output rounded to the query dtype.
+inline void oracle(const DecodeCase& c, const HostCache& h, const HostTensor& q, Result& ref,
+                   Result& naive) {
+  const int64_t rows = static_cast<int64_t>(c.seq_lens.size());
+  const int group = c.hq / c.hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const std::vector<float> slopes = default_alibi_slopes(c.hq);
+  ref.out.assign(rows * c.hq * c.head_dim, 0.0);
+  ref.lse.assign(rows * c.hq, -INFINITY);
+  naive = ref;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = c.seq_lens[r], p = n - 1;
+    const int64_t seq = r / c.beam_width, beam = r % c.beam_width;
+    std::vector<int64_t> keys;
+    for (int64_t j = 0; j < n; ++j) {
+      const bool in = c.mask.kind != MaskKind::kSlidingWindow || p - j < c.mask.window ||
+                      j < c.mask.sink_tokens;
+      if (in) keys.push_back(j);
+    }
+    for (int h_q = 0; h_q < c.hq; ++h_q) {
+      const int head = h_q / group;
+      std::vector<double> logit(keys.size()), logit_f(keys.size());
+      std::vector<std::vector<double>> vrows(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const int64_t j = keys[i];
+        const int64_t src =
+            c.beam_width > 1 ? seq * c.beam_width +
+                                   h.indirection.data<int32_t>()[(seq * c.beam_width + beam) *
+                                                                     h.indirection.view().shape[2] +
+                                                                 j]
+                             : r;
+        const int64_t slot = slot_of(c, h, j);
+        const int64_t block =
+            c.paged ? h.block_table.data<int32_t>()[src * h.max_blocks + slot / h.tokens_per_block]
+                    : src;
+        double dot = 0.0;
+        float dot_f = 0.0f;
+        vrows[i].resize(c.head_dim);
+        for (int d = 0; d < c.head_dim; ++d) {
+          const double qv = q.get((r * c.hq + h_q) * c.head_dim + d);
+          double kv = h.pool.get(h.element(block, 0, head, slot % h.tokens_per_block, d, c));
+          double vv = h.pool.get(h.element(block, 1, head, slot % h.tokens_per_block, d, c));
+          // x = stored * scale; the optional scales of 16-bit caches are honoured too.
+          kv *= h.k_scales[head];
+          vv *= h.v_scales[head];
+          dot += qv * kv;
+          dot_f += static_cast<float>(qv) * static_cast<float>(kv);
+          vrows[i][d] = vv;
+        }
+        auto transform = [&](double x) {
+          x *= scale;
+          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
+          if (c.alibi) x += slopes[h_q] * static_cast<double>(j - p);
+          return x;
+        };
+        logit[i] = transform(dot);
+        logit_f[i] = static_cast<float>(transform(static_cast<double>(dot_f)));
+      }
+      const int64_t o = (r * c.hq + h_q) * c.head_dim;
+      if (keys.empty()) continue;
+      const double m = *std::max_element(logit.begin(), logit.end());
+      const float m_f = static_cast<float>(*std::max_element(logit_f.begin(), logit_f.end()));
+      double sum = 0.0;
+      float sum_f = 0.0f;
+      std::vector<double> acc(c.head_dim, 0.0);
+      std::vector<float> acc_f(c.head_dim, 0.0f);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const double w = std::exp(logit[i] - m);
+        const float w_f = std::exp(static_cast<float>(logit_f[i]) - m_f);
+        const float w_r = static_cast<float>(round_to(c.dtype, w_f));
+        sum += w;
+        sum_f += w_f;
+        for (int d = 0; d < c.head_dim; ++d) {
+          acc[d] += w * vrows[i][d];
+          acc_f[d] += w_r * static_cast<float>(vrows[i][d]);
+        }
+      }
+      for (int d = 0; d < c.head_dim; ++d) {
+        ref.out[o + d] = acc[d] / sum;
+        naive.out[o + d] = round_to(c.dtype, acc_f[d] / sum_f);
+      }
+      ref.lse[r * c.hq + h_q] = m + std::log(sum);
+      naive.lse[r * c.hq + h_q] = m_f + std::log(sum_f);
+    }
+  }
+}
+
+// One case on the device: the cache, q, poisoned outputs and the DecodeArgs that point at them.
+// run() launches on a stream (no synchronization); check() compares with the oracle.
+struct PreparedCase {
+  DecodeCase c;
+  HostCache h;
+  HostTensor q, out, lse;
+  DeviceTensor d_q, d_out, d_lse, d_pool, d_table, d_lens, d_ks, d_vs, d_ind;
+  AttentionSpec spec;
+  DecodeArgs args;
+
+  PreparedCase(const DecodeCase& dc, uint64_t salt) : c(dc) {
+    std::mt19937_64 rng(test_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+    h = build_cache(c, rng);
+    const int64_t rows = static_cast<int64_t>(c.seq_lens.size());
+    q = HostTensor(c.dtype, {rows, c.hq, c.head_dim});
+    q.fill_uniform(rng, -c.q_range, c.q_range);
+    out = HostTensor(c.dtype, {rows, c.hq, c.head_dim});
+    out.fill(NAN);
+    lse = HostTensor(DType::kF32, {rows, c.hq});
+    lse.fill(NAN);
+    d_q = DeviceTensor(q);
+    d_out = DeviceTensor(out);
+    d_lse = DeviceTensor(lse);
+    d_pool = DeviceTensor(h.pool);
+    d_table = DeviceTensor(h.block_table);
+    d_lens = DeviceTensor(h.seq_lens);
+    d_ks = DeviceTensor(h.k_scale);
+    d_vs = DeviceTensor(h.v_scale);
+    if (c.beam_width > 1) d_ind = DeviceTensor(h.indirection);
+
+    spec.num_q_heads = c.hq;
+    spec.num_kv_heads = c.hkv;
+    spec.head_dim = c.head_dim;
+    spec.mask = c.mask;
+    spec.alibi = c.alibi;
+    spec.logit_softcap = c.softcap;
+    spec.backend = c.backend;
+
+    args.q = d_q;
+    args.out = d_out;
+    if (c.with_lse) args.lse = d_lse;
+    KvCacheView& cache = args.kv_cache;
+    const int64_t elt = static_cast<int64_t>(dtype_size(c.kv_dtype));
+    const int64_t half = static_cast<int64_t>(c.hkv) * h.tokens_per_block * c.head_dim * elt;
+    cache.k_base = d_pool.data();
+    cache.v_base = static_cast<uint8_t*>(d_pool.data()) + half;
+    cache.block_stride_bytes = 2 * half;
+    cache.num_blocks = h.num_blocks;
+    cache.dtype = c.kv_dtype;
+    cache.device = Device::cuda(0);
+    cache.num_kv_heads = c.hkv;
+    cache.tokens_per_block = h.tokens_per_block;
+    cache.head_dim = c.head_dim;
+    cache.paged = c.paged;
+    if (c.paged) cache.block_table = d_table;
+    cache.seq_lens = d_lens;
+    cache.k_scale = d_ks;
+    cache.v_scale = d_vs;
+    cache.window_slots = h.window_slots;
+    cache.sink_tokens = c.cyclic ? c.mask.sink_tokens : 0;
+    args.beam_width = c.beam_width;
+    if (c.beam_width > 1) args.cache_indirection = d_ind;
+    args.num_splits = c.num_splits;
+    args.max_seq_len = c.max_seq_len;
+  }
+
+  // Poisons the device outputs again (NaN), stream-ordered.
+  void poison(cudaStream_t stream) {
+    ATTNKIT_CUDA_OK(cudaMemcpyAsync(d_out.data(), out.view().data, d_out.bytes(),
+                                    cudaMemcpyHostToDevice, stream));
+    ATTNKIT_CUDA_OK(cudaMemcpyAsync(d_lse.data(), lse.view().data, d_lse.bytes(),
+                                    cudaMemcpyHostToDevice, stream));
+  }
+
+  // Downloads the outputs (after the caller synchronized) and compares them with the oracle.
+  void check() {
+    SCOPED_TRACE(c.str());
+    HostTensor got_out(c.dtype, {static_cast<int64_t>(c.seq_lens.size()), c.hq, c.head_dim});
+    HostTensor got_lse(DType::kF32, {static_cast<int64_t>(c.seq_lens.size()), c.hq});
+    d_out.download(got_out);
+    d_lse.download(got_lse);
+    Result ref, naive;
+    oracle(c, h, q, ref, naive);
+    const std::vector<double> got = got_out.to_double();
+    ASSERT_FALSE(any_nan(got)) << "unwritten (NaN) output elements";
+    const double err = max_abs_diff(got, ref.out);
+    const double bound = 2.0 * max_abs_diff(naive.out, ref.out) + 1e-3;
+    EXPECT_LE(err, bound) << "max |out - ref64|";
+    if (c.with_lse) {
+      const std::vector<double> lse_values = got_lse.to_double();
+      ASSERT_FALSE(any_nan(lse_values)) << "unwritten (NaN) lse elements";
+      const double lse_err = max_abs_diff(lse_values, ref.lse);
+      EXPECT_LE(lse_err, 2.0 * max_abs_diff(naive.lse, ref.lse) + 1e-3) << "max |lse - ref64|";
+    }
+  }
+};
+
+// Runs the case on the GPU (outputs poisoned first) and compares with the oracle.
+inline void run_case(const DecodeCase& c, uint64_t salt) {
+  SCOPED_TRACE(c.str());
+  PreparedCase pc(c, salt);
+  ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  pc.check();
+}
+
+// Random lengths that include 1, a block boundary and its neighbours.
+inline std::vector<int32_t> lengths(std::mt19937_64& rng, int rows, int32_t page, int32_t max_len) {
+  std::vector<int32_t> out{1, page, page + 1, 2 * page - 1};
+  std::uniform_int_distribution<int32_t> dist(1, max_len);
+  while (static_cast<int>(out.size()) < rows) out.push_back(dist(rng));
+  out.resize(rows);
+  for (int32_t& len : out) len = std::min(len, max_len);
+  return out;
+}
+
+}  // namespace attnkit::test

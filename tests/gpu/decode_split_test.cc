@@ -1,0 +1,182 @@
+// Split-KV decode: split bounds and counts against the fp64 oracle of decode_case_util.h. Forced
+// counts that divide the row's tiles and counts that do not, up to one split per tile and beyond
+// (empty splits), the heuristic's counts at batch 1 (one CTA per SM for short splits), empty
+// splits next to rows of different lengths, groups of 4 / 8 / 16 / 32 heads, 8-bit caches,
+// window + sinks, ALiBi and soft-cap, through a caller DecodeWorkspace and without, and in a
+// captured graph replayed several times. Contexts are short (at most 32k keys over 2 KV heads):
+// the host oracle's cost.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "gpu/decode_case_util.h"
+#include "gpu/gpu_util.h"
+
+namespace attnkit::test {
+namespace {
+
+// Groups of 4 heads, head_dim 128, page 32: the batch-1 target's group (GQA 32/8) with fewer KV
+// heads, so that the oracle stays cheap.
+DecodeCase gqa4_case(std::vector<int32_t> seq_lens, int32_t splits, int32_t hkv = 2) {
+  DecodeCase c;
+  c.hq = 4 * hkv;
+  c.hkv = hkv;
+  c.page = 32;
+  c.seq_lens = std::move(seq_lens);
+  c.num_splits = splits;
+  return c;
+}
+
+// Runs the case through the caller workspace `ws`, then through the per-call workspace; outputs
+// poisoned before each call.
+void run_both_workspaces(const DecodeCase& c, uint64_t salt, DecodeWorkspace* ws) {
+  SCOPED_TRACE(c.str());
+  PreparedCase pc(c, salt);
+  for (DecodeWorkspace* w : {ws, static_cast<DecodeWorkspace*>(nullptr)}) {
+    SCOPED_TRACE(w != nullptr ? "caller workspace" : "per-call workspace");
+    pc.args.workspace = w;
+    pc.poison(nullptr);
+    ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    pc.check();
+  }
+}
+
+std::unique_ptr<DecodeWorkspace> make_workspace(int32_t hq, int64_t rows) {
+  AttentionSpec sizing;
+  sizing.num_q_heads = hq;
+  sizing.num_kv_heads = 1;
+  sizing.head_dim = 256;
+  return std::make_unique<DecodeWorkspace>(sizing, rows, DecodeWorkspace::kMaxSplits,
+                                           Device::cuda(0));
+}
+
+// Forced counts that divide the row's tiles and counts that do not (2049 keys: 33 tiles of 64),
+// up to one split per tile and beyond it (empty splits), and the heuristic.
+TEST(DecodeSplit, ForcedCountsDividingTheTilesAndNot) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 1);
+  uint64_t salt = 3000;
+  for (int32_t splits : {2, 3, 5, 7, 11, 16, 32, 33, 40, 0}) {
+    run_both_workspaces(gqa4_case({2049}, splits), salt++, ws.get());
+  }
+}
+
+// The heuristic's counts at batch 1: GQA 32/8 at 8448 keys (short splits: one CTA per SM, 15
+// splits of 9 tiles on the H200) and 2 KV heads at 32k keys (64 splits of 8 tiles).
+TEST(DecodeSplit, HeuristicCountsAtBatchOne) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(32, 1);
+  run_both_workspaces(gqa4_case({8448}, 0, 8), 3050, ws.get());
+  run_both_workspaces(gqa4_case({32768}, 0), 3051, ws.get());
+}
+
+// Empty splits: rows shorter than splits x tile (1 key, one tile, a tile and one key, a few
+// tiles) next to longer rows of different lengths in one batch.
+TEST(DecodeSplit, EmptySplitsAndRowsOfDifferentLengths) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 5);
+  uint64_t salt = 3100;
+  for (int32_t splits : {33, 16, 6, 0}) {
+    run_both_workspaces(gqa4_case({1, 64, 65, 300, 4100}, splits), salt++, ws.get());
+  }
+}
+
+// Groups of 8 heads (keys as rows), 16 (one 16-row M block) and 32 (MQA: two M blocks), f16 and
+// bf16, head_dim 64 / 256, with counts that do not divide the tiles.
+TEST(DecodeSplit, GroupSizesAndHeadDims) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(32, 2);
+  uint64_t salt = 3200;
+  struct Shape {
+    int32_t hq, hkv, head_dim;
+    DType dtype;
+  };
+  for (const Shape& s : {Shape{8, 1, 128, DType::kF16}, Shape{16, 1, 128, DType::kBF16},
+                         Shape{32, 1, 128, DType::kF16}, Shape{8, 2, 64, DType::kBF16},
+                         Shape{8, 1, 256, DType::kF16}}) {
+    for (int32_t splits : {0, 7}) {
+      DecodeCase c;
+      c.hq = s.hq;
+      c.hkv = s.hkv;
+      c.head_dim = s.head_dim;
+      c.dtype = c.kv_dtype = s.dtype;
+      c.page = 32;
+      c.seq_lens = {1500, 333};
+      c.num_splits = splits;
+      run_both_workspaces(c, salt++, ws.get());
+    }
+  }
+}
+
+// 8-bit caches (per-tensor and per-head scales, against the same quantization; 128-key tiles),
+// sliding window with sinks over a cyclic cache, ALiBi and soft-cap, split unevenly.
+TEST(DecodeSplit, QuantizedWindowAlibiSoftcap) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 2);
+  uint64_t salt = 3400;
+  for (int32_t splits : {0, 7}) {
+    for (DType kv : {DType::kFp8E4M3, DType::kInt8}) {
+      DecodeCase c = gqa4_case({3000, 700}, splits);
+      c.kv_dtype = kv;
+      c.per_head_scale = kv == DType::kInt8;
+      run_both_workspaces(c, salt++, ws.get());
+    }
+    DecodeCase w = gqa4_case({3000, 700}, splits);
+    w.mask.kind = MaskKind::kSlidingWindow;
+    w.mask.window = 1000;
+    w.mask.sink_tokens = 4;
+    w.cyclic = true;
+    run_both_workspaces(w, salt++, ws.get());
+    DecodeCase a = gqa4_case({2500, 50}, splits);
+    a.alibi = true;
+    a.softcap = 30.0;
+    a.q_range = 4.0f;
+    run_both_workspaces(a, salt++, ws.get());
+  }
+}
+
+// Split calls (heuristic and forced counts) captured in one graph (through the caller workspace and
+// through per-call workspaces), replayed three times with the outputs poisoned before each replay
+// and the workspace counters zero after each.
+TEST(DecodeSplit, CapturedGraphReplays) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 2);
+  std::vector<std::unique_ptr<PreparedCase>> prepared;
+  uint64_t salt = 3500;
+  for (int32_t splits : {0, 7, 33}) {
+    for (bool caller : {true, false}) {
+      prepared.push_back(std::make_unique<PreparedCase>(gqa4_case({2100, 900}, splits), salt++));
+      if (caller) prepared.back()->args.workspace = ws.get();
+    }
+  }
+  cudaStream_t stream = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (auto& pc : prepared) ASSERT_NO_THROW(decode(pc->spec, pc->args, stream));
+  ATTNKIT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE(detail::concat("replay ", replay));
+    for (auto& pc : prepared) pc->poison(stream);
+    ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, stream));
+    ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+    for (auto& pc : prepared) pc->check();
+    std::vector<int32_t> counters(static_cast<size_t>(ws->counter_capacity()));
+    ATTNKIT_CUDA_OK(cudaMemcpy(counters.data(), ws->counters(), counters.size() * sizeof(int32_t),
+                               cudaMemcpyDeviceToHost));
+    for (int32_t x : counters) ASSERT_EQ(x, 0) << "arrival counter left non-zero";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace attnkit::test
