@@ -286,6 +286,17 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
+// EXPERIMENT (dec13): thread 0 stamps %globaltimer into slot `i` of its CTA's record.
+__device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i) {
+  if (p.exp_timeline != nullptr && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int64_t cta =
+        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    p.exp_timeline[cta * 8 + i] = t;
+  }
+}
+
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
 // output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
 // m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
@@ -480,6 +491,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
+  decode_exp_stamp(p, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
     // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
@@ -489,6 +501,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
 #endif
+  decode_exp_stamp(p, 1);
   const int kv_head = blockIdx.y;
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
@@ -547,6 +560,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   };
   load_q();
   const int32_t q_pos = seq_len - 1;
+  if (p.exp_timeline != nullptr && threadIdx.x == 0) {
+    // The stamp waits for seq_len (predicated on it).
+    unsigned long long t = 0;
+    asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %1, -7;\n@q mov.u64 %0, %%globaltimer;\n}\n"
+                 : "+l"(t)
+                 : "r"(seq_len));
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    const int64_t cta =
+        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    p.exp_timeline[cta * 8 + 2] = t;
+    p.exp_timeline[cta * 8 + 7] = smid;
+  }
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
       ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
@@ -755,6 +781,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (part == 1) {
         issue_offset = ahead_offset;
         ahead_offset = key_offset(issue_tile + 2);
+        if constexpr (Traits::k8Bit) {
+          if (p.exp_l2_ahead > 0) {
+            // Tile `tile` + 1 + exp_l2_ahead (issue_tile is tile + 1 here): 1 is the tile whose K
+            // is copied next (its offsets are read), 2 the one just read, 3 a read of its own.
+            const int64_t pf = p.exp_l2_ahead == 1   ? issue_offset
+                               : p.exp_l2_ahead == 2 ? ahead_offset
+                                                     : key_offset(issue_tile + p.exp_l2_ahead);
+            if (pf >= 0) {
+              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.k_base + pf));
+              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.v_base + pf));
+            }
+          }
+        }
       }
     } else {
       issue_offset = key_offset(issue_tile + 1);
@@ -806,6 +845,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
     const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
+    if (tile == 0) decode_exp_stamp(p, 3);
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {
@@ -1085,6 +1125,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
+  decode_exp_stamp(p, 4);
   // Merge the warps' states through shared memory (the pipeline is drained first).
   cp_async_wait<0>();
   __syncthreads();
@@ -1165,11 +1206,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (d == 0) p.partial_lse[slot] = lse;
     }
   }
+  decode_exp_stamp(p, 5);
   if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
     decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
                                        reinterpret_cast<float*>(pipe_smem));
+    decode_exp_stamp(p, 6);
   }
 }
 

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -85,6 +88,45 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   int value = 0;
   check_cuda(cudaDeviceGetAttribute(&value, attr, device), "decode: cudaDeviceGetAttribute");
   return value;
+}
+
+// EXPERIMENT (dec13, removed before the final commit): environment switches read per call.
+// ATTNKIT_EXP_PDL=0|1 overrides the PDL choice; ATTNKIT_EXP_WIDE=0|1 the 4-CTA 8-bit kernel
+// choice; ATTNKIT_EXP_TIMELINE=<file> records per-CTA %globaltimer stamps of every call into a
+// ring of kExpSlots call slots (captured calls too) and dumps the ring at each eager call.
+int exp_env(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == 0 ? -1 : std::atoi(v);
+}
+struct ExpTimeline {
+  static constexpr int kSlots = 48;
+  static constexpr int64_t kCtasPerSlot = 2048;
+  bool pending = false;  // captured calls since the last dump
+  unsigned long long* buffer = nullptr;
+  int64_t next = 0;
+  struct Meta {
+    int64_t seq = -1;
+    int32_t gx = 0, gy = 0, gz = 0, captured = 0, splits = 0, pdl = 0;
+  } meta[kSlots];
+};
+ExpTimeline& exp_timeline() {
+  static ExpTimeline t;
+  return t;
+}
+void exp_timeline_dump(const char* path, cudaStream_t stream) {
+  ExpTimeline& t = exp_timeline();
+  if (t.buffer == nullptr) return;
+  check_cuda(cudaStreamSynchronize(stream), "exp timeline sync");
+  std::vector<unsigned long long> host(ExpTimeline::kSlots * ExpTimeline::kCtasPerSlot * 8);
+  check_cuda(cudaMemcpy(host.data(), t.buffer, host.size() * 8, cudaMemcpyDeviceToHost),
+             "exp timeline copy");
+  FILE* f = std::fopen(path, "wb");
+  if (f == nullptr) return;
+  const int64_t header[3] = {ExpTimeline::kSlots, ExpTimeline::kCtasPerSlot, t.next};
+  std::fwrite(header, 8, 3, f);
+  std::fwrite(t.meta, sizeof(ExpTimeline::Meta), ExpTimeline::kSlots, f);
+  std::fwrite(host.data(), 8, host.size(), f);
+  std::fclose(f);
 }
 
 }  // namespace
@@ -273,6 +315,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
   // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
   params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
+  if (exp_env("ATTNKIT_EXP_PDL") == 0) params.pdl = 0;
+  if (exp_env("ATTNKIT_EXP_L2AHEAD") > 0) params.exp_l2_ahead = exp_env("ATTNKIT_EXP_L2AHEAD");
+  if (exp_env("ATTNKIT_EXP_WIDE") >= 0) choice.wide_grid = exp_env("ATTNKIT_EXP_WIDE") == 1;
   return plan;
 }
 
@@ -313,6 +358,33 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
+  if (const char* path = std::getenv("ATTNKIT_EXP_TIMELINE"); path != nullptr && *path != 0) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capturing), "exp capture query");
+    ExpTimeline& t = exp_timeline();
+    if (capturing == cudaStreamCaptureStatusNone) {
+      if (t.pending) exp_timeline_dump(path, stream);
+      t.pending = false;
+      if (t.buffer == nullptr) {
+        check_cuda(cudaMalloc(&t.buffer, ExpTimeline::kSlots * ExpTimeline::kCtasPerSlot * 64),
+                   "exp timeline malloc");
+        check_cuda(cudaMemset(t.buffer, 0, ExpTimeline::kSlots * ExpTimeline::kCtasPerSlot * 64),
+                   "exp timeline memset");
+      }
+    }
+    const int64_t ctas = static_cast<int64_t>(params.num_splits) * params.head_blocks *
+                         params.num_kv_heads * params.num_rows;
+    if (t.buffer != nullptr && ctas <= ExpTimeline::kCtasPerSlot) {
+      const int slot = static_cast<int>(t.next % ExpTimeline::kSlots);
+      params.exp_timeline = t.buffer + slot * ExpTimeline::kCtasPerSlot * 8;
+      t.meta[slot] = {
+          t.next,          params.num_splits * params.head_blocks,           params.num_kv_heads,
+          params.num_rows, capturing == cudaStreamCaptureStatusNone ? 0 : 1, params.num_splits,
+          params.pdl};
+      ++t.next;
+      if (capturing != cudaStreamCaptureStatusNone) t.pending = true;
+    }
+  }
   auto launch = [&] {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
