@@ -278,14 +278,6 @@ __device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, cons
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
 }
 
-// Transposes an 8x8 matrix of 16-bit elements held in the MMA accumulator layout (lane (g, t):
-// row g, columns 2t, 2t + 1), giving lane (g, t) row g of the transpose.
-__device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
 // EXPERIMENT (dec13): thread 0 stamps %globaltimer into slot `i` of its CTA's record.
 __device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i) {
   if (p.exp_timeline != nullptr && threadIdx.x == 0) {
@@ -295,6 +287,14 @@ __device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i) {
         (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
     p.exp_timeline[cta * 8 + i] = t;
   }
+}
+
+// Transposes an 8x8 matrix of 16-bit elements held in the MMA accumulator layout (lane (g, t):
+// row g, columns 2t, 2t + 1), giving lane (g, t) row g of the transpose.
+__device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
@@ -1172,6 +1172,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     }
   }
+  decode_exp_stamp(p, 5);
   __syncthreads();
 
   for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
@@ -1206,13 +1207,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (d == 0) p.partial_lse[slot] = lse;
     }
   }
-  decode_exp_stamp(p, 5);
   if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
     decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
                                        reinterpret_cast<float*>(pipe_smem));
-    decode_exp_stamp(p, 6);
   }
 }
 

@@ -6,10 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -94,7 +94,7 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 // ATTNKIT_EXP_PDL=0|1 overrides the PDL choice; ATTNKIT_EXP_WIDE=0|1 the 4-CTA 8-bit kernel
 // choice; ATTNKIT_EXP_TIMELINE=<file> records per-CTA %globaltimer stamps of every call into a
 // ring of kExpSlots call slots (captured calls too) and dumps the ring at each eager call.
-int exp_env(const char* name) {
+int exp13_env(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr || *v == 0 ? -1 : std::atoi(v);
 }
@@ -315,9 +315,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
   // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
   params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
-  if (exp_env("ATTNKIT_EXP_PDL") == 0) params.pdl = 0;
-  if (exp_env("ATTNKIT_EXP_L2AHEAD") > 0) params.exp_l2_ahead = exp_env("ATTNKIT_EXP_L2AHEAD");
-  if (exp_env("ATTNKIT_EXP_WIDE") >= 0) choice.wide_grid = exp_env("ATTNKIT_EXP_WIDE") == 1;
   return plan;
 }
 
@@ -358,6 +355,11 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
+  if (exp13_env("ATTNKIT_EXP_PDL") == 0) params.pdl = 0;
+  if (exp13_env("ATTNKIT_EXP_L2AHEAD") > 0) params.exp_l2_ahead = exp13_env("ATTNKIT_EXP_L2AHEAD");
+  if (exp13_env("ATTNKIT_EXP_WIDE") >= 0) {
+    plan.choice.wide_grid = exp13_env("ATTNKIT_EXP_WIDE") == 1;
+  }
   if (const char* path = std::getenv("ATTNKIT_EXP_TIMELINE"); path != nullptr && *path != 0) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(stream, &capturing), "exp capture query");
