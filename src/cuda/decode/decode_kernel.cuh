@@ -842,10 +842,52 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // the last pipeline buffer must be read by every warp before the loop refills that buffer).
   if constexpr ((Traits::kWarpLocal && !Traits::kKeysAsRows) || Traits::kSwizzle) __syncthreads();
 
+  // EXPERIMENT (dec13): the CTA one resident wave behind this one (exp_succ_slots CTAs later)
+  // gets the first two tiles of its K and V prefetched into L2 exp_succ_at tiles before this
+  // CTA's end (seq_len and block table read one tile earlier).
+  int32_t succ_len = 0, succ_block[2] = {0, 0};
+  int64_t succ_cta = -1;
+  if constexpr (Traits::k8Bit && Traits::kHalves) {
+    const int64_t total = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
+    const int64_t me =
+        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    if (p.exp_succ_slots > 0 && early_table && p.num_splits == 1 && gridDim.x == 1 &&
+        me + p.exp_succ_slots < total) {
+      succ_cta = me + p.exp_succ_slots;
+    }
+  }
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
     const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
     if (tile == 0) decode_exp_stamp(p, 3);
+    if constexpr (Traits::k8Bit && Traits::kHalves) {
+      if (succ_cta >= 0) {
+        const int succ_row = static_cast<int>(succ_cta / gridDim.y);
+        const int succ_head = static_cast<int>(succ_cta % gridDim.y);
+        const int32_t* succ_table = p.kv.block_table + succ_row * p.kv.block_table_row_stride;
+        if (tile == num_tiles - 1 - p.exp_succ_at) {
+          succ_len = p.seq_lens[succ_row];
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const int32_t key = s * kTileN + warp * kCopyKeys + lane;
+            succ_block[s] = succ_table[min(key >> p.page_shift, p.table_cols - 1)];
+          }
+        } else if (tile == num_tiles - p.exp_succ_at) {
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const int32_t key = s * kTileN + warp * kCopyKeys + lane;
+            if (key < succ_len) {
+              const int64_t off = static_cast<int64_t>(succ_block[s]) * p.kv.block_stride_bytes +
+                                  static_cast<int64_t>(succ_head) * p.kv.tokens_per_block *
+                                      (Traits::kChunksPerToken * 16) +
+                                  (key & page_mask) * (Traits::kChunksPerToken * 16);
+              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.k_base + off));
+              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.v_base + off));
+            }
+          }
+        }
+      }
+    }
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {

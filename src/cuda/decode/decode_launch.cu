@@ -360,6 +360,13 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   if (exp13_env("ATTNKIT_EXP_WIDE") >= 0) {
     plan.choice.wide_grid = exp13_env("ATTNKIT_EXP_WIDE") == 1;
   }
+  if (exp13_env("ATTNKIT_EXP_SUCC") > 0) {
+    int device = 0, sms = 0;
+    check_cuda(cudaGetDevice(&device), "exp");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "exp");
+    params.exp_succ_slots = (plan.choice.wide_grid ? 4 : 2) * sms;
+    params.exp_succ_at = exp13_env("ATTNKIT_EXP_SUCC");
+  }
   if (const char* path = std::getenv("ATTNKIT_EXP_TIMELINE"); path != nullptr && *path != 0) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(stream, &capturing), "exp capture query");
