@@ -278,17 +278,6 @@ __device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, cons
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
 }
 
-// EXPERIMENT (dec13): thread 0 stamps %globaltimer into slot `i` of its CTA's record.
-__device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i) {
-  if (p.exp_timeline != nullptr && threadIdx.x == 0) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    const int64_t cta =
-        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    p.exp_timeline[cta * 8 + i] = t;
-  }
-}
-
 // Transposes an 8x8 matrix of 16-bit elements held in the MMA accumulator layout (lane (g, t):
 // row g, columns 2t, 2t + 1), giving lane (g, t) row g of the transpose.
 __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
@@ -491,7 +480,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
-  decode_exp_stamp(p, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
     // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
@@ -501,7 +489,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
 #endif
-  decode_exp_stamp(p, 1);
   const int kv_head = blockIdx.y;
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
@@ -560,19 +547,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   };
   load_q();
   const int32_t q_pos = seq_len - 1;
-  if (p.exp_timeline != nullptr && threadIdx.x == 0) {
-    // The stamp waits for seq_len (predicated on it).
-    unsigned long long t = 0;
-    asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %1, -7;\n@q mov.u64 %0, %%globaltimer;\n}\n"
-                 : "+l"(t)
-                 : "r"(seq_len));
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    const int64_t cta =
-        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    p.exp_timeline[cta * 8 + 2] = t;
-    p.exp_timeline[cta * 8 + 7] = smid;
-  }
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
       ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
@@ -781,19 +755,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (part == 1) {
         issue_offset = ahead_offset;
         ahead_offset = key_offset(issue_tile + 2);
-        if constexpr (Traits::k8Bit) {
-          if (p.exp_l2_ahead > 0) {
-            // Tile `tile` + 1 + exp_l2_ahead (issue_tile is tile + 1 here): 1 is the tile whose K
-            // is copied next (its offsets are read), 2 the one just read, 3 a read of its own.
-            const int64_t pf = p.exp_l2_ahead == 1   ? issue_offset
-                               : p.exp_l2_ahead == 2 ? ahead_offset
-                                                     : key_offset(issue_tile + p.exp_l2_ahead);
-            if (pf >= 0) {
-              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.k_base + pf));
-              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.v_base + pf));
-            }
-          }
-        }
       }
     } else {
       issue_offset = key_offset(issue_tile + 1);
@@ -842,52 +803,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // the last pipeline buffer must be read by every warp before the loop refills that buffer).
   if constexpr ((Traits::kWarpLocal && !Traits::kKeysAsRows) || Traits::kSwizzle) __syncthreads();
 
-  // EXPERIMENT (dec13): the CTA one resident wave behind this one (exp_succ_slots CTAs later)
-  // gets the first two tiles of its K and V prefetched into L2 exp_succ_at tiles before this
-  // CTA's end (seq_len and block table read one tile earlier).
-  int32_t succ_len = 0, succ_block[2] = {0, 0};
-  int64_t succ_cta = -1;
-  if constexpr (Traits::k8Bit && Traits::kHalves) {
-    const int64_t total = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
-    const int64_t me =
-        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    if (p.exp_succ_slots > 0 && early_table && p.num_splits == 1 && gridDim.x == 1 &&
-        me + p.exp_succ_slots < total) {
-      succ_cta = me + p.exp_succ_slots;
-    }
-  }
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
     const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
-    if (tile == 0) decode_exp_stamp(p, 3);
-    if constexpr (Traits::k8Bit && Traits::kHalves) {
-      if (succ_cta >= 0) {
-        const int succ_row = static_cast<int>(succ_cta / gridDim.y);
-        const int succ_head = static_cast<int>(succ_cta % gridDim.y);
-        const int32_t* succ_table = p.kv.block_table + succ_row * p.kv.block_table_row_stride;
-        if (tile == num_tiles - 1 - p.exp_succ_at) {
-          succ_len = p.seq_lens[succ_row];
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const int32_t key = s * kTileN + warp * kCopyKeys + lane;
-            succ_block[s] = succ_table[min(key >> p.page_shift, p.table_cols - 1)];
-          }
-        } else if (tile == num_tiles - p.exp_succ_at) {
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const int32_t key = s * kTileN + warp * kCopyKeys + lane;
-            if (key < succ_len) {
-              const int64_t off = static_cast<int64_t>(succ_block[s]) * p.kv.block_stride_bytes +
-                                  static_cast<int64_t>(succ_head) * p.kv.tokens_per_block *
-                                      (Traits::kChunksPerToken * 16) +
-                                  (key & page_mask) * (Traits::kChunksPerToken * 16);
-              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.k_base + off));
-              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.kv.v_base + off));
-            }
-          }
-        }
-      }
-    }
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {
@@ -1167,7 +1085,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
-  decode_exp_stamp(p, 4);
   // Merge the warps' states through shared memory (the pipeline is drained first).
   cp_async_wait<0>();
   __syncthreads();
@@ -1214,7 +1131,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     }
   }
-  decode_exp_stamp(p, 5);
   __syncthreads();
 
   for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {

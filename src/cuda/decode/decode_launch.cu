@@ -90,45 +90,6 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   return value;
 }
 
-// EXPERIMENT (dec13, removed before the final commit): environment switches read per call.
-// ATTNKIT_EXP_PDL=0|1 overrides the PDL choice; ATTNKIT_EXP_WIDE=0|1 the 4-CTA 8-bit kernel
-// choice; ATTNKIT_EXP_TIMELINE=<file> records per-CTA %globaltimer stamps of every call into a
-// ring of kExpSlots call slots (captured calls too) and dumps the ring at each eager call.
-int exp13_env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || *v == 0 ? -1 : std::atoi(v);
-}
-struct ExpTimeline {
-  static constexpr int kSlots = 48;
-  static constexpr int64_t kCtasPerSlot = 2048;
-  bool pending = false;  // captured calls since the last dump
-  unsigned long long* buffer = nullptr;
-  int64_t next = 0;
-  struct Meta {
-    int64_t seq = -1;
-    int32_t gx = 0, gy = 0, gz = 0, captured = 0, splits = 0, pdl = 0;
-  } meta[kSlots];
-};
-ExpTimeline& exp_timeline() {
-  static ExpTimeline t;
-  return t;
-}
-void exp_timeline_dump(const char* path, cudaStream_t stream) {
-  ExpTimeline& t = exp_timeline();
-  if (t.buffer == nullptr) return;
-  check_cuda(cudaStreamSynchronize(stream), "exp timeline sync");
-  std::vector<unsigned long long> host(ExpTimeline::kSlots * ExpTimeline::kCtasPerSlot * 8);
-  check_cuda(cudaMemcpy(host.data(), t.buffer, host.size() * 8, cudaMemcpyDeviceToHost),
-             "exp timeline copy");
-  FILE* f = std::fopen(path, "wb");
-  if (f == nullptr) return;
-  const int64_t header[3] = {ExpTimeline::kSlots, ExpTimeline::kCtasPerSlot, t.next};
-  std::fwrite(header, 8, 3, f);
-  std::fwrite(t.meta, sizeof(ExpTimeline::Meta), ExpTimeline::kSlots, f);
-  std::fwrite(host.data(), 8, host.size(), f);
-  std::fclose(f);
-}
-
 }  // namespace
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
@@ -156,6 +117,21 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
   const int64_t tiles_per_split = (tiles + best - 1) / best;
   return static_cast<int32_t>(
       std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
+}
+
+// A one-wave grid without splits gains nothing from PDL (no merge tail for the next grid to
+// overlap; only the few idle slots take its CTAs early) and lost 1.8% at bf16 32 x 32k (256 CTAs
+// in 264 slots). H200, same run (round 1 at 00:00 UTC, A B B A, TB/s, PDL on -> off): bf16
+// 32 x 32k 4.405 / 4.407 -> 4.484 / 4.484, fp8 64 x 4k (512 CTAs in 528 slots) 4.188 / 4.183 ->
+// 4.191 / 4.188; two waves keep it (bf16 64x4k 4.363 / 4.361 -> 4.356 / 4.355), and so do split
+// calls (bf16 1 x 32k 3.368 -> 3.40, 1 x 8k 2.01 -> 2.08 in dec10's run).
+bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
+                                int64_t resident_ctas) {
+  if (compute_major < 9) return false;
+  if (const char* v = std::getenv("ATTNKIT_EXP_PDL_BREAK"); v != nullptr && *v == '1') {
+    return true;  // EXPERIMENT (dec13, round 2): deliberate break, PDL for every grid
+  }
+  return num_splits > 1 || grid_ctas > resident_ctas;
 }
 
 std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
@@ -355,43 +331,23 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
-  if (exp13_env("ATTNKIT_EXP_PDL") == 0) params.pdl = 0;
-  if (exp13_env("ATTNKIT_EXP_L2AHEAD") > 0) params.exp_l2_ahead = exp13_env("ATTNKIT_EXP_L2AHEAD");
-  if (exp13_env("ATTNKIT_EXP_WIDE") >= 0) {
-    plan.choice.wide_grid = exp13_env("ATTNKIT_EXP_WIDE") == 1;
-  }
-  if (exp13_env("ATTNKIT_EXP_SUCC") > 0) {
-    int device = 0, sms = 0;
-    check_cuda(cudaGetDevice(&device), "exp");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "exp");
-    params.exp_succ_slots = (plan.choice.wide_grid ? 4 : 2) * sms;
-    params.exp_succ_at = exp13_env("ATTNKIT_EXP_SUCC");
-  }
-  if (const char* path = std::getenv("ATTNKIT_EXP_TIMELINE"); path != nullptr && *path != 0) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(stream, &capturing), "exp capture query");
-    ExpTimeline& t = exp_timeline();
-    if (capturing == cudaStreamCaptureStatusNone) {
-      if (t.pending) exp_timeline_dump(path, stream);
-      t.pending = false;
-      if (t.buffer == nullptr) {
-        check_cuda(cudaMalloc(&t.buffer, ExpTimeline::kSlots * ExpTimeline::kCtasPerSlot * 64),
-                   "exp timeline malloc");
-        check_cuda(cudaMemset(t.buffer, 0, ExpTimeline::kSlots * ExpTimeline::kCtasPerSlot * 64),
-                   "exp timeline memset");
-      }
-    }
-    const int64_t ctas = static_cast<int64_t>(params.num_splits) * params.head_blocks *
-                         params.num_kv_heads * params.num_rows;
-    if (t.buffer != nullptr && ctas <= ExpTimeline::kCtasPerSlot) {
-      const int slot = static_cast<int>(t.next % ExpTimeline::kSlots);
-      params.exp_timeline = t.buffer + slot * ExpTimeline::kCtasPerSlot * 8;
-      t.meta[slot] = {
-          t.next,          params.num_splits * params.head_blocks,           params.num_kv_heads,
-          params.num_rows, capturing == cudaStreamCaptureStatusNone ? 0 : 1, params.num_splits,
-          params.pdl};
-      ++t.next;
-      if (capturing != cudaStreamCaptureStatusNone) t.pending = true;
+  {
+    // Resident CTAs of the kernel this call takes: the 4-CTA 8-bit kernel on wide grids with
+    // plain logits (launch_traits), else the tile configuration's occupancy.
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+    const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, plan.choice);
+    const bool four_ctas = plan.choice.wide_grid && info.wide_ctas_per_sm > 0 && !plan.transformed;
+    const int64_t resident =
+        static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) *
+        device_attribute(cudaDevAttrMultiProcessorCount, device);
+    const int64_t grid_ctas = static_cast<int64_t>(params.num_rows) * params.num_kv_heads *
+                              params.head_blocks * params.num_splits;
+    const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
+    params.pdl = decode_programmatic_launch(major, params.num_splits, grid_ctas, resident) ? 1 : 0;
+    // EXPERIMENT (dec13, round 2): ATTNKIT_EXP_PDL=0|1 forces PDL off / on (sm_90+).
+    if (const char* v = std::getenv("ATTNKIT_EXP_PDL"); v != nullptr && (*v == '0' || *v == '1')) {
+      params.pdl = *v == '1' && major >= 9 ? 1 : 0;
     }
   }
   auto launch = [&] {

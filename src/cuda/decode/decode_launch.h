@@ -38,6 +38,12 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n);
 
+// Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
+// stream (decode_launch.cu): on sm_90+, for split calls and for grids of more than one wave of
+// resident CTAs, not for a grid without splits that is resident at once.
+bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
+                                int64_t resident_ctas);
+
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
                                                DecodeKernelChoice, cudaStream_t);       \

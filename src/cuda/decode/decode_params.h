@@ -51,15 +51,6 @@ struct DecodeParams {
   int64_t indirection_beam_stride = 0;         // elements
   int64_t indirection_pos_stride = 1;          // elements
   int32_t beam_width = 1;
-  // EXPERIMENT (dec13, removed before the final commit): per-CTA %globaltimer stamps, [cta][8].
-  unsigned long long* exp_timeline = nullptr;
-  // EXPERIMENT (dec13): 8-bit kernels prefetch into L2 the rows of the tile this many tiles past
-  // the furthest one whose offsets are read (0: off).
-  int32_t exp_l2_ahead = 0;
-  // EXPERIMENT (dec13): resident CTA slots of the grid (0: off) and how many tiles before its end
-  // a CTA prefetches the first tiles of the CTA that many slots behind it.
-  int32_t exp_succ_slots = 0;
-  int32_t exp_succ_at = 2;
 
   const float* k_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
   const float* v_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
