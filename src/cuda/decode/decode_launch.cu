@@ -6,9 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -117,21 +115,6 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
   const int64_t tiles_per_split = (tiles + best - 1) / best;
   return static_cast<int32_t>(
       std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
-}
-
-// A one-wave grid without splits gains nothing from PDL (no merge tail for the next grid to
-// overlap; only the few idle slots take its CTAs early) and lost 1.8% at bf16 32 x 32k (256 CTAs
-// in 264 slots). H200, same run (round 1 at 00:00 UTC, A B B A, TB/s, PDL on -> off): bf16
-// 32 x 32k 4.405 / 4.407 -> 4.484 / 4.484, fp8 64 x 4k (512 CTAs in 528 slots) 4.188 / 4.183 ->
-// 4.191 / 4.188; two waves keep it (bf16 64x4k 4.363 / 4.361 -> 4.356 / 4.355), and so do split
-// calls (bf16 1 x 32k 3.368 -> 3.40, 1 x 8k 2.01 -> 2.08 in dec10's run).
-bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
-                                int64_t resident_ctas) {
-  if (compute_major < 9) return false;
-  if (const char* v = std::getenv("ATTNKIT_EXP_PDL_BREAK"); v != nullptr && *v == '1') {
-    return true;  // EXPERIMENT (dec13, round 2): deliberate break, PDL for every grid
-  }
-  return num_splits > 1 || grid_ctas > resident_ctas;
 }
 
 std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
@@ -316,6 +299,21 @@ void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, cons
 }
 
 }  // namespace
+
+// A one-wave grid without splits gains nothing from PDL (no merge tail for the next grid to
+// overlap; only the few idle slots take its CTAs early) and lost 1.8% at bf16 32 x 32k (256 CTAs
+// in 264 slots). H200, same run (round 1 at 00:00 UTC, A B B A, TB/s, PDL on -> off): bf16
+// 32 x 32k 4.405 / 4.407 -> 4.484 / 4.484, fp8 64 x 4k (512 CTAs in 528 slots) 4.188 / 4.183 ->
+// 4.191 / 4.188; two waves keep it (bf16 64x4k 4.363 / 4.361 -> 4.356 / 4.355), and so do split
+// calls (bf16 1 x 32k 3.368 -> 3.40, 1 x 8k 2.01 -> 2.08 in dec10's run).
+bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
+                                int64_t resident_ctas) {
+  if (compute_major < 9) return false;
+  if (const char* v = std::getenv("ATTNKIT_EXP_PDL_BREAK"); v != nullptr && *v == '1') {
+    return true;  // EXPERIMENT (dec13, round 2): deliberate break, PDL for every grid
+  }
+  return num_splits > 1 || grid_ctas > resident_ctas;
+}
 
 void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& args,
                                   const detail::DecodeProblem& p, const char* what) {

@@ -25,6 +25,12 @@ struct DecodeKernelChoice {
   bool wide_grid = true;
 };
 
+// Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
+// stream (decode_launch.cu): on sm_90+, for split calls and for grids of more than one wave of
+// resident CTAs, not for a grid without splits that is resident at once.
+bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
+                                int64_t resident_ctas);
+
 // Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits
 // policy is kTransformed when soft-cap or ALiBi is on.
 template <int kHeadDim>
@@ -37,12 +43,6 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 // CTA count, resident CTAs per SM, the SM count and the longest key range.
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n);
-
-// Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
-// stream (decode_launch.cu): on sm_90+, for split calls and for grids of more than one wave of
-// resident CTAs, not for a grid without splits that is resident at once.
-bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
-                                int64_t resident_ctas);
 
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
