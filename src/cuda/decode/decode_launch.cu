@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -268,12 +267,20 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
   }
 
-  // Programmatic dependent launch on sm_90+: the next kernel's CTAs become resident while this
-  // one's tail runs (the merging CTAs keep a few SMs busy, the rest are idle). H200, same run
-  // (dec10, 21:20 UTC, two repetitions, TB/s, through a caller workspace, without -> with):
-  // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
-  // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
-  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
+  // Programmatic dependent launch on sm_90+ (decode_programmatic_launch): the next kernel's CTAs
+  // become resident while this one's tail runs. H200, same run (dec10, 21:20 UTC, two
+  // repetitions, TB/s, through a caller workspace, without -> with): bf16 1 x 32k 3.368 -> 3.401 /
+  // 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366
+  // -> 4.372. The resident CTAs are those of the kernel the call takes (launch_traits: the 4-CTA
+  // 8-bit kernel on wide grids with plain logits).
+  const bool four_ctas = choice.wide_grid && info.wide_ctas_per_sm > 0 && !plan.transformed;
+  const int64_t resident =
+      static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) * sm_count;
+  params.pdl =
+      decode_programmatic_launch(device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                 params.num_splits, ctas * params.num_splits, resident)
+          ? 1
+          : 0;
   return plan;
 }
 
@@ -300,19 +307,17 @@ void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, cons
 
 }  // namespace
 
-// A one-wave grid without splits gains nothing from PDL (no merge tail for the next grid to
-// overlap; only the few idle slots take its CTAs early) and lost 1.8% at bf16 32 x 32k (256 CTAs
-// in 264 slots). H200, same run (round 1 at 00:00 UTC, A B B A, TB/s, PDL on -> off): bf16
-// 32 x 32k 4.405 / 4.407 -> 4.484 / 4.484, fp8 64 x 4k (512 CTAs in 528 slots) 4.188 / 4.183 ->
-// 4.191 / 4.188; two waves keep it (bf16 64x4k 4.363 / 4.361 -> 4.356 / 4.355), and so do split
-// calls (bf16 1 x 32k 3.368 -> 3.40, 1 x 8k 2.01 -> 2.08 in dec10's run).
+// PDL lets the next grid's CTAs become resident while this one's tail runs. That pays for a grid of
+// more than one wave and for a call of many splits (its merge tail), not for a grid resident at
+// once without splits or with two: H200, same run (round 2 at 00:20 UTC, A B B A, TB/s, this
+// rule against PDL for every grid / none): bf16 32 x 32k (256 CTAs in 264 slots) 4.488 / 4.487
+// vs 4.411 / 4.410 always; fp8 64 x 4k (512 in 528) 4.215 / 4.215 vs 4.189 / 4.188 always; fp8
+// 32 x 32k (2 splits, 512 in 528) 4.374 / 4.375 never vs 4.345 / 4.345 with PDL; fp8 256 x 1k (4
+// waves) 4.069 / 4.067 vs 4.050 / 4.051 never; bf16 1 x 32k (32 splits) 3.380 vs 3.351 never.
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas) {
   if (compute_major < 9) return false;
-  if (const char* v = std::getenv("ATTNKIT_EXP_PDL_BREAK"); v != nullptr && *v == '1') {
-    return true;  // EXPERIMENT (dec13, round 2): deliberate break, PDL for every grid
-  }
-  return num_splits > 1 || grid_ctas > resident_ctas;
+  return grid_ctas > resident_ctas || num_splits > 2;
 }
 
 void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& args,
@@ -329,25 +334,6 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
-  {
-    // Resident CTAs of the kernel this call takes: the 4-CTA 8-bit kernel on wide grids with
-    // plain logits (launch_traits), else the tile configuration's occupancy.
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
-    const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, plan.choice);
-    const bool four_ctas = plan.choice.wide_grid && info.wide_ctas_per_sm > 0 && !plan.transformed;
-    const int64_t resident =
-        static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) *
-        device_attribute(cudaDevAttrMultiProcessorCount, device);
-    const int64_t grid_ctas = static_cast<int64_t>(params.num_rows) * params.num_kv_heads *
-                              params.head_blocks * params.num_splits;
-    const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-    params.pdl = decode_programmatic_launch(major, params.num_splits, grid_ctas, resident) ? 1 : 0;
-    // EXPERIMENT (dec13, round 2): ATTNKIT_EXP_PDL=0|1 forces PDL off / on (sm_90+).
-    if (const char* v = std::getenv("ATTNKIT_EXP_PDL"); v != nullptr && (*v == '0' || *v == '1')) {
-      params.pdl = *v == '1' && major >= 9 ? 1 : 0;
-    }
-  }
   auto launch = [&] {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);

@@ -26,8 +26,8 @@ struct DecodeKernelChoice {
 };
 
 // Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
-// stream (decode_launch.cu): on sm_90+, for split calls and for grids of more than one wave of
-// resident CTAs, not for a grid without splits that is resident at once.
+// stream (decode_launch.cu): on sm_90+, for grids of more than one wave of resident CTAs and for
+// calls of more than two splits; not for a grid resident at once with one or two splits.
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas);
 
