@@ -278,12 +278,20 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
   }
 
-  // Programmatic dependent launch on sm_90+: the next kernel's CTAs become resident while this
-  // one's tail runs (the merging CTAs keep a few SMs busy, the rest are idle). H200, same run
-  // (dec10, 21:20 UTC, two repetitions, TB/s, through a caller workspace, without -> with):
-  // bf16 1 x 32k 3.368 -> 3.401 / 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8
-  // 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366 -> 4.372.
-  params.pdl = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 1 : 0;
+  // Programmatic dependent launch on sm_90+ (decode_programmatic_launch): the next kernel's CTAs
+  // become resident while this one's tail runs. H200, same run (dec10, 21:20 UTC, two
+  // repetitions, TB/s, through a caller workspace, without -> with): bf16 1 x 32k 3.368 -> 3.401 /
+  // 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366
+  // -> 4.372. The resident CTAs are those of the kernel the call takes (launch_traits: the 4-CTA
+  // 8-bit kernel on wide grids with plain logits).
+  const bool four_ctas = choice.wide_grid && info.wide_ctas_per_sm > 0 && !plan.transformed;
+  const int64_t resident =
+      static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) * sm_count;
+  params.pdl =
+      decode_programmatic_launch(device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                 params.num_splits, ctas * params.num_splits, resident)
+          ? 1
+          : 0;
   return plan;
 }
 
@@ -309,6 +317,19 @@ void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, cons
 }
 
 }  // namespace
+
+// PDL lets the next grid's CTAs become resident while this one's tail runs. That pays for a grid of
+// more than one wave and for a call of many splits (its merge tail), not for a grid resident at
+// once without splits or with two: H200, same run (round 2 at 00:20 UTC, A B B A, TB/s, this
+// rule against PDL for every grid / none): bf16 32 x 32k (256 CTAs in 264 slots) 4.488 / 4.487
+// vs 4.411 / 4.410 always; fp8 64 x 4k (512 in 528) 4.215 / 4.215 vs 4.189 / 4.188 always; fp8
+// 32 x 32k (2 splits, 512 in 528) 4.374 / 4.375 never vs 4.345 / 4.345 with PDL; fp8 256 x 1k (4
+// waves) 4.069 / 4.067 vs 4.050 / 4.051 never; bf16 1 x 32k (32 splits) 3.380 vs 3.351 never.
+bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
+                                int64_t resident_ctas) {
+  if (compute_major < 9) return false;
+  return grid_ctas > resident_ctas || num_splits > 2;
+}
 
 void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& args,
                                   const detail::DecodeProblem& p, const char* what) {

@@ -25,6 +25,12 @@ struct DecodeKernelChoice {
   bool wide_grid = true;
 };
 
+// Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
+// stream (decode_launch.cu): on sm_90+, for grids of more than one wave of resident CTAs and for
+// calls of more than two splits; not for a grid resident at once with one or two splits.
+bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
+                                int64_t resident_ctas);
+
 // Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits
 // policy is kTransformed when soft-cap or ALiBi is on.
 template <int kHeadDim>
