@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -273,6 +274,15 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
                   dtype_name(c.dtype), ", or does not fit this device's shared memory");
     return *forced;
   }
+  // EXPERIMENT (pre10, removed before the final commit): ATTNKIT_EXP_PRE10_TILE=m128 runs head_dim
+  // 256 on the 8-warp kM128 tile.
+  if (c.head_dim == 256) {
+    const char* exp = std::getenv("ATTNKIT_EXP_PRE10_TILE");
+    if (exp != nullptr && std::string(exp) == "m128" &&
+        std::find(tiles.begin(), tiles.end(), PrefillTile::kM128) != tiles.end()) {
+      return PrefillTile::kM128;
+    }
+  }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
   return choose_tile(tiles, ctas, dev.sm_count, masked && !c.paged, max_seqlen_kv);
 }
@@ -454,8 +464,20 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
   const bool skip_dead = skips_dead_blocks(spec.head_dim, tile, masked, p.paged, p.max_seqlen_kv);
-  const Launcher launch =
+  Launcher launch =
       find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs, skip_dead);
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+  // EXPERIMENT (pre10, removed before the final commit): ATTNKIT_EXP_PRE10_SPLIT=1 runs packed bf16
+  // head_dim 256 kM64 on the split-warp kernels.
+  if (const char* exp = std::getenv("ATTNKIT_EXP_PRE10_SPLIT");
+      exp != nullptr && std::string(exp) == "1" && spec.head_dim == 256 &&
+      tile == PrefillTile::kM64 && !p.paged && p.dtype == DType::kBF16) {
+    launch = masked ? &launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
+                                      true, false, false, true>
+                    : &launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
+                                      true, false, false, true>;
+  }
+#endif
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }

@@ -25,7 +25,7 @@ namespace attnkit::cuda::prefill {
 // copy (contiguous and cyclic caches) and picks one at run time.
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
           bool kSwizzle = swizzle_default(kHeadDim), bool kRunsOnly = false,
-          bool kSkipDeadBlocks = false>
+          bool kSkipDeadBlocks = false, bool kSplitWarps = false>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.
