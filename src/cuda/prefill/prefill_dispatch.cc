@@ -470,12 +470,19 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   // EXPERIMENT (pre10, removed before the final commit): ATTNKIT_EXP_PRE10_SPLIT=1 runs packed bf16
   // head_dim 256 kM64 on the split-warp kernels.
   if (const char* exp = std::getenv("ATTNKIT_EXP_PRE10_SPLIT");
-      exp != nullptr && std::string(exp) == "1" && spec.head_dim == 256 &&
-      tile == PrefillTile::kM64 && !p.paged && p.dtype == DType::kBF16) {
-    launch = masked ? &launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                                      true, false, false, true>
-                    : &launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
-                                      true, false, false, true>;
+      exp != nullptr && std::string(exp) == "1" && spec.head_dim == 256 && !p.paged &&
+      p.dtype == DType::kBF16) {
+    if (tile == PrefillTile::kM64) {
+      launch = masked ? &launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
+                                        true, false, false, true>
+                      : &launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
+                                        true, false, false, true>;
+    } else if (tile == PrefillTile::kM128) {
+      launch = masked ? &launch_prefill<256, PrefillTile::kM128, DType::kBF16, true, false, false,
+                                        true, false, false, true>
+                      : &launch_prefill<256, PrefillTile::kM128, DType::kBF16, false, false, false,
+                                        true, false, false, true>;
+    }
   }
 #endif
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);

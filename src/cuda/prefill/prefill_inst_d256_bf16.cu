@@ -7,5 +7,6 @@ namespace attnkit::cuda::prefill {
 ATTNKIT_PREFILL_INSTANTIATE_TILE(256, PrefillTile::kM64, DType::kBF16)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(256, PrefillTile::kM128, DType::kBF16)
 ATTNKIT_PREFILL_INSTANTIATE_SPLIT(DType::kBF16)
+ATTNKIT_PREFILL_INSTANTIATE_SPLIT128(DType::kBF16)
 #endif
 }  // namespace attnkit::cuda::prefill

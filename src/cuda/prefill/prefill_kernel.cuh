@@ -268,11 +268,22 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t lane_off, int cs) {
 
 // The two warps 2 r and 2 r + 1 (64 threads) meet at named barrier 1 + r (split warps). Immediate
 // barrier ids: a register id makes ptxas reserve all 16.
+template <int kWarps>
 __device__ __forceinline__ void pair_barrier(int warp) {
-  if (warp < 2) {
-    asm volatile("bar.sync 1, 64;" ::: "memory");
-  } else {
-    asm volatile("bar.sync 2, 64;" ::: "memory");
+  static_assert(kWarps == 4 || kWarps == 8);
+  switch (warp >> 1) {
+    case 0:
+      asm volatile("bar.sync 1, 64;" ::: "memory");
+      break;
+    case 1:
+      asm volatile("bar.sync 2, 64;" ::: "memory");
+      break;
+    case 2:
+      asm volatile("bar.sync 3, 64;" ::: "memory");
+      break;
+    default:
+      asm volatile("bar.sync 4, 64;" ::: "memory");
+      break;
   }
 }
 
@@ -481,8 +492,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   // dims 128 h .. 128 h + 127. Every K/V fragment read from smem then feeds two MMA row blocks
   // (100 ldmatrix per warp and tile instead of 144); the pair trades its row maxima and its half
   // of P through smem (s_split) at the cost of one 64-thread barrier per tile.
-  static_assert(!kSplitWarps || (T::kHeadDim == 256 && T::kWarps == 4 && kOverlap),
-                "split warps: head_dim 256 kM64 with 16-bit K/V");
+  static_assert(!kSplitWarps || (T::kHeadDim == 256 && T::kMAtoms == 1),
+                "split warps: head_dim 256, 16 rows per warp in the plain layout");
   constexpr int kPRowBytes = 2 * T::kBlockN + 16;  // P rows (bf16/f16), 16 bytes padding
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
@@ -843,3 +854,10 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
                                false, true>(const PrefillParams&, cudaStream_t);                   \
   template void launch_prefill<256, PrefillTile::kM64, DT, true, false, false, true, false, false, \
                                true>(const PrefillParams&, cudaStream_t);
+
+// EXPERIMENT (pre10): the packed head_dim 256 kM128 kernels with split warps.
+#define ATTNKIT_PREFILL_INSTANTIATE_SPLIT128(DT)                                              \
+  template void launch_prefill<256, PrefillTile::kM128, DT, false, false, false, true, false, \
+                               false, true>(const PrefillParams&, cudaStream_t);              \
+  template void launch_prefill<256, PrefillTile::kM128, DT, true, false, false, true, false,  \
+                               false, true>(const PrefillParams&, cudaStream_t);
