@@ -123,6 +123,22 @@ Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked,
   return nullptr;
 }
 
+#if !defined(ATTNKIT_KERNEL_SUBSET)
+template <DType kDT>
+Launcher split_launcher(PrefillTile tile, bool masked) {
+  if (tile == PrefillTile::kM64) {
+    return masked ? &launch_prefill<256, PrefillTile::kM64, kDT, true, false, false, true, false,
+                                    false, true>
+                  : &launch_prefill<256, PrefillTile::kM64, kDT, false, false, false, true, false,
+                                    false, true>;
+  }
+  return masked ? &launch_prefill<256, PrefillTile::kM128, kDT, true, false, false, true, false,
+                                  false, true>
+                : &launch_prefill<256, PrefillTile::kM128, kDT, false, false, false, true, false,
+                                  false, true>;
+}
+#endif
+
 // Longest key range for which causal calls take the tiles and kernels below.
 constexpr int32_t kShortCausalKeys = 4096;
 
@@ -467,21 +483,17 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   Launcher launch =
       find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs, skip_dead);
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-  // EXPERIMENT (pre10, removed before the final commit): ATTNKIT_EXP_PRE10_SPLIT=1 runs packed bf16
-  // head_dim 256 kM64 on the split-warp kernels.
+  if (const char* exp = std::getenv("ATTNKIT_EXP_PRE10_DEAD"); exp != nullptr) {
+    prm.exp_dead_half = std::string(exp) == "1";
+  }
+  // EXPERIMENT (pre10, removed before the final commit): ATTNKIT_EXP_PRE10_SPLIT=1 runs packed
+  // head_dim 256 on the split-warp kernels.
   if (const char* exp = std::getenv("ATTNKIT_EXP_PRE10_SPLIT");
-      exp != nullptr && std::string(exp) == "1" && spec.head_dim == 256 && !p.paged &&
-      p.dtype == DType::kBF16) {
-    if (tile == PrefillTile::kM64) {
-      launch = masked ? &launch_prefill<256, PrefillTile::kM64, DType::kBF16, true, false, false,
-                                        true, false, false, true>
-                      : &launch_prefill<256, PrefillTile::kM64, DType::kBF16, false, false, false,
-                                        true, false, false, true>;
-    } else if (tile == PrefillTile::kM128) {
-      launch = masked ? &launch_prefill<256, PrefillTile::kM128, DType::kBF16, true, false, false,
-                                        true, false, false, true>
-                      : &launch_prefill<256, PrefillTile::kM128, DType::kBF16, false, false, false,
-                                        true, false, false, true>;
+      exp != nullptr && std::string(exp) == "1" && spec.head_dim == 256 && !p.paged) {
+    if (p.dtype == DType::kBF16) {
+      launch = split_launcher<DType::kBF16>(tile, masked);
+    } else if (p.dtype == DType::kF16) {
+      launch = split_launcher<DType::kF16>(tile, masked);
     }
   }
 #endif
