@@ -104,7 +104,7 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
                 ": accepted only with --page (a paged cache; packed K/V are bf16); got --page 0");
   }
   if (o.dtype != "bf16" && o.dtype != "f16") {
-    throw Error("bench prefill: --dtype accepts bf16 or f16; got " + o.dtype);
+    throw Error("bench prefill: --dtype: accepted bf16, f16; got '" + o.dtype + "'");
   }
   if (o.dtype != "bf16" && o.page != 0) {
     throw Error("bench prefill: --dtype " + o.dtype +

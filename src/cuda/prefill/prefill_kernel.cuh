@@ -266,24 +266,13 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t lane_off, int cs) {
   }
 }
 
-// The two warps 2 r and 2 r + 1 (64 threads) meet at named barrier 1 + r (split warps). Immediate
-// barrier ids: a register id makes ptxas reserve all 16.
-template <int kWarps>
+// Warps 0 and 1 (64 threads) meet at named barrier 1, warps 2 and 3 at barrier 2 (split warps of a
+// 4-warp CTA). Immediate barrier ids: a register id makes ptxas reserve all 16.
 __device__ __forceinline__ void pair_barrier(int warp) {
-  static_assert(kWarps == 4 || kWarps == 8);
-  switch (warp >> 1) {
-    case 0:
-      asm volatile("bar.sync 1, 64;" ::: "memory");
-      break;
-    case 1:
-      asm volatile("bar.sync 2, 64;" ::: "memory");
-      break;
-    case 2:
-      asm volatile("bar.sync 3, 64;" ::: "memory");
-      break;
-    default:
-      asm volatile("bar.sync 4, 64;" ::: "memory");
-      break;
+  if (warp < 2) {
+    asm volatile("bar.sync 1, 64;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 2, 64;" ::: "memory");
   }
 }
 
@@ -492,9 +481,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   // dims 128 h .. 128 h + 127. Every K/V fragment read from smem then feeds two MMA row blocks
   // (100 ldmatrix per warp and tile instead of 144); the pair trades its row maxima and its half
   // of P through smem (s_split) at the cost of one 64-thread barrier per tile.
-  static_assert(!kSplitWarps || (T::kHeadDim == 256 && T::kMAtoms == 1),
-                "split warps: head_dim 256, 16 rows per warp in the plain layout");
-  constexpr int kPRowBytes = 2 * T::kBlockN + 16;  // P rows (bf16/f16), 16 bytes padding
+  static_assert(!kSplitWarps || (T::kHeadDim == 256 && T::kWarps == 4 && kOverlap && !kPaged),
+                "split warps: packed head_dim 256, 16 rows per warp in the plain layout");
+  constexpr int kPRowBytes = T::kPRowBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + T::kQBytes;
@@ -803,8 +792,7 @@ template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQua
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
-  constexpr int kSmem = T::smem_bytes(kQuantKv) +
-                        (kSplitWarps ? T::kBlockM * (2 * T::kBlockN + 16) + 2 * T::kBlockM * 4 : 0);
+  constexpr int kSmem = kSplitWarps ? T::kSplitSmemBytes : T::smem_bytes(kQuantKv);
   auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
                                kRunsOnly, kSkipDeadBlocks, kSplitWarps>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
@@ -848,16 +836,7 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
                                swizzle_default(D), false, true>(const PrefillParams&, \
                                                                 cudaStream_t);
 
-// EXPERIMENT (pre10): the packed head_dim 256 kM64 kernels with split warps.
-#define ATTNKIT_PREFILL_INSTANTIATE_SPLIT(DT)                                                      \
-  template void launch_prefill<256, PrefillTile::kM64, DT, false, false, false, true, false,       \
-                               false, true>(const PrefillParams&, cudaStream_t);                   \
-  template void launch_prefill<256, PrefillTile::kM64, DT, true, false, false, true, false, false, \
-                               true>(const PrefillParams&, cudaStream_t);
-
-// EXPERIMENT (pre10): the packed head_dim 256 kM128 kernels with split warps.
-#define ATTNKIT_PREFILL_INSTANTIATE_SPLIT128(DT)                                              \
-  template void launch_prefill<256, PrefillTile::kM128, DT, false, false, false, true, false, \
-                               false, true>(const PrefillParams&, cudaStream_t);              \
-  template void launch_prefill<256, PrefillTile::kM128, DT, true, false, false, true, false,  \
+// The packed head_dim 256 kM64 kernel without a mask, with split warps.
+#define ATTNKIT_PREFILL_INSTANTIATE_SPLIT(DT)                                                \
+  template void launch_prefill<256, PrefillTile::kM64, DT, false, false, false, true, false, \
                                false, true>(const PrefillParams&, cudaStream_t);

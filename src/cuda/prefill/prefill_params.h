@@ -73,7 +73,6 @@ struct PrefillParams {
   // fastest. A section of about one resident wave keeps its K/V in L2 while every query block
   // of its pairs reads them; >= batch * num_q_heads gives one section (heaviest blocks first).
   int32_t section_pairs = 1;
-  bool exp_dead_half = false;  // EXPERIMENT (pre10): split warps skip dead key halves
 
   float softmax_scale = 0.f;
   // Mask (kMasked kernels): causal bottom-right; window > 0 adds p - window < j, sinks j < sink.

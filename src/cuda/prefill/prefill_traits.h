@@ -18,9 +18,10 @@ constexpr bool tile_exists(int head_dim, PrefillTile tile) {
     case 96:
       return tile == PrefillTile::kM128;
     case 256:
-      // 16 rows per warp keep O at 128 floats per thread: kM64 (two 4-warp CTAs per SM) and kM128
-      // (one 8-warp CTA per SM with a two-stage K+V ring, 192 KB: sm90).
-      return tile == PrefillTile::kM64 || tile == PrefillTile::kM128;
+      // 16 rows per warp keep O at 128 floats per thread. Two independent 4-warp CTAs per SM
+      // beat FA2's one 8-warp 128x64 CTA (kM128) by 10% on H200, and a kM128 with a two-stage
+      // K+V ring (192 KB) lost 10% at S = 512 (docs/prefill_design.md), so only kM64 is built.
+      return tile == PrefillTile::kM64;
     default:
       return false;
   }
@@ -48,11 +49,10 @@ struct PrefillTraits {
   static constexpr int kWarps = kBlockM / kRowsPerWarp;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = kTile == PrefillTile::kM128W4N128 ? 128 : 64;
-  // head_dim 256 kM64 holds one K and one V buffer, overlapped as in FA2: V(j) loads under
+  // head_dim 256 holds one K and one V buffer, overlapped as in FA2: V(j) loads under
   // S = Q K(j)^T and K(j+1) under O += P V(j). That fits 64 keys (and 2 CTAs of kM64 per sm90 SM);
-  // the other tiles keep a kStages ring of K+V that hides a whole iteration (head_dim 256 kM128:
-  // one CTA per SM by registers anyway, so the ring's 192 KB cost no occupancy).
-  static constexpr bool kOverlapKv = kHeadDim >= 256 && kTile == PrefillTile::kM64;
+  // smaller head dims keep a kStages ring of K+V that hides a whole iteration.
+  static constexpr bool kOverlapKv = kHeadDim >= 256;
   static constexpr int kStages = kOverlapKv ? 1 : (kHeadDim <= 64 && kBlockN == 64 ? 3 : 2);
   static constexpr int kMinBlocksPerSm = kWarps == 8 ? 1 : 2;
   static constexpr int kNTiles = kBlockN / 8;    // n8 tiles of S
@@ -81,6 +81,11 @@ struct PrefillTraits {
     return quant_kv ? kQBytes + 2 * kKvTileBytes + 2 * kRawTileBytes + kLutBytes
                     : kQBytes + 2 * kStages * kKvTileBytes;
   }
+  // Split warps (head_dim 256, packed, no mask; prefill_kernel.cuh): P rows of kBlockN 16-bit
+  // values padded by 16 bytes (8 rows at one column hit 8 bank groups), then 2 x kBlockM floats
+  // of row statistics.
+  static constexpr int kPRowBytes = 2 * kBlockN + 16;
+  static constexpr int kSplitSmemBytes = smem_bytes(false) + kBlockM * kPRowBytes + 2 * kBlockM * 4;
 };
 
 }  // namespace attnkit::cuda::prefill
