@@ -31,6 +31,7 @@ struct PrefillShape {
   bool causal = false;
   int page = 0;                   // 0: packed K/V; else a paged cache with this page size
   std::string kv_dtype = "bf16";  // paged only: bf16, fp8_e4m3, int8
+  std::string dtype = "bf16";     // Q, O and packed K/V: bf16 or f16
 };
 
 struct PrefillBenchOptions {
@@ -43,6 +44,7 @@ struct PrefillBenchOptions {
   bool causal = false;
   int page = 0;
   std::string kv_dtype = "bf16";
+  std::string dtype = "bf16";
 };
 
 std::string short_tokens(int n) {
@@ -52,6 +54,7 @@ std::string short_tokens(int n) {
 std::string label_of(const PrefillShape& s) {
   std::string label = "D" + std::to_string(s.head_dim) + " S" + short_tokens(s.seqlen);
   if (s.page) label += " paged" + std::to_string(s.page) + " " + s.kv_dtype;
+  if (s.dtype != "bf16") label += " " + s.dtype;
   return label + (s.causal ? " causal" : "");
 }
 
@@ -100,8 +103,21 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
     throw Error("bench prefill: --kv-dtype " + o.kv_dtype +
                 ": accepted only with --page (a paged cache; packed K/V are bf16); got --page 0");
   }
+  if (o.dtype != "bf16" && o.dtype != "f16") {
+    throw Error("bench prefill: --dtype: accepted bf16, f16; got '" + o.dtype + "'");
+  }
+  if (o.dtype != "bf16" && o.page != 0) {
+    throw Error("bench prefill: --dtype " + o.dtype +
+                ": accepted only with --page 0 (the paged rows use bf16 queries); got --page " +
+                std::to_string(o.page));
+  }
   check_iters(kCommand, o.common.iters);
-  if (o.seqlen == 0) return default_grid(o.common.quick);
+  if (o.seqlen == 0) {
+    if (o.dtype != "bf16") {
+      throw Error("bench prefill: --dtype " + o.dtype + ": accepted only with --seqlen (one row)");
+    }
+    return default_grid(o.common.quick);
+  }
   PrefillShape s;
   s.head_dim = o.head_dim;
   s.seqlen = o.seqlen;
@@ -112,6 +128,7 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
   s.causal = o.causal;
   s.page = o.page;
   s.kv_dtype = o.kv_dtype;
+  s.dtype = o.dtype;
   s.label = label_of(s);
   return {s};
 }
@@ -121,7 +138,7 @@ BenchRow row_of(const PrefillShape& s) {
   row.label = s.label;
   row.shape = {{"batch", s.batch},       {"seqlen", s.seqlen},     {"q_heads", s.heads},
                {"kv_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"causal", s.causal},
-               {"page", s.page},         {"kv_dtype", s.kv_dtype}};
+               {"page", s.page},         {"kv_dtype", s.kv_dtype}, {"dtype", s.dtype}};
   return row;
 }
 
@@ -140,7 +157,8 @@ struct PrefillSet {
 BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) {
   const int64_t tokens = int64_t{s.batch} * s.seqlen;
   const int d = s.head_dim;
-  const DType kv_dtype = s.page ? parse_kv_dtype(kCommand, "--kv-dtype", s.kv_dtype) : DType::kBF16;
+  const DType dtype = s.dtype == "f16" ? DType::kF16 : DType::kBF16;
+  const DType kv_dtype = s.page ? parse_kv_dtype(kCommand, "--kv-dtype", s.kv_dtype) : dtype;
   const size_t kv_elt = dtype_size(kv_dtype);
   const size_t q_bytes = static_cast<size_t>(tokens) * s.heads * d * 2;
   const size_t kv_bytes = static_cast<size_t>(tokens) * s.kv_heads * d * kv_elt;
@@ -178,10 +196,10 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
     PrefillSet& x = *set[i];
     x.q = DeviceBuffer(q_bytes);
     x.out = DeviceBuffer(q_bytes);
-    fill_random(x.q, DType::kBF16, 10 * i + 1);
+    fill_random(x.q, dtype, 10 * i + 1);
     PrefillArgs& a = x.args;
-    a.q = TensorView(x.q.get(), DType::kBF16, {tokens, s.heads, d}, gpu);
-    a.out = TensorView(x.out.get(), DType::kBF16, {tokens, s.heads, d}, gpu);
+    a.q = TensorView(x.q.get(), dtype, {tokens, s.heads, d}, gpu);
+    a.out = TensorView(x.out.get(), dtype, {tokens, s.heads, d}, gpu);
     a.cu_seqlens_q = TensorView(d_cu.get(), DType::kInt32, {s.batch + 1}, gpu);
     a.max_seqlen_q = a.max_seqlen_kv = s.seqlen;
     if (s.page) {
@@ -208,10 +226,10 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
     } else {
       x.k = DeviceBuffer(kv_bytes);
       x.v = DeviceBuffer(kv_bytes);
-      fill_random(x.k, DType::kBF16, 10 * i + 3);
-      fill_random(x.v, DType::kBF16, 10 * i + 4);
-      a.k = TensorView(x.k.get(), DType::kBF16, {tokens, s.kv_heads, d}, gpu);
-      a.v = TensorView(x.v.get(), DType::kBF16, {tokens, s.kv_heads, d}, gpu);
+      fill_random(x.k, dtype, 10 * i + 3);
+      fill_random(x.v, dtype, 10 * i + 4);
+      a.k = TensorView(x.k.get(), dtype, {tokens, s.kv_heads, d}, gpu);
+      a.v = TensorView(x.v.get(), dtype, {tokens, s.kv_heads, d}, gpu);
       a.cu_seqlens_kv = a.cu_seqlens_q;
     }
   }
@@ -236,6 +254,7 @@ void register_bench_prefill(CLI::App& bench) {
   cmd->add_flag("--causal", o->causal, "causal mask (else none)");
   cmd->add_option("--page", o->page, "paged cache with this page size (0 = packed K/V)");
   cmd->add_option("--kv-dtype", o->kv_dtype, "paged cache dtype: bf16, fp8_e4m3, int8");
+  cmd->add_option("--dtype", o->dtype, "q, out and packed K/V dtype: bf16 or f16 (default bf16)");
   add_common_options(*cmd, o->common, 20);
   cmd->callback([o] {
     const std::vector<PrefillShape> shapes = plan(*o);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -39,8 +40,15 @@ using Launcher = void (*)(const PrefillParams&, cudaStream_t);
 constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 
 template <int D, PrefillTile kTile, DType kDT>
-Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead) {
+Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead,
+                      bool split) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
+    // split: the packed unmasked head_dim 256 kM64 kernel with split warps (uses_split_warps).
+    if constexpr (D == 256 && kTile == PrefillTile::kM64) {
+      if (split && !masked && !paged && !quant_kv) {
+        return &launch_prefill<D, kTile, kDT, false, false, false, true, false, false, true>;
+      }
+    }
     // skip_dead: the packed causal kM128W4 kernels with dead-block skip (head_dim 64 and 128).
     if constexpr (kTile == PrefillTile::kM128W4 && (D == 64 || D == 128)) {
       if (skip_dead) {
@@ -76,35 +84,38 @@ Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool sk
 
 template <int D, DType kDT>
 Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, bool runs,
-                      bool skip_dead) {
+                      bool skip_dead, bool split) {
   switch (tile) {
     case PrefillTile::kM128:
-      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs, skip_dead,
+                                                      split);
     case PrefillTile::kM64:
-      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs, skip_dead,
+                                                     split);
     case PrefillTile::kM128W4:
-      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs, skip_dead,
+                                                        split);
     case PrefillTile::kM128W4N128:
       return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs,
-                                                            skip_dead);
+                                                            skip_dead, split);
   }
   return nullptr;
 }
 
 template <DType kDT>
 Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv, bool paged,
-                      bool runs, bool skip_dead) {
+                      bool runs, bool skip_dead, bool split) {
   switch (head_dim) {
     case 64:
-      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
     case 80:
-      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
     case 96:
-      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
     case 128:
-      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
     case 256:
-      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead);
+      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
     default:
       return nullptr;
   }
@@ -112,13 +123,18 @@ Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv
 
 // The one place where runtime values become template arguments. runs: a paged cache with a block
 // table and no cyclic window (the kRunsOnly kernels). skip_dead: a packed causal call that takes
-// the dead-block-skip kernel (see skips_dead_blocks).
+// the dead-block-skip kernel (see skips_dead_blocks). split: a packed head_dim 256 call that takes
+// the split-warp kernel (see uses_split_warps).
 Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv,
-                       bool paged, bool runs = false, bool skip_dead = false) {
-  if (dtype == DType::kBF16)
-    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead);
-  if (dtype == DType::kF16)
-    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead);
+                       bool paged, bool runs = false, bool skip_dead = false, bool split = false) {
+  if (dtype == DType::kBF16) {
+    return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead,
+                                      split);
+  }
+  if (dtype == DType::kF16) {
+    return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead,
+                                     split);
+  }
   return nullptr;
 }
 
@@ -137,6 +153,19 @@ bool skips_dead_blocks(int head_dim, PrefillTile tile, bool masked, bool paged,
                        int32_t max_seqlen_kv) {
   if (!masked || paged || tile != PrefillTile::kM128W4) return false;
   return head_dim == 64 || (head_dim == 128 && max_seqlen_kv <= kShortCausalKeys);
+}
+
+// The packed unmasked head_dim 256 kM64 kernel with split warps (kSplitWarps, prefill_kernel.cuh):
+// pairs of warps share 32 query rows, S by key halves, O by dim halves, so every K/V fragment read
+// from smem feeds two MMA row blocks. Measured on H200 (bf16, twice each, alternated, same run,
+// TFLOP/s, plain -> split): S=512 278.5 / 278.3 -> 285.5 / 285.4, 1k 307.8 / 307.5 -> 316.6 /
+// 316.8, 2k 325.1 / 324.7 -> 335.8 / 335.8, 16k 330.5 / 346.2 -> 345.3 / 345.1. Causal lost (512
+// 209.7 -> 204.0, with dead key halves skipped 206.7; 16k 357.1 -> 336.2), so masked calls keep the
+// plain kernel. The split kernel needs kSplitSmemBytes (105.5 KB; the plain 96 KB also fit the
+// 99 KB of sm86 / sm89).
+bool uses_split_warps(int head_dim, PrefillTile tile, bool masked, bool paged, int smem_optin) {
+  return head_dim == 256 && tile == PrefillTile::kM64 && !masked && !paged &&
+         PrefillTraits<256, PrefillTile::kM64>::kSplitSmemBytes <= smem_optin;
 }
 
 template <int D>
@@ -454,8 +483,10 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
   const bool skip_dead = skips_dead_blocks(spec.head_dim, tile, masked, p.paged, p.max_seqlen_kv);
-  const Launcher launch =
-      find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged, runs, skip_dead);
+  const bool split = uses_split_warps(spec.head_dim, tile, masked, p.paged,
+                                      device_limits(p.device.index).smem_optin);
+  const Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged,
+                                        runs, skip_dead, split);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }
@@ -517,7 +548,10 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
                 " queries per sequence, got ", p.seqlen_q);
   set_schedule(prm, shape, tile, false, false, forced_section_pairs);
-  Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, false, false, false);
+  const bool split =
+      uses_split_warps(spec.head_dim, tile, false, false, device_limits(p.device.index).smem_optin);
+  const Launcher launch =
+      find_launcher(spec.head_dim, tile, p.dtype, false, false, false, false, false, split);
   ATTNKIT_CHECK(launch != nullptr, "dense: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }

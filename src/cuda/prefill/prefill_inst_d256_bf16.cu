@@ -5,5 +5,6 @@
 namespace attnkit::cuda::prefill {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
 ATTNKIT_PREFILL_INSTANTIATE_TILE(256, PrefillTile::kM64, DType::kBF16)
+ATTNKIT_PREFILL_INSTANTIATE_SPLIT(DType::kBF16)
 #endif
 }  // namespace attnkit::cuda::prefill

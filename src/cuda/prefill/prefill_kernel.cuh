@@ -266,6 +266,16 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t lane_off, int cs) {
   }
 }
 
+// Warps 0 and 1 (64 threads) meet at named barrier 1, warps 2 and 3 at barrier 2 (split warps of a
+// 4-warp CTA). Immediate barrier ids: a register id makes ptxas reserve all 16.
+__device__ __forceinline__ void pair_barrier(int warp) {
+  if (warp < 2) {
+    asm volatile("bar.sync 1, 64;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 2, 64;" ::: "memory");
+  }
+}
+
 // Issues the cp.async copies of the kBlockN 16-bit rows of key block `n_block` from the packed
 // tensor `packed0` (and `packed1` when kTwo; tok_bytes apart) into T::offset() rows. Rows past
 // kv_len are zero-filled. The paged kernels copy with load_rows_paged below.
@@ -433,7 +443,7 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kSplitWarps>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -466,6 +476,14 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   static_assert(!kSkipDeadBlocks ||
                     (kMasked && !kPaged && T::kMAtoms == 2 && T::kBlockN < T::kBlockM && kRing),
                 "dead row blocks: packed causal kernels of the 128-row 64-key tile");
+  // kSplitWarps (head_dim 256 kM64, prefill_tile_split.inc): warps 2 r and 2 r + 1 share query rows
+  // 32 r .. 32 r + 31; for S = Q K^T warp h takes keys 32 h .. 32 h + 31 of the tile, for O += P V
+  // dims 128 h .. 128 h + 127. Every K/V fragment read from smem then feeds two MMA row blocks
+  // (100 ldmatrix per warp and tile instead of 144); the pair trades its row maxima and its half
+  // of P through smem (s_split) at the cost of one 64-thread barrier per tile.
+  static_assert(!kSplitWarps || (T::kHeadDim == 256 && T::kWarps == 4 && kOverlap && !kPaged),
+                "split warps: packed head_dim 256, 16 rows per warp in the plain layout");
+  constexpr int kPRowBytes = T::kPRowBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + T::kQBytes;
@@ -473,6 +491,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   uint8_t* s_raw_k = s_v + kKvBufs * T::kKvTileBytes;
   uint8_t* s_raw_v = s_raw_k + T::kRawTileBytes;
   uint16_t* s_lut = reinterpret_cast<uint16_t*>(s_raw_v + T::kRawTileBytes);
+  // kSplitWarps: P [kBlockM][kBlockN] with kPRowBytes rows, then float row statistics [2][kBlockM].
+  uint8_t* s_split = s_v + kKvBufs * T::kKvTileBytes;
+  float* s_stat = reinterpret_cast<float*>(s_split + T::kBlockM * kPRowBytes);
 
   const PrefillWorkTile work = LongestFirstScheduler::get(p);
   const SequenceInfo seq = sequence_info<kPaged>(p, work.batch);
@@ -650,20 +671,23 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   const float alibi_slope = p.alibi ? p.alibi_slopes[head] : 0.f;
   const float inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
 
-  constexpr int kA = T::kMAtoms;
+  constexpr int kA = kSplitWarps ? 2 : T::kMAtoms;
+  constexpr int kODTiles = kSplitWarps ? T::kDTiles / 2 : T::kDTiles;  // n8 tiles of O per warp
   uint32_t q_frag[T::kQInRegs ? T::kKSteps : 1][kA][4];
-  float o_acc[kA][T::kDTiles][4];
+  float o_acc[kA][kODTiles][4];
 #pragma unroll
   for (int a = 0; a < kA; ++a)
 #pragma unroll
-    for (int i = 0; i < T::kDTiles; ++i)
+    for (int i = 0; i < kODTiles; ++i)
       o_acc[a][i][0] = o_acc[a][i][1] = o_acc[a][i][2] = o_acc[a][i][3] = 0.f;
   float row_max[kA][2];  // log2 units (scaled)
   float row_sum[kA][2];  // this thread's partial sums
   // Row block a of this warp starts at query row warp_row + a * kAtomStride of the CTA: the warp's
   // rows are contiguous, or (kSkipDeadBlocks) its two blocks interleaved across the warps.
   constexpr int kAtomStride = kSkipDeadBlocks ? 16 * T::kWarps : 16;
-  const int warp_row = kSkipDeadBlocks ? 16 * warp : warp * T::kRowsPerWarp;
+  const int warp_row =
+      kSplitWarps ? 32 * (warp >> 1) : (kSkipDeadBlocks ? 16 * warp : warp * T::kRowsPerWarp);
+  const int half = warp & 1;  // kSplitWarps: this warp's key half of S and dim half of O
   // Query position of this thread's row i (g, g + 8) of row block a; recomputed, not kept live.
   auto pos_row = [&](int a, int i) { return p_lo + warp_row + a * kAtomStride + g + 8 * i; };
 #pragma unroll
@@ -710,63 +734,67 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   cp_async_wait<0>();
   __syncthreads();
 
-  // ---- epilogue: normalize, stage the warp's rows in its own Q rows, 16-byte stores ----
-  uint8_t* stage_rows = s_q + warp_row * T::kRowBytes;
+  if constexpr (kSplitWarps) {
+#include "cuda/prefill/prefill_split_epilogue.inc"
+  } else {
+    // ---- epilogue: normalize, stage the warp's rows in its own Q rows, 16-byte stores ----
+    uint8_t* stage_rows = s_q + warp_row * T::kRowBytes;
 #pragma unroll
-  for (int a = 0; a < kA; ++a) {
-    float inv_sum[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float sum = row_sum[a][i];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      row_sum[a][i] = sum;
-      // A fully masked row (no attended key) outputs zeros.
-      inv_sum[i] = sum > 0.f ? v_scale / sum : 0.f;
-    }
-#pragma unroll
-    for (int dt = 0; dt < T::kDTiles; ++dt) {
-      // warp_row is a multiple of 16: the warp's local rows keep the swizzle phase.
-      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g, dt) + t4 * 4) =
-          pack_pair<Tag>(o_acc[a][dt][0] * inv_sum[0], o_acc[a][dt][1] * inv_sum[0]);
-      *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g + 8, dt) + t4 * 4) =
-          pack_pair<Tag>(o_acc[a][dt][2] * inv_sum[1], o_acc[a][dt][3] * inv_sum[1]);
-    }
-  }
-  __syncwarp();
-  Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + head * p.o_head_stride;
-  for (int c = lane; c < T::kRowsPerWarp * T::kChunksPerRow; c += 32) {
-    const int rw = c / T::kChunksPerRow;  // the warp's rw-th row
-    const int r = kAtomStride == 16 ? rw : rw / 16 * kAtomStride + rw % 16;
-    const int ch = c % T::kChunksPerRow;
-    const int32_t row = m0 + warp_row + r;
-    if (row < seq.q_len) {
-      *reinterpret_cast<uint4*>(out + row * p.o_tok_stride + ch * 8) =
-          *reinterpret_cast<const uint4*>(stage_rows + T::offset(r, ch));
-    }
-  }
-  if (p.lse != nullptr && t4 == 0) {
-#pragma unroll
-    for (int a = 0; a < kA; ++a)
+    for (int a = 0; a < kA; ++a) {
+      float inv_sum[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int32_t row = m0 + warp_row + a * kAtomStride + g + 8 * i;
-        if (row < seq.q_len) {
-          p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
-              row_sum[a][i] > 0.f ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2 : -INFINITY;
-        }
+        float sum = row_sum[a][i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        row_sum[a][i] = sum;
+        // A fully masked row (no attended key) outputs zeros.
+        inv_sum[i] = sum > 0.f ? v_scale / sum : 0.f;
       }
+#pragma unroll
+      for (int dt = 0; dt < T::kDTiles; ++dt) {
+        // warp_row is a multiple of 16: the warp's local rows keep the swizzle phase.
+        *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g, dt) + t4 * 4) =
+            pack_pair<Tag>(o_acc[a][dt][0] * inv_sum[0], o_acc[a][dt][1] * inv_sum[0]);
+        *reinterpret_cast<uint32_t*>(stage_rows + T::offset(a * kAtomStride + g + 8, dt) + t4 * 4) =
+            pack_pair<Tag>(o_acc[a][dt][2] * inv_sum[1], o_acc[a][dt][3] * inv_sum[1]);
+      }
+    }
+    __syncwarp();
+    Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + head * p.o_head_stride;
+    for (int c = lane; c < T::kRowsPerWarp * T::kChunksPerRow; c += 32) {
+      const int rw = c / T::kChunksPerRow;  // the warp's rw-th row
+      const int r = kAtomStride == 16 ? rw : rw / 16 * kAtomStride + rw % 16;
+      const int ch = c % T::kChunksPerRow;
+      const int32_t row = m0 + warp_row + r;
+      if (row < seq.q_len) {
+        *reinterpret_cast<uint4*>(out + row * p.o_tok_stride + ch * 8) =
+            *reinterpret_cast<const uint4*>(stage_rows + T::offset(r, ch));
+      }
+    }
+    if (p.lse != nullptr && t4 == 0) {
+#pragma unroll
+      for (int a = 0; a < kA; ++a)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int32_t row = m0 + warp_row + a * kAtomStride + g + 8 * i;
+          if (row < seq.q_len) {
+            p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
+                row_sum[a][i] > 0.f ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2 : -INFINITY;
+          }
+        }
+    }
   }
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kSplitWarps>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
-  constexpr int kSmem = T::smem_bytes(kQuantKv);
+  constexpr int kSmem = kSplitWarps ? T::kSplitSmemBytes : T::smem_bytes(kQuantKv);
   auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
-                               kRunsOnly, kSkipDeadBlocks>;
+                               kRunsOnly, kSkipDeadBlocks, kSplitWarps>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
@@ -807,3 +835,8 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   template void launch_prefill<D, PrefillTile::kM128W4, DT, true, false, false,       \
                                swizzle_default(D), false, true>(const PrefillParams&, \
                                                                 cudaStream_t);
+
+// The packed head_dim 256 kM64 kernel without a mask, with split warps.
+#define ATTNKIT_PREFILL_INSTANTIATE_SPLIT(DT)                                                \
+  template void launch_prefill<256, PrefillTile::kM64, DT, false, false, false, true, false, \
+                               false, true>(const PrefillParams&, cudaStream_t);

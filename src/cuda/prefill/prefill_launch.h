@@ -22,10 +22,12 @@ namespace attnkit::cuda::prefill {
 // warps, and a block whose rows all lie before a tile's first key skips the tile
 // (prefill_kernel.cuh). kRunsOnly (kPaged only): a paged cache with a block table and no cyclic
 // window; the kernel holds only the row-run copy. Else a paged kernel also holds the per-chunk slot
-// copy (contiguous and cyclic caches) and picks one at run time.
+// copy (contiguous and cyclic caches) and picks one at run time. kSplitWarps (packed unmasked
+// head_dim 256 kM64 only): warp pairs share 32 query rows, S split by key halves and O by dim
+// halves (prefill_tile_split.inc).
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
           bool kSwizzle = swizzle_default(kHeadDim), bool kRunsOnly = false,
-          bool kSkipDeadBlocks = false>
+          bool kSkipDeadBlocks = false, bool kSplitWarps = false>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.

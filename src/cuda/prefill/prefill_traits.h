@@ -19,7 +19,8 @@ constexpr bool tile_exists(int head_dim, PrefillTile tile) {
       return tile == PrefillTile::kM128;
     case 256:
       // 16 rows per warp keep O at 128 floats per thread. Two independent 4-warp CTAs per SM
-      // beat FA2's one 8-warp 128x64 CTA (kM128) by 10% on H200, so only kM64 is built.
+      // beat FA2's one 8-warp 128x64 CTA (kM128) by 10% on H200, and a kM128 with a two-stage
+      // K+V ring (192 KB) lost 10% at S = 512 (docs/prefill_design.md), so only kM64 is built.
       return tile == PrefillTile::kM64;
     default:
       return false;
@@ -80,6 +81,11 @@ struct PrefillTraits {
     return quant_kv ? kQBytes + 2 * kKvTileBytes + 2 * kRawTileBytes + kLutBytes
                     : kQBytes + 2 * kStages * kKvTileBytes;
   }
+  // Split warps (head_dim 256, packed, no mask; prefill_kernel.cuh): P rows of kBlockN 16-bit
+  // values padded by 16 bytes (8 rows at one column hit 8 bank groups), then 2 x kBlockM floats
+  // of row statistics.
+  static constexpr int kPRowBytes = 2 * kBlockN + 16;
+  static constexpr int kSplitSmemBytes = smem_bytes(false) + kBlockM * kPRowBytes + 2 * kBlockM * 4;
 };
 
 }  // namespace attnkit::cuda::prefill
