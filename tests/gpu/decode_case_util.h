@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -343,6 +344,34 @@ struct PreparedCase {
 };
 
 // Runs the case on the GPU (outputs poisoned first) and compares with the oracle.
+// The workspace's arrival counters are zero between calls (the merging CTAs reset them).
+inline void expect_counters_zero(const DecodeWorkspace& ws) {
+  std::vector<int32_t> counters(static_cast<size_t>(ws.counter_capacity()));
+  ATTNKIT_CUDA_OK(cudaMemcpy(counters.data(), ws.counters(), counters.size() * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost));
+  int64_t nonzero = 0;
+  for (int32_t x : counters) nonzero += x != 0;
+  EXPECT_EQ(nonzero, 0) << "arrival counters left non-zero in the workspace";
+}
+
+// Captures one decode call per case on `stream` into a graph (*graph) and instantiates it (*exec).
+inline void capture_decode_calls(std::vector<std::unique_ptr<PreparedCase>>& prepared,
+                                 cudaStream_t stream, cudaGraph_t* graph, cudaGraphExec_t* exec) {
+  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (auto& pc : prepared) ASSERT_NO_THROW(decode(pc->spec, pc->args, stream));
+  ATTNKIT_CUDA_OK(cudaStreamEndCapture(stream, graph));
+  ATTNKIT_CUDA_OK(cudaGraphInstantiate(exec, *graph, 0));
+}
+
+// Poisons every case's outputs, replays the graph and checks every case against its oracle.
+inline void replay_and_check(std::vector<std::unique_ptr<PreparedCase>>& prepared,
+                             cudaGraphExec_t exec, cudaStream_t stream) {
+  for (auto& pc : prepared) pc->poison(stream);
+  ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, stream));
+  ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+  for (auto& pc : prepared) pc->check();
+}
+
 inline void run_case(const DecodeCase& c, uint64_t salt) {
   SCOPED_TRACE(c.str());
   PreparedCase pc(c, salt);

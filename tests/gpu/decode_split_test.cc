@@ -158,20 +158,12 @@ TEST(DecodeSplit, CapturedGraphReplays) {
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (auto& pc : prepared) ASSERT_NO_THROW(decode(pc->spec, pc->args, stream));
-  ATTNKIT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  capture_decode_calls(prepared, stream, &graph, &exec);
+  if (HasFatalFailure()) return;
   for (int replay = 0; replay < 3; ++replay) {
     SCOPED_TRACE(detail::concat("replay ", replay));
-    for (auto& pc : prepared) pc->poison(stream);
-    ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, stream));
-    ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
-    for (auto& pc : prepared) pc->check();
-    std::vector<int32_t> counters(static_cast<size_t>(ws->counter_capacity()));
-    ATTNKIT_CUDA_OK(cudaMemcpy(counters.data(), ws->counters(), counters.size() * sizeof(int32_t),
-                               cudaMemcpyDeviceToHost));
-    for (int32_t x : counters) ASSERT_EQ(x, 0) << "arrival counter left non-zero";
+    replay_and_check(prepared, exec, stream);
+    expect_counters_zero(*ws);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -631,15 +631,6 @@ TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
 
 // Reads a DecodeWorkspace's arrival counters back (after the caller synchronized) and expects
 // them all zero: the merging CTA of every split call resets its own.
-void expect_counters_zero(const DecodeWorkspace& ws) {
-  std::vector<int32_t> counters(static_cast<size_t>(ws.counter_capacity()));
-  ATTNKIT_CUDA_OK(cudaMemcpy(counters.data(), ws.counters(), counters.size() * sizeof(int32_t),
-                             cudaMemcpyDeviceToHost));
-  int64_t nonzero = 0;
-  for (int32_t x : counters) nonzero += x != 0;
-  EXPECT_EQ(nonzero, 0) << "arrival counters left non-zero in the workspace";
-}
-
 // Cases that change rows, heads (groups of 4 / 8 / 32, f16), lengths and forced split counts
 // 2..128 between calls through one workspace.
 std::vector<DecodeCase> workspace_cases(std::mt19937_64& rng) {
@@ -722,16 +713,11 @@ TEST(DecodeWorkspace, CapturedGraphReplaysThroughOneWorkspace) {
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  ATTNKIT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (auto& pc : prepared) ASSERT_NO_THROW(decode(pc->spec, pc->args, stream));
-  ATTNKIT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  capture_decode_calls(prepared, stream, &graph, &exec);
+  if (HasFatalFailure()) return;
   for (int replay = 0; replay < 3; ++replay) {
     SCOPED_TRACE(detail::concat("replay ", replay));
-    for (auto& pc : prepared) pc->poison(stream);
-    ATTNKIT_CUDA_OK(cudaGraphLaunch(exec, stream));
-    ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
-    for (auto& pc : prepared) pc->check();
+    replay_and_check(prepared, exec, stream);
     expect_counters_zero(ws);
     // An eager call through the same workspace between replays.
     PreparedCase& eager = *prepared[static_cast<size_t>(replay) % prepared.size()];
