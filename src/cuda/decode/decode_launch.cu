@@ -240,6 +240,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
   const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
+  // The call's kernel family has a 4-CTA-per-SM kernel (8-bit caches at head_dim 128, plain
+  // logits: launch_traits), taken by grids that fill it (fills_four_ctas_per_sm).
+  const bool has_four_cta_kernel = info.wide_ctas_per_sm > 0 && !plan.transformed;
   // Four CTAs per SM, at 95% of a wave: a grid that keeps the 4-CTA 8-bit kernel busy.
   const auto fills_four_ctas_per_sm = [&](int64_t grid_ctas) {
     return grid_ctas * 100 >= static_cast<int64_t>(sm_count) * 380;
@@ -260,7 +263,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8
     // TB/s: 32 x 32k 4.24 (1 split, 2 CTAs per SM) -> 4.36 (2 splits, 4), 16 x 32k 4.17 (2) ->
     // 4.28 (4); 1 x 32k keeps its 32 splits (52 at 4 CTAs per SM did not fill it: 2.61 -> 2.17).
-    if (info.wide_ctas_per_sm > 0 && !spec.alibi && spec.logit_softcap <= 0.0) {
+    if (has_four_cta_kernel) {
       const int32_t wide =
           decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n);
       if (fills_four_ctas_per_sm(ctas * wide) &&
@@ -284,7 +287,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   // 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366
   // -> 4.372. The resident CTAs are those of the kernel the call takes (launch_traits: the 4-CTA
   // 8-bit kernel on wide grids with plain logits).
-  const bool four_ctas = choice.wide_grid && info.wide_ctas_per_sm > 0 && !plan.transformed;
+  const bool four_ctas = choice.wide_grid && has_four_cta_kernel;
   const int64_t resident =
       static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) * sm_count;
   params.pdl =
