@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -272,6 +274,29 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       }
     }
   }
+  // EXPERIMENT (dec14, removed before the final commit): ATTNKIT_EXP_TAIL="E,N[,B[,P]]" gives a
+  // heuristic call N tail splits over the last E/64 of each row's tiles after B big splits (0 or
+  // absent: the heuristic's count); P: -1 the PDL rule, 0 off, 1 on. ATTNKIT_EXP_TAIL_BREAK=1
+  // skips the first tail tile (a deliberate break for the tests).
+  int exp_tail_pdl = -1;
+  if (const char* env = std::getenv("ATTNKIT_EXP_TAIL"); env != nullptr && args.num_splits == 0) {
+    int e = 0, n = 0, b = 0, pdl = -1;
+    const int got = std::sscanf(env, "%d,%d,%d,%d", &e, &n, &b, &pdl);
+    if (got >= 2 && e > 0 && e < 64 && n > 0) {
+      const int32_t big = b > 0 ? b : params.num_splits;
+      const int32_t total = std::min(big + n, kDecodeMaxSplits);
+      if (total > big && ctas * total < (int64_t{1} << 31)) {
+        params.num_splits = total;
+        params.tail_splits = total - big;
+        params.tail_64ths = e;
+        exp_tail_pdl = pdl;
+      }
+    }
+  }
+  if (const char* env = std::getenv("ATTNKIT_EXP_TAIL_BREAK"); env != nullptr && env[0] == '1') {
+    params.exp_tail_break = 1;
+  }
+  params.max_seq_len = p.max_seq_len;
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
@@ -295,6 +320,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
                                  params.num_splits, ctas * params.num_splits, resident)
           ? 1
           : 0;
+  if (params.tail_splits > 0 && exp_tail_pdl >= 0) params.pdl = exp_tail_pdl;
   return plan;
 }
 
