@@ -81,7 +81,8 @@ TEST(DecodeTail, RowsOfDifferentLengths) {
 }
 
 // The 8-bit head_dim 128 kernel (128-key tiles) at every page size, fp8 and int8: a narrow grid
-// (the 2-CTA kernel) and 4 rows x 32 KV heads with 4 big splits (768+ CTAs: the 4-CTA kernel).
+// (the 2-CTA kernel), and at three of them 4 rows x 32 KV heads with 4 big splits (640 or 768
+// CTAs: the 4-CTA kernel).
 TEST(DecodeTail, QuantizedKvEveryPageSize) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(128, 4);
@@ -96,10 +97,12 @@ TEST(DecodeTail, QuantizedKvEveryPageSize) {
         ScopedTail tail("8,3");
         run_both_workspaces(c, salt++, ws.get());
       }
-      DecodeCase wide = gqa4_case({600, 300, 129, 520}, 32);
-      wide.page = page;
-      wide.kv_dtype = kv;
-      {
+      // The wide grid at three page sizes (its oracle is the test's cost).
+      if ((page == 16 && kv == DType::kFp8E4M3) || (page == 32 && kv == DType::kInt8) ||
+          (page == 128 && kv == DType::kFp8E4M3)) {
+        DecodeCase wide = gqa4_case({600, 300, 129, 520}, 32);
+        wide.page = page;
+        wide.kv_dtype = kv;
         ScopedTail tail(page == 32 ? "8,2,4" : "16,1,4");
         run_both_workspaces(wide, salt++, ws.get());
       }

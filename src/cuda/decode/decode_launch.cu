@@ -274,15 +274,16 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       }
     }
   }
-  // EXPERIMENT (dec14, removed before the final commit): ATTNKIT_EXP_TAIL="E,N[,B[,P]]" gives a
-  // heuristic call N tail splits over the last E/64 of each row's tiles after B big splits (0 or
-  // absent: the heuristic's count); P: -1 the PDL rule, 0 off, 1 on. ATTNKIT_EXP_TAIL_BREAK=1
-  // skips the first tail tile (a deliberate break for the tests).
+  // EXPERIMENT (dec14, removed before the final commit): ATTNKIT_EXP_TAIL="E,N[,B[,P[,O]]]" gives
+  // a heuristic call N tail splits over the last E/64 of each row's tiles (E = 0: empty tails)
+  // after B big splits (0 or absent: the heuristic's count); P: -1 the PDL rule, 0 off, 1 on; O =
+  // 1: the split-minor grid (tails interleaved with the big splits). ATTNKIT_EXP_TAIL_BREAK=1 skips
+  // the first tail tile (a deliberate break for the tests).
   int exp_tail_pdl = -1;
   if (const char* env = std::getenv("ATTNKIT_EXP_TAIL"); env != nullptr && args.num_splits == 0) {
-    int e = 0, n = 0, b = 0, pdl = -1;
-    const int got = std::sscanf(env, "%d,%d,%d,%d", &e, &n, &b, &pdl);
-    if (got >= 2 && e > 0 && e < 64 && n > 0) {
+    int e = 0, n = 0, b = 0, pdl = -1, interleave = 0;
+    const int got = std::sscanf(env, "%d,%d,%d,%d,%d", &e, &n, &b, &pdl, &interleave);
+    if (got >= 2 && e >= 0 && e < 64 && n > 0) {
       const int32_t big = b > 0 ? b : params.num_splits;
       const int32_t total = std::min(big + n, kDecodeMaxSplits);
       if (total > big && ctas * total < (int64_t{1} << 31)) {
@@ -290,6 +291,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
         params.tail_splits = total - big;
         params.tail_64ths = e;
         exp_tail_pdl = pdl;
+        params.exp_tail_interleave = interleave;
       }
     }
   }
