@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   auto kv_at = [&](int r, int chunk) -> int { return kv_byte(r, chunk) / 2; };
 
   int head_block, split, kv_head, row;
-  if (p.tail_splits > 0 && !p.exp_tail_interleave) {
+  if (p.tail_splits > 0) {
     // Split-major grid: the big splits of every (row, KV head, head block) item take the lowest
     // linear block indices, the tail splits follow.
     // (The launch takes tail splits only for grids of fewer than 2^31 CTAs.)

@@ -74,8 +74,7 @@ struct DecodeParams {
   int32_t tail_splits = 0;
   int32_t tail_64ths = 0;
   int32_t max_seq_len = 0;
-  int32_t exp_tail_break = 0;       // EXPERIMENT (dec14): a deliberate off-by-one at the tail start
-  int32_t exp_tail_interleave = 0;  // EXPERIMENT (dec14): tails with the split-minor grid
+  int32_t exp_tail_break = 0;  // EXPERIMENT (dec14): a deliberate off-by-one at the tail start
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;
