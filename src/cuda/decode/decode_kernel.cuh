@@ -273,45 +273,6 @@ struct DecodeKeyRange {
   }
 };
 
-// The keys [begin, end) of split `split` of a row of num_keys attended keys, in whole tiles. Equal
-// splits: ceil(num_keys / num_splits) keys rounded up to tiles each. With tail splits, the last
-// tail_splits splits share the row's last ceil(tiles * tail_64ths / 64) tiles and the others the
-// rest, each part in equal whole-tile shares. begin >= end: an empty split.
-struct DecodeSplitRange {
-  int32_t begin = 0;
-  int32_t end = 0;
-};
-template <int kTileN>
-__device__ __forceinline__ DecodeSplitRange decode_split_range(const DecodeParams& p,
-                                                               int32_t num_keys, int split) {
-  DecodeSplitRange r;
-  if (p.tail_splits == 0) {
-    const int32_t keys_per_split =
-        ((num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
-    r.begin = split * keys_per_split;
-    r.end = min(num_keys, r.begin + keys_per_split);
-    return r;
-  }
-  const int32_t tiles = (num_keys + kTileN - 1) / kTileN;
-  const int32_t tail_tiles =
-      static_cast<int32_t>((static_cast<int64_t>(tiles) * p.tail_64ths + 63) / 64);
-  const int32_t big_tiles = tiles - tail_tiles;
-  const int big_splits = p.num_splits - p.tail_splits;
-  int32_t first, last;
-  if (split < big_splits) {
-    const int32_t per = (big_tiles + big_splits - 1) / big_splits;
-    first = split * per;
-    last = min(big_tiles, first + per);
-  } else {
-    const int32_t per = (tail_tiles + p.tail_splits - 1) / p.tail_splits;
-    first = big_tiles + (split - big_splits) * per + (p.exp_tail_break && split == big_splits);
-    last = min(tiles, first + per);
-  }
-  r.begin = first * kTileN;
-  r.end = first < last ? min(num_keys, last * kTileN) : r.begin;
-  return r;
-}
-
 // cp.async of 16 bytes that are all valid (no zero fill).
 __device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
@@ -517,25 +478,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   };
   auto kv_at = [&](int r, int chunk) -> int { return kv_byte(r, chunk) / 2; };
 
-  int head_block, split, kv_head, row;
-  if (p.tail_splits > 0) {
-    // Split-major grid: the big splits of every (row, KV head, head block) item take the lowest
-    // linear block indices, the tail splits follow.
-    // (The launch takes tail splits only for grids of fewer than 2^31 CTAs.)
-    const uint32_t linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const uint32_t items = static_cast<uint32_t>(p.head_blocks) * p.num_kv_heads * p.num_rows;
-    split = static_cast<int>(linear / items);
-    uint32_t item = linear - split * items;
-    head_block = item % p.head_blocks;
-    item /= p.head_blocks;
-    kv_head = item % p.num_kv_heads;
-    row = item / p.num_kv_heads;
-  } else {
-    head_block = blockIdx.x % p.head_blocks;
-    split = blockIdx.x / p.head_blocks;
-    kv_head = blockIdx.y;
-    row = blockIdx.z;
-  }
+  const int head_block = blockIdx.x % p.head_blocks;
+  const int split = blockIdx.x / p.head_blocks;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
     // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
@@ -545,6 +489,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
 #endif
+  const int kv_head = blockIdx.y;
+  const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   // Warp w takes keys kKeysPerWarp * (w % 4) .. + kKeysPerWarp - 1 of every tile for the M block
@@ -568,9 +514,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int32_t* table_row =
       plain_paged ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
   const bool early_table = plain_paged && p.window == 0;
-  const int32_t guess_begin = p.tail_splits > 0
-                                  ? decode_split_range<kTileN>(p, p.max_seq_len, split).begin
-                                  : split * p.split_keys_guess;
+  const int32_t guess_begin = split * p.split_keys_guess;
   int32_t early_block[kOffsetTiles];
 #pragma unroll
   for (int s = 0; s < kOffsetTiles; ++s) {
@@ -604,10 +548,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   load_q();
   const int32_t q_pos = seq_len - 1;
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
+  const int32_t keys_per_split =
+      ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
+  const int32_t key_begin = split * keys_per_split;
   // An empty split (key_begin >= key_end) runs no tile and writes zeros with LSE -inf.
-  const DecodeSplitRange split_keys = decode_split_range<kTileN>(p, keys.num_keys, split);
-  const int32_t key_begin = split_keys.begin;
-  const int32_t key_end = split_keys.end;
+  const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;

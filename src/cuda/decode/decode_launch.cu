@@ -7,8 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -127,23 +125,6 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
   const int64_t tiles_per_split = (tiles + best - 1) / best;
   return static_cast<int32_t>(
       std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
-}
-
-// Tail splits (DecodeParams::tail_splits) for a heuristic count of num_splits over rows of up to
-// max_keys keys: kDecodeTailSplits more splits over the last kDecodeTail64ths / 64 of each row's
-// tiles, dispatched after every big split (the split-major grid), when the heuristic already splits
-// and its splits hold at least 16k keys. The H200 streams the same work ~26% faster on 24 of its
-// 132 SMs; the tails move the last work onto the SMs that free up first. Same runs (rounds 1 and
-// 2, 01:37 and 02:00 UTC, TB/s, heuristic -> with 4 tails over 1/8): bf16 16 x 32k (2 splits)
-// 4.392 / 4.391 -> 4.446 / 4.448, fp8 32 x 32k (2) 4.374 -> 4.403, 4.369 -> 4.382, int8 32 x 32k
-// (2) 4.320 / 4.308 -> 4.343 / 4.355; shorter splits lost (fp8 16 x 32k, 4 splits of 8k: 4.250 ->
-// 4.261; 32 x 16k 4.293 -> 4.239; 8 x 32k 4.077 -> 3.855; bf16 1 x 32k 3.37 -> 3.12 - 3.24), and so
-// did grids without splits, whose tails bring the partials, counts and merge (fp8 64 x 4k 4.19 ->
-// 4.02 - 4.06; bf16 32 x 32k 4.488 -> 4.464, 64 x 4k 4.37 -> 4.29).
-int32_t decode_tail_splits(int32_t num_splits, int64_t max_keys) {
-  constexpr int64_t kMinSplitKeys = 16384;
-  if (num_splits < 2 || num_splits + kDecodeTailSplits > kDecodeMaxSplits) return 0;
-  return (max_keys + num_splits - 1) / num_splits >= kMinSplitKeys ? kDecodeTailSplits : 0;
 }
 
 std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
@@ -291,42 +272,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       }
     }
   }
-  // Tail splits for the heuristic's long splits (decode_tail_splits), when the caller's workspace
-  // (if any) holds their partials: never a rejection because of them.
-  // EXPERIMENT (dec14, round 3; removed before the final commit): ATTNKIT_EXP_TAIL=off disables
-  // them, "E,N" takes N tail splits over E/64 where the rule takes its own;
-  // ATTNKIT_EXP_TAIL_BREAK=1 skips the first tail tile (a deliberate break for the tests).
-  if (args.num_splits == 0) {
-    const int64_t max_keys =
-        params.window > 0 ? std::min<int64_t>(p.max_seq_len, static_cast<int64_t>(params.window) +
-                                                                 params.sink_tokens)
-                          : p.max_seq_len;
-    int32_t tails = decode_tail_splits(params.num_splits, max_keys);
-    int32_t tail_64ths = kDecodeTail64ths;
-    if (const char* env = std::getenv("ATTNKIT_EXP_TAIL"); env != nullptr && tails > 0) {
-      int e = 0, n = 0;
-      if (env[0] == 'o') {
-        tails = 0;
-      } else if (std::sscanf(env, "%d,%d", &e, &n) == 2 && e > 0 && e < 64 && n > 0 &&
-                 params.num_splits + n <= kDecodeMaxSplits) {
-        tails = n;
-        tail_64ths = e;
-      }
-    }
-    const int64_t splits = params.num_splits + tails;
-    const bool fits = args.workspace == nullptr ||
-                      splits * params.num_rows * params.num_q_heads * (params.head_dim + 1) <=
-                          args.workspace->partial_capacity();
-    if (tails > 0 && fits && ctas * splits < (int64_t{1} << 31)) {
-      params.num_splits += tails;
-      params.tail_splits = tails;
-      params.tail_64ths = tail_64ths;
-    }
-  }
-  if (const char* env = std::getenv("ATTNKIT_EXP_TAIL_BREAK"); env != nullptr && env[0] == '1') {
-    params.exp_tail_break = 1;
-  }
-  params.max_seq_len = p.max_seq_len;
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.

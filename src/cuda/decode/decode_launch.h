@@ -44,13 +44,6 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n);
 
-// Tail splits (decode_launch.cu): how many the heuristic adds to its count of num_splits over rows
-// of up to max_keys keys (0: none), each over 1/kDecodeTailSplits of the last kDecodeTail64ths / 64
-// of a row's tiles.
-constexpr int32_t kDecodeTailSplits = 4;
-constexpr int32_t kDecodeTail64ths = 8;
-int32_t decode_tail_splits(int32_t num_splits, int64_t max_keys);
-
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
                                                DecodeKernelChoice, cudaStream_t);       \

@@ -67,14 +67,6 @@ struct DecodeParams {
   // first tiles before seq_len arrives, at split * split_keys_guess, and uses them only when the
   // row's own split start matches (entries of keys past the row's end are never used).
   int32_t split_keys_guess = 0;
-  // Tail splits (tail_splits > 0): the last tail_splits of the num_splits splits share the last
-  // tail_64ths / 64 of a row's tiles, the others the rest, and the grid is split-major (the linear
-  // block index is split * items + item), so the tail splits are dispatched after every big one
-  // and run on the SMs that finish first. max_seq_len: the early ramp's guess of a split's start.
-  int32_t tail_splits = 0;
-  int32_t tail_64ths = 0;
-  int32_t max_seq_len = 0;
-  int32_t exp_tail_break = 0;  // EXPERIMENT (dec14): a deliberate off-by-one at the tail start
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;
