@@ -153,7 +153,8 @@ constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ = decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
-          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_)>
+          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
+          int kMaxUnits_ = 12>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -222,10 +223,9 @@ struct DecodeTraits {
   // kernel at head_dim 128 (3 x 16 KB).
   static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
-      kHalves
-          ? (kHalvesFit < kMinHalves ? kMinHalves
-                                     : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
-          : kStages;
+      kHalves ? (kHalvesFit < kMinHalves ? kMinHalves
+                                         : (kHalvesFit > kMaxUnits_ ? kMaxUnits_ : kHalvesFit))
+              : kStages;
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
   // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
@@ -286,51 +286,40 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
-// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
-// output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
-// m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
-// CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
-template <typename Traits>
-__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
-                                                           int kv_head, int head_block,
-                                                           int first_head, int heads_here,
-                                                           float* scratch) {
+// EXPERIMENT (dec15, removed before the final commit): %globaltimer stamps into slot `i` of the
+// CTA's record of 16, taken after `dep` is available (predicated on it).
+__device__ __forceinline__ void decode_exp_stamp_at(const DecodeParams& p, int i, int dep) {
+  unsigned long long t = 0;
+  asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %1, -7777;\n@q mov.u64 %0, %%globaltimer;\n}\n"
+               : "+l"(t)
+               : "r"(dep)
+               : "memory");
+  const int64_t cta =
+      (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  p.exp_timeline[cta * 16 + i] = t;
+}
+__device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i, int dep = 0) {
+  if (p.exp_timeline != nullptr && threadIdx.x == 0) decode_exp_stamp_at(p, i, dep);
+}
+
+template <typename Traits, typename PT>
+__device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int row,
+                                                      int first_head, int heads_here,
+                                                      float* scratch) {
   using QT = typename Traits::QTag::Storage;
   constexpr int kD = Traits::kHeadDim;
-  __shared__ int is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t* counter = p.split_counters +
-                       (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
-                       head_block;
-    // One thread counts with release / acquire semantics: release publishes the CTA's partial
-    // writes (ordered before this thread by the barrier above), acquire makes the other splits'
-    // writes visible to the merge (ordered after it by the barrier below). Against a
-    // __threadfence() in every thread before the count and after it, H200, same run (dec10 round
-    // 1, 21:20 UTC, two repetitions, TB/s): bf16 1 x 32k 3.350 / 3.348 -> 3.368 / 3.368, 2 x 32k
-    // 3.832 -> 3.846, 1 x 8k 1.99 -> 2.01, fp8 1 x 32k 2.61 -> 2.64 (thread 0 alone fencing
-    // around a relaxed atomicAdd: 3.357 / 3.359).
-    int32_t arrived;
-    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
-                 : "=r"(arrived)
-                 : "l"(counter)
-                 : "memory");
-    is_last = arrived == p.num_splits - 1;
-    // Every split of this (row, KV head, head block) has counted: the counter is free again, so
-    // the next call through the same workspace finds it at zero without a memset.
-    if (is_last) *counter = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int num_splits = p.num_splits;
   const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
   const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
-  constexpr int kVecs = kD / 4;
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(PT));  // partial values per 16 bytes
+  constexpr int kVecs = kD / kPerVec;
   const int split_vecs = heads_here * kVecs;  // float4s of one split's partial outputs
   const int64_t split_stride_vecs = split_stride * kVecs;
-  const float4* partial = reinterpret_cast<const float4*>(p.partial_out) + first_item * kVecs;
+  const float4* partial =
+      reinterpret_cast<const float4*>(reinterpret_cast<const PT*>(p.partial_out)) +
+      first_item * kVecs;
   // The partial outputs are staged in shared memory by cp.async (.cg: through L2, never a stale L1
   // line), two buffers of splits after the weights, the first two issued before the LSE pass: the
   // merge waits for about one L2 round trip per chunk, and the first ones overlap the LSE pass
@@ -400,11 +389,15 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
     }
   }
   __syncthreads();
+  decode_exp_stamp(p, 12);
   // Each thread owns up to kItems (head, 4-d) outputs.
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
-  float4 acc[kItems];
+  float acc[kItems][kPerVec];
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int j = 0; j < kItems; ++j) {
+#pragma unroll
+    for (int e = 0; e < kPerVec; ++e) acc[j][e] = 0.0f;
+  }
   for (int chunk = 0; chunk < num_chunks; ++chunk) {
     if (chunk + 1 < num_chunks) {
       cp_async_wait<1>();
@@ -412,6 +405,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       cp_async_wait<0>();
     }
     __syncthreads();
+    if (chunk + 1 == num_chunks) decode_exp_stamp(p, 13);
     const float4* src = staging + (chunk % 2) * kBufferVecs;
     const int s0 = chunk * chunk_splits;
     const int n = min(chunk_splits, num_splits - s0);
@@ -421,11 +415,10 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       if (i < split_vecs) {
         const float* w = weight + (i / kVecs) * num_splits + s0;
         for (int s = 0; s < n; ++s) {
-          const float4 v = src[s * split_vecs + i];
-          acc[j].x += w[s] * v.x;
-          acc[j].y += w[s] * v.y;
-          acc[j].z += w[s] * v.z;
-          acc[j].w += w[s] * v.w;
+          const float4 raw = src[s * split_vecs + i];
+          const PT* v = reinterpret_cast<const PT*>(&raw);
+#pragma unroll
+          for (int e = 0; e < kPerVec; ++e) acc[j][e] += w[s] * static_cast<float>(v[e]);
         }
       }
     }
@@ -438,12 +431,60 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
     if (i < heads_here * kVecs) {
       const int r = i / kVecs, c = i % kVecs;
       QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
-                (first_head + r) * p.out_head_stride + 4 * c;
-      out[0] = QT(acc[j].x);
-      out[1] = QT(acc[j].y);
-      out[2] = QT(acc[j].z);
-      out[3] = QT(acc[j].w);
+                (first_head + r) * p.out_head_stride + kPerVec * c;
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) out[e] = QT(acc[j][e]);
     }
+  }
+  decode_exp_stamp(p, 14);
+}
+
+// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
+// output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
+// m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
+// CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
+template <typename Traits>
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
+                                                           int kv_head, int head_block,
+                                                           int first_head, int heads_here,
+                                                           float* scratch) {
+  using QT = typename Traits::QTag::Storage;
+  constexpr int kD = Traits::kHeadDim;
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.split_counters +
+                       (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
+                       head_block;
+    // One thread counts with release / acquire semantics: release publishes the CTA's partial
+    // writes (ordered before this thread by the barrier above), acquire makes the other splits'
+    // writes visible to the merge (ordered after it by the barrier below). Against a
+    // __threadfence() in every thread before the count and after it, H200, same run (dec10 round
+    // 1, 21:20 UTC, two repetitions, TB/s): bf16 1 x 32k 3.350 / 3.348 -> 3.368 / 3.368, 2 x 32k
+    // 3.832 -> 3.846, 1 x 8k 1.99 -> 2.01, fp8 1 x 32k 2.61 -> 2.64 (thread 0 alone fencing
+    // around a relaxed atomicAdd: 3.357 / 3.359).
+    int32_t arrived;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
+                 : "=r"(arrived)
+                 : "l"(counter)
+                 : "memory");
+    is_last = arrived == p.num_splits - 1;
+    if (p.exp_timeline != nullptr) {
+      decode_exp_stamp_at(p, 10, arrived);
+      const int64_t cta =
+          (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+      p.exp_timeline[cta * 16 + 11] = (arrived == p.num_splits - 1) ? 1 : 0;
+    }
+    // Every split of this (row, KV head, head block) has counted: the counter is free again, so
+    // the next call through the same workspace finds it at zero without a memset.
+    if (is_last) *counter = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  if (p.exp_half_partials) {
+    decode_merge_partials<Traits, __half>(p, row, first_head, heads_here, scratch);
+  } else {
+    decode_merge_partials<Traits, float>(p, row, first_head, heads_here, scratch);
   }
 }
 
@@ -480,6 +521,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
+  decode_exp_stamp(p, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
     // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
@@ -489,6 +531,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
 #endif
+  decode_exp_stamp(p, 1);
   const int kv_head = blockIdx.y;
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
@@ -546,6 +589,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   };
   load_q();
+  if (p.exp_timeline != nullptr && threadIdx.x == 0) {
+    decode_exp_stamp_at(p, 2, seq_len);
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    const int64_t cta =
+        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    p.exp_timeline[cta * 16 + 15] = smid;
+  }
   const int32_t q_pos = seq_len - 1;
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
@@ -806,6 +857,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
     const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
+    if (tile == 0 && p.exp_timeline != nullptr && threadIdx.x == 0) {
+      decode_exp_stamp_at(p, 3, *reinterpret_cast<const int*>(k_smem));
+    }
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {
@@ -1085,9 +1139,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
+  if (p.exp_timeline != nullptr && lane == 0 && warp < 4) decode_exp_stamp_at(p, 4 + warp, 0);
   // Merge the warps' states through shared memory (the pipeline is drained first).
   cp_async_wait<0>();
   __syncthreads();
+  decode_exp_stamp(p, 8);
   float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
   float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
   float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
@@ -1161,10 +1217,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     } else {
       const int64_t slot = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
-      p.partial_out[slot * kD + d] = value;
+      if (p.exp_half_partials) {
+        reinterpret_cast<__half*>(p.partial_out)[slot * kD + d] = __float2half_rn(value);
+      } else {
+        p.partial_out[slot * kD + d] = value;
+      }
       if (d == 0) p.partial_lse[slot] = lse;
     }
   }
+  decode_exp_stamp(p, 9);
   if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
