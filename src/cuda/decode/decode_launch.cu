@@ -366,6 +366,28 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       }
     }
   }
+  {
+    // EXPERIMENT (dec15, removed before the final commit): ATTNKIT_EXP_ONECTA=<halves>: the split
+    // count of one CTA per SM (heuristic calls whose grid ran one wave of the 2-CTA kernel), and
+    // the 1-CTA kernel for split grids of at most one CTA per SM (forced counts too).
+    const int exp_one = exp_env("ATTNKIT_EXP_ONECTA");
+    const bool exp_one_kernel = exp_one > 0 && spec.head_dim == 128 && choice.heads_per_cta == 8 &&
+                                !plan.transformed && p.dtype == DType::kBF16 &&
+                                (p.kv_dtype == DType::kBF16 || p.kv_dtype == DType::kFp8E4M3);
+    if (exp_one_kernel && args.num_splits <= 0 &&
+        ctas * params.num_splits <= static_cast<int64_t>(info.ctas_per_sm) * sm_count) {
+      int64_t max_keys = p.max_seq_len;
+      if (params.window > 0) {
+        max_keys =
+            std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
+      }
+      const int32_t one = decode_num_splits(ctas, 1, sm_count, max_keys, info.tile_n);
+      if (one > 1) params.num_splits = one;
+    }
+    if (exp_one_kernel && params.num_splits > 1 && ctas * params.num_splits <= sm_count) {
+      params.exp_one_cta = exp_one;
+    }
+  }
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
@@ -389,7 +411,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
                                  params.num_splits, ctas * params.num_splits, resident)
           ? 1
           : 0;
-  if (exp_env("ATTNKIT_EXP_ONECTA") > 0) params.exp_one_cta = exp_env("ATTNKIT_EXP_ONECTA");
   if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = 1;
   return plan;
 }
