@@ -1222,7 +1222,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       } else {
         p.partial_out[slot * kD + d] = value;
       }
-      if (d == 0) p.partial_lse[slot] = lse;
+      // EXPERIMENT (dec15): a deliberate break of the 1-CTA kernel (split 0's weight).
+      const float lse_break =
+          Traits::kTargetCtasPerSm == 1 && p.exp_break && split == 0 ? 1.0f : 0.0f;
+      if (d == 0) p.partial_lse[slot] = lse + lse_break;
     }
   }
   decode_exp_stamp(p, 9);

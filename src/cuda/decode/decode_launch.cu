@@ -412,6 +412,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
           ? 1
           : 0;
   if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = 1;
+  if (exp_env("ATTNKIT_EXP_BREAK") > 0) params.exp_break = 1;
   return plan;
 }
 

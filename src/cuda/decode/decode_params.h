@@ -55,7 +55,8 @@ struct DecodeParams {
   // one CTA per SM with this many swizzled halves (bf16 12 / 14, fp8 14; 0: off).
   unsigned long long* exp_timeline = nullptr;
   int32_t exp_one_cta = 0;
-  int32_t exp_half_partials = 0;  // f16 partial outputs (the LSEs stay f32)
+  int32_t exp_half_partials = 0;
+  int32_t exp_break = 0;  // f16 partial outputs (the LSEs stay f32)
 
   const float* k_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
   const float* v_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
