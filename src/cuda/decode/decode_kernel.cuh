@@ -506,6 +506,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* pipe_smem = smem + Traits::kQOutside;
+  decode_exp_stamp(p, 0);
   MT* q_smem = reinterpret_cast<MT*>(
       Traits::kSwizzle ? pipe_smem + (Traits::kUnits - 1) * Traits::kUnitBytes : smem);
   constexpr int kKvRowStride = Traits::kKvRowStride;
@@ -521,7 +522,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
-  decode_exp_stamp(p, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
     // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
@@ -531,7 +531,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
 #endif
-  decode_exp_stamp(p, 1);
   const int kv_head = blockIdx.y;
   const int row = blockIdx.z;
   const int warp = threadIdx.x / 32;
@@ -540,6 +539,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
+  decode_exp_stamp(p, 1);
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 

@@ -366,6 +366,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       }
     }
   }
+  choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
     // EXPERIMENT (dec15, removed before the final commit): ATTNKIT_EXP_ONECTA=<halves>: the split
     // count of one CTA per SM (heuristic calls whose grid ran one wave of the 2-CTA kernel), and
@@ -387,8 +388,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     if (exp_one_kernel && params.num_splits > 1 && ctas * params.num_splits <= sm_count) {
       params.exp_one_cta = exp_one;
     }
+    if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = 1;
+    if (exp_env("ATTNKIT_EXP_BREAK") > 0) params.exp_break = 1;
   }
-  choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
     const int64_t tile_n = info.tile_n;
@@ -411,8 +413,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
                                  params.num_splits, ctas * params.num_splits, resident)
           ? 1
           : 0;
-  if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = 1;
-  if (exp_env("ATTNKIT_EXP_BREAK") > 0) params.exp_break = 1;
   return plan;
 }
 
