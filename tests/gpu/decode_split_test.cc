@@ -170,23 +170,5 @@ TEST(DecodeSplit, CapturedGraphReplays) {
   cudaStreamDestroy(stream);
 }
 
-// Split grids of at most one CTA per SM and of more (GQA 32/8: 8 (row, KV head) CTAs times the
-// count; 16 splits fill 128 of the H200's 132 SMs, 17 and 33 do not fit one per SM), the
-// heuristic, every cache type the head_dim 128 kernels take, LSE output, both workspaces.
-TEST(DecodeSplit, GridsOfOneAndOfTwoCtasPerSm) {
-  ATTNKIT_SKIP_WITHOUT_GPU();
-  auto ws = make_workspace(32, 2);
-  uint64_t salt = 3600;
-  for (DType kv : {DType::kBF16, DType::kF16, DType::kFp8E4M3, DType::kInt8}) {
-    for (int32_t splits : {16, 17, 33, 0}) {
-      DecodeCase c = gqa4_case({3000, 1333}, splits, 8);
-      c.dtype = kv == DType::kF16 ? DType::kF16 : DType::kBF16;
-      c.kv_dtype = kv;
-      c.per_head_scale = kv == DType::kInt8;
-      run_both_workspaces(c, salt++, ws.get());
-    }
-  }
-}
-
 }  // namespace
 }  // namespace attnkit::test

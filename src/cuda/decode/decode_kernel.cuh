@@ -302,23 +302,102 @@ __device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i, i
   if (p.exp_timeline != nullptr && threadIdx.x == 0) decode_exp_stamp_at(p, i, dep);
 }
 
+// EXPERIMENT (dec15): the parameters of the epilogue (warp merge, partials, count, merge), read
+// from the constant bank where they are used, or at kernel start into registers (opaque moves
+// that the compiler cannot turn back into constant loads): ATTNKIT_EXP_HOIST.
+struct DecodeTail {
+  void* out;
+  float* lse;
+  float* partial_out;
+  float* partial_lse;
+  int32_t* split_counters;
+  unsigned long long* timeline;
+  int64_t out_row_stride, out_head_stride, lse_row_stride, lse_head_stride;
+  int32_t num_splits, num_rows, num_q_heads, num_kv_heads, head_blocks, half_partials, lse_first;
+};
+__device__ __forceinline__ DecodeTail decode_tail_of(const DecodeParams& p) {
+  return DecodeTail{p.out,
+                    p.lse,
+                    p.partial_out,
+                    p.partial_lse,
+                    p.split_counters,
+                    p.exp_timeline,
+                    p.out_row_stride,
+                    p.out_head_stride,
+                    p.lse_row_stride,
+                    p.lse_head_stride,
+                    p.num_splits,
+                    p.num_rows,
+                    p.num_q_heads,
+                    p.num_kv_heads,
+                    p.head_blocks,
+                    p.exp_half_partials,
+                    p.exp_lse_first};
+}
+__device__ __forceinline__ int64_t decode_opaque64(int64_t x) {
+  int64_t y;
+  asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
+  return y;
+}
+__device__ __forceinline__ int32_t decode_opaque32(int32_t x) {
+  int32_t y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+template <typename T>
+__device__ __forceinline__ T* decode_opaque_ptr(T* x) {
+  return reinterpret_cast<T*>(decode_opaque64(reinterpret_cast<int64_t>(x)));
+}
+__device__ __forceinline__ DecodeTail decode_tail_hoisted(const DecodeParams& p) {
+  DecodeTail t = decode_tail_of(p);
+  t.out = decode_opaque_ptr(t.out);
+  t.lse = decode_opaque_ptr(t.lse);
+  t.partial_out = decode_opaque_ptr(t.partial_out);
+  t.partial_lse = decode_opaque_ptr(t.partial_lse);
+  t.split_counters = decode_opaque_ptr(t.split_counters);
+  t.timeline = decode_opaque_ptr(t.timeline);
+  t.out_row_stride = decode_opaque64(t.out_row_stride);
+  t.out_head_stride = decode_opaque64(t.out_head_stride);
+  t.lse_row_stride = decode_opaque64(t.lse_row_stride);
+  t.lse_head_stride = decode_opaque64(t.lse_head_stride);
+  t.num_splits = decode_opaque32(t.num_splits);
+  t.num_rows = decode_opaque32(t.num_rows);
+  t.num_q_heads = decode_opaque32(t.num_q_heads);
+  t.num_kv_heads = decode_opaque32(t.num_kv_heads);
+  t.head_blocks = decode_opaque32(t.head_blocks);
+  t.half_partials = decode_opaque32(t.half_partials);
+  t.lse_first = decode_opaque32(t.lse_first);
+  return t;
+}
+__device__ __forceinline__ void decode_exp_stamp_t(const DecodeTail& t, int i, int dep = 0) {
+  if (t.timeline != nullptr && threadIdx.x == 0) {
+    unsigned long long v = 0;
+    asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %1, -7777;\n@q mov.u64 %0, %%globaltimer;\n}\n"
+                 : "+l"(v)
+                 : "r"(dep)
+                 : "memory");
+    const int64_t cta =
+        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    t.timeline[cta * 16 + i] = v;
+  }
+}
+
 template <typename Traits, typename PT>
-__device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int row,
-                                                      int first_head, int heads_here,
-                                                      float* scratch) {
+__device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int row, int first_head,
+                                                      int heads_here, float* scratch) {
   using QT = typename Traits::QTag::Storage;
   constexpr int kD = Traits::kHeadDim;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_splits = p.num_splits;
-  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
-  const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
+  const int num_splits = t.num_splits;
+  const int64_t split_stride = static_cast<int64_t>(t.num_rows) * t.num_q_heads;
+  const int64_t first_item = static_cast<int64_t>(row) * t.num_q_heads + first_head;
   constexpr int kPerVec = 16 / static_cast<int>(sizeof(PT));  // partial values per 16 bytes
   constexpr int kVecs = kD / kPerVec;
   const int split_vecs = heads_here * kVecs;  // float4s of one split's partial outputs
   const int64_t split_stride_vecs = split_stride * kVecs;
   const float4* partial =
-      reinterpret_cast<const float4*>(reinterpret_cast<const PT*>(p.partial_out)) +
+      reinterpret_cast<const float4*>(reinterpret_cast<const PT*>(t.partial_out)) +
       first_item * kVecs;
   // The partial outputs are staged in shared memory by cp.async (.cg: through L2, never a stale L1
   // line), two buffers of splits after the weights, the first two issued before the LSE pass: the
@@ -351,18 +430,32 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int
     }
     cp_async_commit();
   };
+  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
+  // EXPERIMENT (dec15): ATTNKIT_EXP_LSEFIRST loads the first head's LSEs before the staging.
+  float lse_first[kLsePerLane];
+  if (t.lse_first && warp < heads_here) {
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      lse_first[i] =
+          s < num_splits ? __ldcg(t.partial_lse + s * split_stride + first_item + warp) : -INFINITY;
+    }
+  }
   stage_chunk(0);
   if (num_chunks > 1) stage_chunk(1);
   float* weight = scratch;  // [kM][num_splits]
-  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
   for (int r = warp; r < heads_here; r += Traits::kWarps) {
     float lse[kLsePerLane];
     float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kLsePerLane; ++i) {
       const int s = lane + 32 * i;
-      lse[i] =
-          s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+      if (t.lse_first && r == warp) {
+        lse[i] = lse_first[i];
+      } else {
+        lse[i] =
+            s < num_splits ? __ldcg(t.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+      }
       m = fmaxf(m, lse[i]);
     }
 #pragma unroll
@@ -383,13 +476,13 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int
       const int s = lane + 32 * i;
       if (s < num_splits) weight[r * num_splits + s] = lse[i] * inv_sum;
     }
-    if (lane == 0 && p.lse != nullptr) {
-      p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
+    if (lane == 0 && t.lse != nullptr) {
+      t.lse[row * t.lse_row_stride + (first_head + r) * t.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;
     }
   }
   __syncthreads();
-  decode_exp_stamp(p, 12);
+  decode_exp_stamp_t(t, 12);
   // Each thread owns up to kItems (head, 4-d) outputs.
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
   float acc[kItems][kPerVec];
@@ -405,7 +498,7 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (chunk + 1 == num_chunks) decode_exp_stamp(p, 13);
+    if (chunk + 1 == num_chunks) decode_exp_stamp_t(t, 13);
     const float4* src = staging + (chunk % 2) * kBufferVecs;
     const int s0 = chunk * chunk_splits;
     const int n = min(chunk_splits, num_splits - s0);
@@ -414,7 +507,10 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int
       const int i = threadIdx.x + j * Traits::kThreads;
       if (i < split_vecs) {
         const float* w = weight + (i / kVecs) * num_splits + s0;
-        for (int s = 0; s < n; ++s) {
+        // EXPERIMENT (dec15): ATTNKIT_EXP_HALF=3, bf16 partials with a deliberate break (the last
+        // split's partial left out of the merge).
+        const int n_used = t.half_partials == 3 && chunk + 1 == num_chunks ? n - 1 : n;
+        for (int s = 0; s < n_used; ++s) {
           const float4 raw = src[s * split_vecs + i];
           const PT* v = reinterpret_cast<const PT*>(&raw);
 #pragma unroll
@@ -430,13 +526,13 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int
     const int i = threadIdx.x + j * Traits::kThreads;
     if (i < heads_here * kVecs) {
       const int r = i / kVecs, c = i % kVecs;
-      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
-                (first_head + r) * p.out_head_stride + kPerVec * c;
+      QT* out = static_cast<QT*>(t.out) + row * t.out_row_stride +
+                (first_head + r) * t.out_head_stride + kPerVec * c;
 #pragma unroll
       for (int e = 0; e < kPerVec; ++e) out[e] = QT(acc[j][e]);
     }
   }
-  decode_exp_stamp(p, 14);
+  decode_exp_stamp_t(t, 14);
 }
 
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
@@ -444,7 +540,8 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeParams& p, int
 // m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
 // CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
 template <typename Traits>
-__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p,
+                                                           const DecodeTail& t, int row,
                                                            int kv_head, int head_block,
                                                            int first_head, int heads_here,
                                                            float* scratch) {
@@ -453,8 +550,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   __shared__ int is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    int32_t* counter = p.split_counters +
-                       (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
+    int32_t* counter = t.split_counters +
+                       (static_cast<int64_t>(row) * t.num_kv_heads + kv_head) * t.head_blocks +
                        head_block;
     // One thread counts with release / acquire semantics: release publishes the CTA's partial
     // writes (ordered before this thread by the barrier above), acquire makes the other splits'
@@ -468,12 +565,12 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
                  : "=r"(arrived)
                  : "l"(counter)
                  : "memory");
-    is_last = arrived == p.num_splits - 1;
-    if (p.exp_timeline != nullptr) {
-      decode_exp_stamp_at(p, 10, arrived);
+    is_last = arrived == t.num_splits - 1;
+    if (t.timeline != nullptr) {
+      decode_exp_stamp_t(t, 10, arrived);
       const int64_t cta =
           (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-      p.exp_timeline[cta * 16 + 11] = (arrived == p.num_splits - 1) ? 1 : 0;
+      t.timeline[cta * 16 + 11] = (arrived == t.num_splits - 1) ? 1 : 0;
     }
     // Every split of this (row, KV head, head block) has counted: the counter is free again, so
     // the next call through the same workspace finds it at zero without a memset.
@@ -481,10 +578,12 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   }
   __syncthreads();
   if (!is_last) return;
-  if (p.exp_half_partials) {
-    decode_merge_partials<Traits, __half>(p, row, first_head, heads_here, scratch);
+  if (t.half_partials == 1) {
+    decode_merge_partials<Traits, __half>(t, row, first_head, heads_here, scratch);
+  } else if (t.half_partials >= 2) {
+    decode_merge_partials<Traits, __nv_bfloat16>(t, row, first_head, heads_here, scratch);
   } else {
-    decode_merge_partials<Traits, float>(p, row, first_head, heads_here, scratch);
+    decode_merge_partials<Traits, float>(t, row, first_head, heads_here, scratch);
   }
 }
 
@@ -540,6 +639,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
   decode_exp_stamp(p, 1);
+  const int hoist = decode_opaque32(p.exp_hoist);
+  const DecodeTail hoisted_tail = hoist ? decode_tail_hoisted(p) : DecodeTail{};
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
@@ -1139,101 +1240,119 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
-  if (p.exp_timeline != nullptr && lane == 0 && warp < 4) decode_exp_stamp_at(p, 4 + warp, 0);
-  // Merge the warps' states through shared memory (the pipeline is drained first).
-  cp_async_wait<0>();
-  __syncthreads();
-  decode_exp_stamp(p, 8);
-  float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
-  float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
-  float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
-  if constexpr (Traits::kKeysAsRows) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = l_run[h];
-#pragma unroll
-      for (int offset = 4; offset < 32; offset *= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
-      if (g == 0) {
-        merge_m[warp * kMB + 2 * t + h] = m_run[h];
-        merge_l[warp * kMB + 2 * t + h] = l;
-      }
+  // EXPERIMENT (dec15): the epilogue with its parameters from the constant bank or hoisted.
+  auto epilogue = [&](const DecodeTail& tp) {
+    if (tp.timeline != nullptr && lane == 0 && warp < 4) {
+      unsigned long long v;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v)::"memory");
+      const int64_t cta =
+          (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+      tp.timeline[cta * 16 + 4 + warp] = v;
     }
+    // Merge the warps' states through shared memory (the pipeline is drained first).
+    cp_async_wait<0>();
+    __syncthreads();
+    decode_exp_stamp_t(tp, 8);
+    float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
+    float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
+    float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
+    if constexpr (Traits::kKeysAsRows) {
 #pragma unroll
-    for (int c = 0; c < Traits::kAccTiles; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        // Row g of tile c is d = 16c + g (8-bit caches: 16c + 2g), row g + 8 the next 8 (+ 1).
-        const int d = Traits::kDirect ? 16 * c + 2 * g + e / 2 : 16 * c + g + 8 * (e / 2);
-        merge_o[(warp * kMB + 2 * t + (e & 1)) * kD + d] = o[c][e];
+        for (int offset = 4; offset < 32; offset *= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
+        if (g == 0) {
+          merge_m[warp * kMB + 2 * t + h] = m_run[h];
+          merge_l[warp * kMB + 2 * t + h] = l;
+        }
       }
-    }
-  } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = warp_sum_quad(l_run[r]);
-      if (t == 0) {
-        merge_m[warp * kMB + g + 8 * r] = m_run[r];
-        merge_l[warp * kMB + g + 8 * r] = l;
-      }
-    }
+      for (int c = 0; c < Traits::kAccTiles; ++c) {
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 2 * t + (e & 1);
-        // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
-        const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
-        merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
-      }
-    }
-  }
-  __syncthreads();
-
-  for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
-    const int r = i / kD, d = i % kD;
-    // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
-    const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kMB + rr]);
-    float l_all = 0.0f, o_all = 0.0f;
-    if (m_all != -INFINITY) {
-#pragma unroll
-      for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) {
-        const float weight = exp2f(merge_m[w * kMB + rr] - m_all);
-        l_all += weight * merge_l[w * kMB + rr];
-        o_all += weight * merge_o[(w * kMB + rr) * kD + d];
-      }
-    }
-    const bool empty = l_all == 0.0f;
-    const float value = empty ? 0.0f : o_all / l_all * v_scale;
-    const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
-    const int head = first_head + r;
-    if (p.num_splits == 1) {
-      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
-      out[d] = QT(value);
-      if (d == 0 && p.lse != nullptr) {
-        p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
+        for (int e = 0; e < 4; ++e) {
+          // Row g of tile c is d = 16c + g (8-bit caches: 16c + 2g), row g + 8 the next 8 (+ 1).
+          const int d = Traits::kDirect ? 16 * c + 2 * g + e / 2 : 16 * c + g + 8 * (e / 2);
+          merge_o[(warp * kMB + 2 * t + (e & 1)) * kD + d] = o[c][e];
+        }
       }
     } else {
-      const int64_t slot = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
-      if (p.exp_half_partials) {
-        reinterpret_cast<__half*>(p.partial_out)[slot * kD + d] = __float2half_rn(value);
-      } else {
-        p.partial_out[slot * kD + d] = value;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float l = warp_sum_quad(l_run[r]);
+        if (t == 0) {
+          merge_m[warp * kMB + g + 8 * r] = m_run[r];
+          merge_l[warp * kMB + g + 8 * r] = l;
+        }
       }
-      // EXPERIMENT (dec15): a deliberate break of the 1-CTA kernel (split 0's weight).
-      const float lse_break =
-          Traits::kTargetCtasPerSm == 1 && p.exp_break && split == 0 ? 1.0f : 0.0f;
-      if (d == 0) p.partial_lse[slot] = lse + lse_break;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 2 * t + (e & 1);
+          // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
+          const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
+          merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
+        }
+      }
     }
-  }
-  decode_exp_stamp(p, 9);
-  if (p.num_splits > 1 && p.split_counters != nullptr) {
-    // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
-    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
-                                       reinterpret_cast<float*>(pipe_smem));
+
+    for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
+      const int r = i / kD, d = i % kD;
+      // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
+      const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
+      float m_all = -INFINITY;
+#pragma unroll
+      for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kMB + rr]);
+      float l_all = 0.0f, o_all = 0.0f;
+      if (m_all != -INFINITY) {
+#pragma unroll
+        for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) {
+          const float weight = exp2f(merge_m[w * kMB + rr] - m_all);
+          l_all += weight * merge_l[w * kMB + rr];
+          o_all += weight * merge_o[(w * kMB + rr) * kD + d];
+        }
+      }
+      const bool empty = l_all == 0.0f;
+      const float value = empty ? 0.0f : o_all / l_all * v_scale;
+      const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
+      const int head = first_head + r;
+      if (tp.num_splits == 1) {
+        QT* out = static_cast<QT*>(tp.out) + row * tp.out_row_stride + head * tp.out_head_stride;
+        out[d] = QT(value);
+        if (d == 0 && tp.lse != nullptr) {
+          tp.lse[row * tp.lse_row_stride + head * tp.lse_head_stride] = lse;
+        }
+      } else {
+        const int64_t slot =
+            (static_cast<int64_t>(split) * tp.num_rows + row) * tp.num_q_heads + head;
+        if (tp.half_partials == 1) {
+          reinterpret_cast<__half*>(tp.partial_out)[slot * kD + d] = __float2half_rn(value);
+        } else if (tp.half_partials >= 2) {
+          reinterpret_cast<__nv_bfloat16*>(tp.partial_out)[slot * kD + d] =
+              __float2bfloat16_rn(value);
+        } else {
+          tp.partial_out[slot * kD + d] = value;
+        }
+        // EXPERIMENT (dec15): a deliberate break of the 1-CTA kernel (split 0's weight).
+        const float lse_break =
+            Traits::kTargetCtasPerSm == 1 && p.exp_break && split == 0 ? 1.0f : 0.0f;
+        if (d == 0) tp.partial_lse[slot] = lse + lse_break;
+      }
+    }
+    decode_exp_stamp_t(tp, 9);
+    if (tp.num_splits > 1 && tp.split_counters != nullptr) {
+      // The merge buffers are dead after this barrier: the combine reuses them.
+      __syncthreads();
+      decode_combine_in_last_cta<Traits>(p, tp, row, kv_head, head_block, first_head, heads_here,
+                                         reinterpret_cast<float*>(pipe_smem));
+    }
+  };
+  if (hoist) {
+    epilogue(hoisted_tail);
+  } else {
+    epilogue(decode_tail_of(p));
   }
 }
 

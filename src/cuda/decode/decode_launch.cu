@@ -388,7 +388,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     if (exp_one_kernel && params.num_splits > 1 && ctas * params.num_splits <= sm_count) {
       params.exp_one_cta = exp_one;
     }
-    if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = 1;
+    if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = exp_env("ATTNKIT_EXP_HALF");
+    if (exp_env("ATTNKIT_EXP_HOIST") > 0) params.exp_hoist = 1;
+    if (exp_env("ATTNKIT_EXP_LSEFIRST") > 0) params.exp_lse_first = 1;
     if (exp_env("ATTNKIT_EXP_BREAK") > 0) params.exp_break = 1;
   }
   {

@@ -56,7 +56,10 @@ struct DecodeParams {
   unsigned long long* exp_timeline = nullptr;
   int32_t exp_one_cta = 0;
   int32_t exp_half_partials = 0;
-  int32_t exp_break = 0;  // f16 partial outputs (the LSEs stay f32)
+  int32_t exp_break = 0;
+  int32_t exp_hoist = 0;      // the epilogue's parameters in registers from the start
+  int32_t exp_lse_first = 0;  // the merge loads the LSEs before staging the partials  // f16
+                              // partial outputs (the LSEs stay f32)
 
   const float* k_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
   const float* v_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
