@@ -7,7 +7,6 @@
 
 #include <atomic>
 #include <mutex>
-#include <type_traits>
 
 #include "attnkit/types.h"
 #include "core/check.h"
@@ -60,27 +59,6 @@ void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t strea
 template <typename Traits>
 void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cudaStream_t stream) {
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
-  // EXPERIMENT (dec15, removed before the final commit): one CTA per SM with a deeper ring.
-  if constexpr (Traits::kHeadDim == 128 && Traits::kM == 8 && Traits::kTargetCtasPerSm == 2 &&
-                std::is_same_v<typename Traits::QTag, Bf16Tag> &&
-                (std::is_same_v<typename Traits::Kv, KvNative> ||
-                 std::is_same_v<typename Traits::Kv, KvFp8E4M3>)) {
-    if (!transformed && p.exp_one_cta > 0) {
-      using Kv = typename Traits::Kv;
-      constexpr DecodePipe kPipe = decode_default_pipe(128, Kv::kBytes, 8);
-      constexpr int kKeys = decode_default_keys_per_warp(128, Kv::kBytes, 8);
-      if constexpr (std::is_same_v<Kv, KvNative>) {
-        if (p.exp_one_cta == 12) {
-          launch_kernel_instance<DecodeTraits<128, Bf16Tag, Kv, 8, 1, kPipe, kKeys, 12>,
-                                 DecodeLogits::kPlain>(p, grid, stream);
-          return;
-        }
-      }
-      launch_kernel_instance<DecodeTraits<128, Bf16Tag, Kv, 8, 1, kPipe, kKeys, 14>,
-                             DecodeLogits::kPlain>(p, grid, stream);
-      return;
-    }
-  }
   // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits, and a grid that fills four
   // CTAs per SM: 4 CTAs per SM (<= 128 registers; 128-key tiles in 3 swizzled halves of 16 KB,
   // two in flight) rather than 2 CTAs of 7 halves: more warps hide the per-tile latency. Measured

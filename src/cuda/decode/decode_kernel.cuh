@@ -153,8 +153,7 @@ constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads
 // every tile.
 template <int kHeadDim_, typename QTag_, typename Kv_, int kHeadsPerCta_ = 16, int kCtasPerSm_ = 2,
           DecodePipe kPipe_ = decode_default_pipe(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
-          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_),
-          int kMaxUnits_ = 12>
+          int kKeysPerWarp_ = decode_default_keys_per_warp(kHeadDim_, Kv_::kBytes, kHeadsPerCta_)>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   using QTag = QTag_;
@@ -223,9 +222,10 @@ struct DecodeTraits {
   // kernel at head_dim 128 (3 x 16 KB).
   static constexpr int kMinHalves = kTargetCtasPerSm >= 4 ? 3 : 4;
   static constexpr int kUnits =
-      kHalves ? (kHalvesFit < kMinHalves ? kMinHalves
-                                         : (kHalvesFit > kMaxUnits_ ? kMaxUnits_ : kHalvesFit))
-              : kStages;
+      kHalves
+          ? (kHalvesFit < kMinHalves ? kMinHalves
+                                     : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
+          : kStages;
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
   // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
@@ -286,136 +286,117 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
-// EXPERIMENT (dec15, removed before the final commit): %globaltimer stamps into slot `i` of the
-// CTA's record of 16, taken after `dep` is available (predicated on it).
-__device__ __forceinline__ void decode_exp_stamp_at(const DecodeParams& p, int i, int dep) {
-  unsigned long long t = 0;
-  asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %1, -7777;\n@q mov.u64 %0, %%globaltimer;\n}\n"
-               : "+l"(t)
-               : "r"(dep)
-               : "memory");
-  const int64_t cta =
-      (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  p.exp_timeline[cta * 16 + i] = t;
-}
-__device__ __forceinline__ void decode_exp_stamp(const DecodeParams& p, int i, int dep = 0) {
-  if (p.exp_timeline != nullptr && threadIdx.x == 0) decode_exp_stamp_at(p, i, dep);
-}
-
-// EXPERIMENT (dec15): the parameters of the epilogue (warp merge, partials, count, merge), read
-// from the constant bank where they are used, or at kernel start into registers (opaque moves
-// that the compiler cannot turn back into constant loads): ATTNKIT_EXP_HOIST.
-struct DecodeTail {
+// The parameters of the epilogue (the warp merge, the outputs or partials, the arrival count, the
+// merge), read into registers at the kernel start by moves that the compiler cannot turn back
+// into constant-bank loads after the main loop. H200, same run (dec15 round 3, 02:25 UTC, TB/s,
+// two repetitions): bf16 1 x 32k 3.383 / 3.378 -> 3.390 / 3.388 alone, 3.430 / 3.426 -> 3.449 /
+// 3.442 with 16-bit partials; no-split rows tie (32 x 32k 4.563 -> 4.565, 64 x 4k 4.437 ->
+// 4.439).
+struct DecodeEpilogue {
   void* out;
   float* lse;
-  float* partial_out;
+  void* partial_out;
   float* partial_lse;
   int32_t* split_counters;
-  unsigned long long* timeline;
   int64_t out_row_stride, out_head_stride, lse_row_stride, lse_head_stride;
-  int32_t num_splits, num_rows, num_q_heads, num_kv_heads, head_blocks, half_partials, lse_first;
+  int32_t num_splits, num_rows, num_q_heads, num_kv_heads, head_blocks;
 };
-__device__ __forceinline__ DecodeTail decode_tail_of(const DecodeParams& p) {
-  return DecodeTail{p.out,
-                    p.lse,
-                    p.partial_out,
-                    p.partial_lse,
-                    p.split_counters,
-                    p.exp_timeline,
-                    p.out_row_stride,
-                    p.out_head_stride,
-                    p.lse_row_stride,
-                    p.lse_head_stride,
-                    p.num_splits,
-                    p.num_rows,
-                    p.num_q_heads,
-                    p.num_kv_heads,
-                    p.head_blocks,
-                    p.exp_half_partials,
-                    p.exp_lse_first};
-}
-__device__ __forceinline__ int64_t decode_opaque64(int64_t x) {
+__device__ __forceinline__ int64_t decode_in_register(int64_t x) {
   int64_t y;
   asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
   return y;
 }
-__device__ __forceinline__ int32_t decode_opaque32(int32_t x) {
+__device__ __forceinline__ int32_t decode_in_register(int32_t x) {
   int32_t y;
   asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
 template <typename T>
-__device__ __forceinline__ T* decode_opaque_ptr(T* x) {
-  return reinterpret_cast<T*>(decode_opaque64(reinterpret_cast<int64_t>(x)));
+__device__ __forceinline__ T* decode_in_register(T* x) {
+  return reinterpret_cast<T*>(decode_in_register(reinterpret_cast<int64_t>(x)));
 }
-__device__ __forceinline__ DecodeTail decode_tail_hoisted(const DecodeParams& p) {
-  DecodeTail t = decode_tail_of(p);
-  t.out = decode_opaque_ptr(t.out);
-  t.lse = decode_opaque_ptr(t.lse);
-  t.partial_out = decode_opaque_ptr(t.partial_out);
-  t.partial_lse = decode_opaque_ptr(t.partial_lse);
-  t.split_counters = decode_opaque_ptr(t.split_counters);
-  t.timeline = decode_opaque_ptr(t.timeline);
-  t.out_row_stride = decode_opaque64(t.out_row_stride);
-  t.out_head_stride = decode_opaque64(t.out_head_stride);
-  t.lse_row_stride = decode_opaque64(t.lse_row_stride);
-  t.lse_head_stride = decode_opaque64(t.lse_head_stride);
-  t.num_splits = decode_opaque32(t.num_splits);
-  t.num_rows = decode_opaque32(t.num_rows);
-  t.num_q_heads = decode_opaque32(t.num_q_heads);
-  t.num_kv_heads = decode_opaque32(t.num_kv_heads);
-  t.head_blocks = decode_opaque32(t.head_blocks);
-  t.half_partials = decode_opaque32(t.half_partials);
-  t.lse_first = decode_opaque32(t.lse_first);
-  return t;
-}
-__device__ __forceinline__ void decode_exp_stamp_t(const DecodeTail& t, int i, int dep = 0) {
-  if (t.timeline != nullptr && threadIdx.x == 0) {
-    unsigned long long v = 0;
-    asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %1, -7777;\n@q mov.u64 %0, %%globaltimer;\n}\n"
-                 : "+l"(v)
-                 : "r"(dep)
-                 : "memory");
-    const int64_t cta =
-        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    t.timeline[cta * 16 + i] = v;
-  }
+__device__ __forceinline__ DecodeEpilogue decode_epilogue_of(const DecodeParams& p) {
+  return DecodeEpilogue{decode_in_register(p.out),
+                        decode_in_register(p.lse),
+                        decode_in_register(p.partial_out),
+                        decode_in_register(p.partial_lse),
+                        decode_in_register(p.split_counters),
+                        decode_in_register(p.out_row_stride),
+                        decode_in_register(p.out_head_stride),
+                        decode_in_register(p.lse_row_stride),
+                        decode_in_register(p.lse_head_stride),
+                        decode_in_register(p.num_splits),
+                        decode_in_register(p.num_rows),
+                        decode_in_register(p.num_q_heads),
+                        decode_in_register(p.num_kv_heads),
+                        decode_in_register(p.head_blocks)};
 }
 
-template <typename Traits, typename PT>
-__device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int row, int first_head,
-                                                      int heads_here, float* scratch) {
+// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
+// output (16-bit, the query's type) and LSE (f32): out = sum_s w_s out_s with w_s = exp(lse_s - m)
+// / sum_s' exp(lse_s' - m), lse = m + log(sum). The splits' writes are made visible by the fence
+// before the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg),
+// never a stale L1 line.
+template <typename Traits>
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue& ep, int row,
+                                                           int kv_head, int head_block,
+                                                           int first_head, int heads_here,
+                                                           float* scratch) {
   using QT = typename Traits::QTag::Storage;
   constexpr int kD = Traits::kHeadDim;
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = ep.split_counters +
+                       (static_cast<int64_t>(row) * ep.num_kv_heads + kv_head) * ep.head_blocks +
+                       head_block;
+    // One thread counts with release / acquire semantics: release publishes the CTA's partial
+    // writes (ordered before this thread by the barrier above), acquire makes the other splits'
+    // writes visible to the merge (ordered after it by the barrier below). Against a
+    // __threadfence() in every thread before the count and after it, H200, same run (dec10 round
+    // 1, 21:20 UTC, two repetitions, TB/s): bf16 1 x 32k 3.350 / 3.348 -> 3.368 / 3.368, 2 x 32k
+    // 3.832 -> 3.846, 1 x 8k 1.99 -> 2.01, fp8 1 x 32k 2.61 -> 2.64 (thread 0 alone fencing
+    // around a relaxed atomicAdd: 3.357 / 3.359).
+    int32_t arrived;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
+                 : "=r"(arrived)
+                 : "l"(counter)
+                 : "memory");
+    is_last = arrived == ep.num_splits - 1;
+    // Every split of this (row, KV head, head block) has counted: the counter is free again, so
+    // the next call through the same workspace finds it at zero without a memset.
+    if (is_last) *counter = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_splits = t.num_splits;
-  const int64_t split_stride = static_cast<int64_t>(t.num_rows) * t.num_q_heads;
-  const int64_t first_item = static_cast<int64_t>(row) * t.num_q_heads + first_head;
-  constexpr int kPerVec = 16 / static_cast<int>(sizeof(PT));  // partial values per 16 bytes
+  const int num_splits = ep.num_splits;
+  const int64_t split_stride = static_cast<int64_t>(ep.num_rows) * ep.num_q_heads;
+  const int64_t first_item = static_cast<int64_t>(row) * ep.num_q_heads + first_head;
+  // The partial outputs are 16-bit values of the query's type: 8 to a 16-byte vector.
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(QT));
   constexpr int kVecs = kD / kPerVec;
-  const int split_vecs = heads_here * kVecs;  // float4s of one split's partial outputs
+  const int split_vecs = heads_here * kVecs;  // 16-byte vectors of one split's partial outputs
   const int64_t split_stride_vecs = split_stride * kVecs;
-  const float4* partial =
-      reinterpret_cast<const float4*>(reinterpret_cast<const PT*>(t.partial_out)) +
-      first_item * kVecs;
+  const float4* partial = reinterpret_cast<const float4*>(ep.partial_out) + first_item * kVecs;
   // The partial outputs are staged in shared memory by cp.async (.cg: through L2, never a stale L1
   // line), two buffers of splits after the weights, the first two issued before the LSE pass: the
   // merge waits for about one L2 round trip per chunk, and the first ones overlap the LSE pass
   // (batch 1 x 32k, same run: 2.75 -> 2.85 TB/s against loading 16 float4s per thread into
-  // registers at a time).
+  // registers at a time; f32 partials then).
   constexpr int kWeightFloats = Traits::kM * kDecodeMaxSplits;
   constexpr int kBufferVecs = (Traits::kPipelineBytes - kWeightFloats * 4) / 16 / 2;
   static_assert(kBufferVecs >= Traits::kM * kVecs,
                 "the merge stages at least one split per buffer");
   // Chunks are sized by the heads this CTA has (groups of 4 heads in the kM = 8 kernel: twice the
   // splits per buffer), and all splits go in one chunk over both buffers when they fit (head_dim
-  // 128, kM = 8: up to 54 splits of 4 heads, 27 of 8), instead of chunks sized for kM heads (13
-  // splits: 3 chunks, three round trips, for the 32 splits of batch 1). Measured on the H200
-  // (round 4, 19:53 UTC, same run, two repetitions, TB/s): bf16 1 x 32k 3.12 / 3.11 -> 3.18 /
-  // 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x 32k 3.71 /
-  // 3.70 -> 3.72 / 3.72, 4 x 32k 4.06 -> 4.06 (one chunk before as well); fp8 1 x 32k 2.33 /
-  // 2.33 -> 2.40 / 2.41.
+  // 128, kM = 8, 16-bit partials: up to 108 splits of 4 heads, 54 of 8), instead of chunks sized
+  // for kM heads (13 splits: 3 chunks, three round trips, for the 32 splits of batch 1). Measured
+  // on the H200 (round 4, 19:53 UTC, same run, two repetitions, TB/s): bf16 1 x 32k 3.12 / 3.11
+  // -> 3.18 / 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x
+  // 32k 3.71 / 3.70 -> 3.72 / 3.72, 4 x 32k 4.06 -> 4.06 (one chunk before as well); fp8 1 x
+  // 32k 2.33 / 2.33 -> 2.40 / 2.41.
   const int chunk_splits =
       num_splits * split_vecs <= 2 * kBufferVecs ? num_splits : kBufferVecs / split_vecs;
   float4* staging = reinterpret_cast<float4*>(scratch + kWeightFloats);
@@ -430,15 +411,17 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int r
     }
     cp_async_commit();
   };
+  // The first head of each warp has its LSEs loaded before the partials are staged, so that the
+  // LSE pass does not queue behind them (the last CTA's LSE pass 2.34 -> 1.57 us at bf16 1 x 32k;
+  // with the register epilogue and 16-bit partials 3.449 / 3.442 -> 3.458 / 3.461 TB/s).
   constexpr int kLsePerLane = kDecodeMaxSplits / 32;
-  // EXPERIMENT (dec15): ATTNKIT_EXP_LSEFIRST loads the first head's LSEs before the staging.
-  float lse_first[kLsePerLane];
-  if (t.lse_first && warp < heads_here) {
+  float first_lse[kLsePerLane];
+  if (warp < heads_here) {
 #pragma unroll
     for (int i = 0; i < kLsePerLane; ++i) {
       const int s = lane + 32 * i;
-      lse_first[i] =
-          s < num_splits ? __ldcg(t.partial_lse + s * split_stride + first_item + warp) : -INFINITY;
+      first_lse[i] = s < num_splits ? __ldcg(ep.partial_lse + s * split_stride + first_item + warp)
+                                    : -INFINITY;
     }
   }
   stage_chunk(0);
@@ -450,11 +433,11 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int r
 #pragma unroll
     for (int i = 0; i < kLsePerLane; ++i) {
       const int s = lane + 32 * i;
-      if (t.lse_first && r == warp) {
-        lse[i] = lse_first[i];
+      if (r == warp) {
+        lse[i] = first_lse[i];
       } else {
         lse[i] =
-            s < num_splits ? __ldcg(t.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+            s < num_splits ? __ldcg(ep.partial_lse + s * split_stride + first_item + r) : -INFINITY;
       }
       m = fmaxf(m, lse[i]);
     }
@@ -476,20 +459,19 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int r
       const int s = lane + 32 * i;
       if (s < num_splits) weight[r * num_splits + s] = lse[i] * inv_sum;
     }
-    if (lane == 0 && t.lse != nullptr) {
-      t.lse[row * t.lse_row_stride + (first_head + r) * t.lse_head_stride] =
+    if (lane == 0 && ep.lse != nullptr) {
+      ep.lse[row * ep.lse_row_stride + (first_head + r) * ep.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;
     }
   }
   __syncthreads();
-  decode_exp_stamp_t(t, 12);
-  // Each thread owns up to kItems (head, 4-d) outputs.
+  // Each thread owns up to kItems (head, kPerVec-d) outputs.
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
   float acc[kItems][kPerVec];
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
 #pragma unroll
-    for (int e = 0; e < kPerVec; ++e) acc[j][e] = 0.0f;
+    for (int k = 0; k < kPerVec; ++k) acc[j][k] = 0.0f;
   }
   for (int chunk = 0; chunk < num_chunks; ++chunk) {
     if (chunk + 1 < num_chunks) {
@@ -498,7 +480,6 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int r
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (chunk + 1 == num_chunks) decode_exp_stamp_t(t, 13);
     const float4* src = staging + (chunk % 2) * kBufferVecs;
     const int s0 = chunk * chunk_splits;
     const int n = min(chunk_splits, num_splits - s0);
@@ -507,14 +488,11 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int r
       const int i = threadIdx.x + j * Traits::kThreads;
       if (i < split_vecs) {
         const float* w = weight + (i / kVecs) * num_splits + s0;
-        // EXPERIMENT (dec15): ATTNKIT_EXP_HALF=3, bf16 partials with a deliberate break (the last
-        // split's partial left out of the merge).
-        const int n_used = t.half_partials == 3 && chunk + 1 == num_chunks ? n - 1 : n;
-        for (int s = 0; s < n_used; ++s) {
+        for (int s = 0; s < n; ++s) {
           const float4 raw = src[s * split_vecs + i];
-          const PT* v = reinterpret_cast<const PT*>(&raw);
+          const QT* v = reinterpret_cast<const QT*>(&raw);
 #pragma unroll
-          for (int e = 0; e < kPerVec; ++e) acc[j][e] += w[s] * static_cast<float>(v[e]);
+          for (int k = 0; k < kPerVec; ++k) acc[j][k] += w[s] * static_cast<float>(v[k]);
         }
       }
     }
@@ -526,64 +504,11 @@ __device__ __forceinline__ void decode_merge_partials(const DecodeTail& t, int r
     const int i = threadIdx.x + j * Traits::kThreads;
     if (i < heads_here * kVecs) {
       const int r = i / kVecs, c = i % kVecs;
-      QT* out = static_cast<QT*>(t.out) + row * t.out_row_stride +
-                (first_head + r) * t.out_head_stride + kPerVec * c;
+      QT* out = static_cast<QT*>(ep.out) + row * ep.out_row_stride +
+                (first_head + r) * ep.out_head_stride + kPerVec * c;
 #pragma unroll
-      for (int e = 0; e < kPerVec; ++e) out[e] = QT(acc[j][e]);
+      for (int k = 0; k < kPerVec; ++k) out[k] = QT(acc[j][k]);
     }
-  }
-  decode_exp_stamp_t(t, 14);
-}
-
-// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
-// output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
-// m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
-// CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
-template <typename Traits>
-__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p,
-                                                           const DecodeTail& t, int row,
-                                                           int kv_head, int head_block,
-                                                           int first_head, int heads_here,
-                                                           float* scratch) {
-  using QT = typename Traits::QTag::Storage;
-  constexpr int kD = Traits::kHeadDim;
-  __shared__ int is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t* counter = t.split_counters +
-                       (static_cast<int64_t>(row) * t.num_kv_heads + kv_head) * t.head_blocks +
-                       head_block;
-    // One thread counts with release / acquire semantics: release publishes the CTA's partial
-    // writes (ordered before this thread by the barrier above), acquire makes the other splits'
-    // writes visible to the merge (ordered after it by the barrier below). Against a
-    // __threadfence() in every thread before the count and after it, H200, same run (dec10 round
-    // 1, 21:20 UTC, two repetitions, TB/s): bf16 1 x 32k 3.350 / 3.348 -> 3.368 / 3.368, 2 x 32k
-    // 3.832 -> 3.846, 1 x 8k 1.99 -> 2.01, fp8 1 x 32k 2.61 -> 2.64 (thread 0 alone fencing
-    // around a relaxed atomicAdd: 3.357 / 3.359).
-    int32_t arrived;
-    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
-                 : "=r"(arrived)
-                 : "l"(counter)
-                 : "memory");
-    is_last = arrived == t.num_splits - 1;
-    if (t.timeline != nullptr) {
-      decode_exp_stamp_t(t, 10, arrived);
-      const int64_t cta =
-          (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-      t.timeline[cta * 16 + 11] = (arrived == t.num_splits - 1) ? 1 : 0;
-    }
-    // Every split of this (row, KV head, head block) has counted: the counter is free again, so
-    // the next call through the same workspace finds it at zero without a memset.
-    if (is_last) *counter = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  if (t.half_partials == 1) {
-    decode_merge_partials<Traits, __half>(t, row, first_head, heads_here, scratch);
-  } else if (t.half_partials >= 2) {
-    decode_merge_partials<Traits, __nv_bfloat16>(t, row, first_head, heads_here, scratch);
-  } else {
-    decode_merge_partials<Traits, float>(t, row, first_head, heads_here, scratch);
   }
 }
 
@@ -605,7 +530,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* pipe_smem = smem + Traits::kQOutside;
-  decode_exp_stamp(p, 0);
   MT* q_smem = reinterpret_cast<MT*>(
       Traits::kSwizzle ? pipe_smem + (Traits::kUnits - 1) * Traits::kUnitBytes : smem);
   constexpr int kKvRowStride = Traits::kKvRowStride;
@@ -638,9 +562,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
-  decode_exp_stamp(p, 1);
-  const int hoist = decode_opaque32(p.exp_hoist);
-  const DecodeTail hoisted_tail = hoist ? decode_tail_hoisted(p) : DecodeTail{};
+  const DecodeEpilogue epilogue = decode_epilogue_of(p);
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
@@ -690,14 +612,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   };
   load_q();
-  if (p.exp_timeline != nullptr && threadIdx.x == 0) {
-    decode_exp_stamp_at(p, 2, seq_len);
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    const int64_t cta =
-        (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    p.exp_timeline[cta * 16 + 15] = smid;
-  }
   const int32_t q_pos = seq_len - 1;
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
   const int32_t keys_per_split =
@@ -958,9 +872,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.
     const uint8_t* k_smem = next_unit(tile + (kUnits - 1) / kUnitsPerTile, (kUnits - 1) % 2);
-    if (tile == 0 && p.exp_timeline != nullptr && threadIdx.x == 0) {
-      decode_exp_stamp_at(p, 3, *reinterpret_cast<const int*>(k_smem));
-    }
     // V of this tile: with halves, waited for after the scores so that K's buffer is refilled
     // while V is still in flight.
     auto v_unit = [&]() -> const uint8_t* {
@@ -1240,119 +1151,99 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
-  // EXPERIMENT (dec15): the epilogue with its parameters from the constant bank or hoisted.
-  auto epilogue = [&](const DecodeTail& tp) {
-    if (tp.timeline != nullptr && lane == 0 && warp < 4) {
-      unsigned long long v;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v)::"memory");
-      const int64_t cta =
-          (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-      tp.timeline[cta * 16 + 4 + warp] = v;
-    }
-    // Merge the warps' states through shared memory (the pipeline is drained first).
-    cp_async_wait<0>();
-    __syncthreads();
-    decode_exp_stamp_t(tp, 8);
-    float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
-    float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
-    float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
-    if constexpr (Traits::kKeysAsRows) {
+  // Merge the warps' states through shared memory (the pipeline is drained first).
+  cp_async_wait<0>();
+  __syncthreads();
+  float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
+  float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
+  float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
+  if constexpr (Traits::kKeysAsRows) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float l = l_run[h];
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
 #pragma unroll
-        for (int offset = 4; offset < 32; offset *= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
-        if (g == 0) {
-          merge_m[warp * kMB + 2 * t + h] = m_run[h];
-          merge_l[warp * kMB + 2 * t + h] = l;
-        }
+      for (int offset = 4; offset < 32; offset *= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
+      if (g == 0) {
+        merge_m[warp * kMB + 2 * t + h] = m_run[h];
+        merge_l[warp * kMB + 2 * t + h] = l;
       }
+    }
 #pragma unroll
-      for (int c = 0; c < Traits::kAccTiles; ++c) {
+    for (int c = 0; c < Traits::kAccTiles; ++c) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          // Row g of tile c is d = 16c + g (8-bit caches: 16c + 2g), row g + 8 the next 8 (+ 1).
-          const int d = Traits::kDirect ? 16 * c + 2 * g + e / 2 : 16 * c + g + 8 * (e / 2);
-          merge_o[(warp * kMB + 2 * t + (e & 1)) * kD + d] = o[c][e];
-        }
+      for (int e = 0; e < 4; ++e) {
+        // Row g of tile c is d = 16c + g (8-bit caches: 16c + 2g), row g + 8 the next 8 (+ 1).
+        const int d = Traits::kDirect ? 16 * c + 2 * g + e / 2 : 16 * c + g + 8 * (e / 2);
+        merge_o[(warp * kMB + 2 * t + (e & 1)) * kD + d] = o[c][e];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = warp_sum_quad(l_run[r]);
+      if (t == 0) {
+        merge_m[warp * kMB + g + 8 * r] = m_run[r];
+        merge_l[warp * kMB + g + 8 * r] = l;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 2 * t + (e & 1);
+        // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
+        const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
+        merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
+    const int r = i / kD, d = i % kD;
+    // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
+    const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kMB + rr]);
+    float l_all = 0.0f, o_all = 0.0f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) {
+        const float weight = exp2f(merge_m[w * kMB + rr] - m_all);
+        l_all += weight * merge_l[w * kMB + rr];
+        o_all += weight * merge_o[(w * kMB + rr) * kD + d];
+      }
+    }
+    const bool empty = l_all == 0.0f;
+    const float value = empty ? 0.0f : o_all / l_all * v_scale;
+    const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
+    const int head = first_head + r;
+    if (epilogue.num_splits == 1) {
+      QT* out = static_cast<QT*>(epilogue.out) + row * epilogue.out_row_stride +
+                head * epilogue.out_head_stride;
+      out[d] = QT(value);
+      if (d == 0 && epilogue.lse != nullptr) {
+        epilogue.lse[row * epilogue.lse_row_stride + head * epilogue.lse_head_stride] = lse;
       }
     } else {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float l = warp_sum_quad(l_run[r]);
-        if (t == 0) {
-          merge_m[warp * kMB + g + 8 * r] = m_run[r];
-          merge_l[warp * kMB + g + 8 * r] = l;
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 2 * t + (e & 1);
-          // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
-          const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
-          merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
-        }
-      }
+      const int64_t slot =
+          (static_cast<int64_t>(split) * epilogue.num_rows + row) * epilogue.num_q_heads + head;
+      // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
+      // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
+      // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
+      // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
+      // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
+      // 3.876 -> 3.917.
+      static_cast<QT*>(epilogue.partial_out)[slot * kD + d] = QT(value);
+      if (d == 0) epilogue.partial_lse[slot] = lse;
     }
+  }
+  if (epilogue.num_splits > 1 && epilogue.split_counters != nullptr) {
+    // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
-
-    for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
-      const int r = i / kD, d = i % kD;
-      // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
-      const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
-      float m_all = -INFINITY;
-#pragma unroll
-      for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kMB + rr]);
-      float l_all = 0.0f, o_all = 0.0f;
-      if (m_all != -INFINITY) {
-#pragma unroll
-        for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) {
-          const float weight = exp2f(merge_m[w * kMB + rr] - m_all);
-          l_all += weight * merge_l[w * kMB + rr];
-          o_all += weight * merge_o[(w * kMB + rr) * kD + d];
-        }
-      }
-      const bool empty = l_all == 0.0f;
-      const float value = empty ? 0.0f : o_all / l_all * v_scale;
-      const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
-      const int head = first_head + r;
-      if (tp.num_splits == 1) {
-        QT* out = static_cast<QT*>(tp.out) + row * tp.out_row_stride + head * tp.out_head_stride;
-        out[d] = QT(value);
-        if (d == 0 && tp.lse != nullptr) {
-          tp.lse[row * tp.lse_row_stride + head * tp.lse_head_stride] = lse;
-        }
-      } else {
-        const int64_t slot =
-            (static_cast<int64_t>(split) * tp.num_rows + row) * tp.num_q_heads + head;
-        if (tp.half_partials == 1) {
-          reinterpret_cast<__half*>(tp.partial_out)[slot * kD + d] = __float2half_rn(value);
-        } else if (tp.half_partials >= 2) {
-          reinterpret_cast<__nv_bfloat16*>(tp.partial_out)[slot * kD + d] =
-              __float2bfloat16_rn(value);
-        } else {
-          tp.partial_out[slot * kD + d] = value;
-        }
-        // EXPERIMENT (dec15): a deliberate break of the 1-CTA kernel (split 0's weight).
-        const float lse_break =
-            Traits::kTargetCtasPerSm == 1 && p.exp_break && split == 0 ? 1.0f : 0.0f;
-        if (d == 0) tp.partial_lse[slot] = lse + lse_break;
-      }
-    }
-    decode_exp_stamp_t(tp, 9);
-    if (tp.num_splits > 1 && tp.split_counters != nullptr) {
-      // The merge buffers are dead after this barrier: the combine reuses them.
-      __syncthreads();
-      decode_combine_in_last_cta<Traits>(p, tp, row, kv_head, head_block, first_head, heads_here,
-                                         reinterpret_cast<float*>(pipe_smem));
-    }
-  };
-  if (hoist) {
-    epilogue(hoisted_tail);
-  } else {
-    epilogue(decode_tail_of(p));
+    decode_combine_in_last_cta<Traits>(epilogue, row, kv_head, head_block, first_head, heads_here,
+                                       reinterpret_cast<float*>(pipe_smem));
   }
 }
 

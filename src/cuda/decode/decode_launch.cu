@@ -7,8 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -87,98 +85,6 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   int value = 0;
   check_cuda(cudaDeviceGetAttribute(&value, attr, device), "decode: cudaDeviceGetAttribute");
   return value;
-}
-
-// EXPERIMENT (dec15, removed before the final commit): environment switches read per call.
-// ATTNKIT_EXP_ONECTA=12|14: one CTA per SM with that many swizzled halves (bf16 q, bf16 or fp8
-// cache, head_dim 128, groups <= 8, plain logits); ATTNKIT_EXP_TIMELINE=<file>: per-CTA
-// %globaltimer stamps of every call into a ring of call slots (captured calls too), dumped at
-// the first eager call after a capture.
-int exp_env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || *v == 0 ? -1 : std::atoi(v);
-}
-struct ExpTimeline {
-  static constexpr int kSlots = 48;
-  static constexpr int64_t kCtasPerSlot = 2048;
-  static constexpr int kStamps = 16;
-  bool pending = false;
-  unsigned long long* buffer = nullptr;
-  int64_t next = 0;
-  struct Meta {
-    int64_t seq = -1;
-    int32_t gx = 0, gy = 0, gz = 0, captured = 0, splits = 0, pdl = 0;
-  } meta[kSlots];
-};
-ExpTimeline& exp_timeline() {
-  static ExpTimeline t;
-  return t;
-}
-void exp_timeline_dump(const char* path, cudaStream_t stream) {
-  ExpTimeline& t = exp_timeline();
-  if (t.buffer == nullptr) return;
-  check_cuda(cudaStreamSynchronize(stream), "exp timeline sync");
-  std::vector<unsigned long long> host(static_cast<size_t>(ExpTimeline::kSlots) *
-                                       ExpTimeline::kCtasPerSlot * ExpTimeline::kStamps);
-  check_cuda(cudaMemcpy(host.data(), t.buffer, host.size() * 8, cudaMemcpyDeviceToHost),
-             "exp timeline copy");
-  FILE* f = std::fopen(path, "wb");
-  if (f == nullptr) return;
-  const int64_t header[4] = {ExpTimeline::kSlots, ExpTimeline::kCtasPerSlot, t.next,
-                             ExpTimeline::kStamps};
-  std::fwrite(header, 8, 4, f);
-  std::fwrite(t.meta, sizeof(ExpTimeline::Meta), ExpTimeline::kSlots, f);
-  std::fwrite(host.data(), 8, host.size(), f);
-  std::fclose(f);
-}
-// At exit (registered after the runtime's own handler, so it runs first): the last captured calls.
-void exp_timeline_dump_at_exit() {
-  ExpTimeline& t = exp_timeline();
-  const char* path = std::getenv("ATTNKIT_EXP_TIMELINE");
-  if (!t.pending || t.buffer == nullptr || path == nullptr) return;
-  if (cudaDeviceSynchronize() != cudaSuccess) return;
-  std::vector<unsigned long long> host(static_cast<size_t>(ExpTimeline::kSlots) *
-                                       ExpTimeline::kCtasPerSlot * ExpTimeline::kStamps);
-  if (cudaMemcpy(host.data(), t.buffer, host.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
-    return;
-  }
-  FILE* f = std::fopen(path, "wb");
-  if (f == nullptr) return;
-  const int64_t header[4] = {ExpTimeline::kSlots, ExpTimeline::kCtasPerSlot, t.next,
-                             ExpTimeline::kStamps};
-  std::fwrite(header, 8, 4, f);
-  std::fwrite(t.meta, sizeof(ExpTimeline::Meta), ExpTimeline::kSlots, f);
-  std::fwrite(host.data(), 8, host.size(), f);
-  std::fclose(f);
-}
-void exp_timeline_attach(DecodeParams& params, cudaStream_t stream) {
-  const char* path = std::getenv("ATTNKIT_EXP_TIMELINE");
-  if (path == nullptr || *path == 0) return;
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capturing), "exp capture query");
-  ExpTimeline& t = exp_timeline();
-  const size_t bytes = static_cast<size_t>(ExpTimeline::kSlots) * ExpTimeline::kCtasPerSlot *
-                       ExpTimeline::kStamps * 8;
-  if (capturing == cudaStreamCaptureStatusNone) {
-    if (t.pending) exp_timeline_dump(path, stream);
-    t.pending = false;
-    if (t.buffer == nullptr) {
-      check_cuda(cudaMalloc(&t.buffer, bytes), "exp timeline malloc");
-      check_cuda(cudaMemset(t.buffer, 0, bytes), "exp timeline memset");
-      std::atexit(exp_timeline_dump_at_exit);
-    }
-  }
-  const int64_t ctas = static_cast<int64_t>(params.num_splits) * params.head_blocks *
-                       params.num_kv_heads * params.num_rows;
-  if (t.buffer == nullptr || ctas > ExpTimeline::kCtasPerSlot) return;
-  const int slot = static_cast<int>(t.next % ExpTimeline::kSlots);
-  params.exp_timeline = t.buffer + slot * ExpTimeline::kCtasPerSlot * ExpTimeline::kStamps;
-  t.meta[slot] = {
-      t.next,          params.num_splits * params.head_blocks,           params.num_kv_heads,
-      params.num_rows, capturing == cudaStreamCaptureStatusNone ? 0 : 1, params.num_splits,
-      params.pdl};
-  ++t.next;
-  if (capturing != cudaStreamCaptureStatusNone) t.pending = true;
 }
 
 }  // namespace
@@ -368,32 +274,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   }
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
   {
-    // EXPERIMENT (dec15, removed before the final commit): ATTNKIT_EXP_ONECTA=<halves>: the split
-    // count of one CTA per SM (heuristic calls whose grid ran one wave of the 2-CTA kernel), and
-    // the 1-CTA kernel for split grids of at most one CTA per SM (forced counts too).
-    const int exp_one = exp_env("ATTNKIT_EXP_ONECTA");
-    const bool exp_one_kernel = exp_one > 0 && spec.head_dim == 128 && choice.heads_per_cta == 8 &&
-                                !plan.transformed && p.dtype == DType::kBF16 &&
-                                (p.kv_dtype == DType::kBF16 || p.kv_dtype == DType::kFp8E4M3);
-    if (exp_one_kernel && args.num_splits <= 0 &&
-        ctas * params.num_splits <= static_cast<int64_t>(info.ctas_per_sm) * sm_count) {
-      int64_t max_keys = p.max_seq_len;
-      if (params.window > 0) {
-        max_keys =
-            std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
-      }
-      const int32_t one = decode_num_splits(ctas, 1, sm_count, max_keys, info.tile_n);
-      if (one > 1) params.num_splits = one;
-    }
-    if (exp_one_kernel && params.num_splits > 1 && ctas * params.num_splits <= sm_count) {
-      params.exp_one_cta = exp_one;
-    }
-    if (exp_env("ATTNKIT_EXP_HALF") > 0) params.exp_half_partials = exp_env("ATTNKIT_EXP_HALF");
-    if (exp_env("ATTNKIT_EXP_HOIST") > 0) params.exp_hoist = 1;
-    if (exp_env("ATTNKIT_EXP_LSEFIRST") > 0) params.exp_lse_first = 1;
-    if (exp_env("ATTNKIT_EXP_BREAK") > 0) params.exp_break = 1;
-  }
-  {
     // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
     const int64_t tile_n = info.tile_n;
     const int64_t per_split =
@@ -468,7 +348,6 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
-  exp_timeline_attach(params, stream);
   auto launch = [&] {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
@@ -483,8 +362,9 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node.
     check_workspace(*args.workspace, params, "decode: workspace");
+    // The partial outputs take the first half of their float region (16-bit values).
     params.partial_out = args.workspace->partials();
-    params.partial_lse = params.partial_out + partial_values * spec.head_dim;
+    params.partial_lse = args.workspace->partials() + partial_values * spec.head_dim;
     params.split_counters = args.workspace->counters();
     launch();
     return;
@@ -499,8 +379,8 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
                  partial_values * (spec.head_dim + 1) * sizeof(float) + counters * sizeof(int32_t),
                  stream),
              "decode: cudaMallocAsync(split-KV workspace)");
-  params.partial_out = static_cast<float*>(workspace);
-  params.partial_lse = params.partial_out + partial_values * spec.head_dim;
+  params.partial_out = workspace;
+  params.partial_lse = static_cast<float*>(workspace) + partial_values * spec.head_dim;
   try {
     params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
     check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),

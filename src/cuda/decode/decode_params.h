@@ -31,8 +31,9 @@ struct DecodeParams {
   int64_t lse_head_stride = 0;
 
   // Split-KV workspace (num_splits > 1): each split's normalized output (already multiplied by
-  // the V scale) and its LSE; the last CTA of each (row, KV head, head block) merges them.
-  float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
+  // the V scale, rounded to the dtype of q) and its LSE; the last CTA of each (row, KV head, head
+  // block) merges them.
+  void* partial_out = nullptr;   // [num_splits, num_rows, Hq, D], dtype of q
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
   // One arrival counter per (row, KV head, head block), zero at the launch (a caller's
   // DecodeWorkspace, or the per-call memset): the last split CTA to finish merges the splits and
@@ -51,15 +52,6 @@ struct DecodeParams {
   int64_t indirection_beam_stride = 0;         // elements
   int64_t indirection_pos_stride = 1;          // elements
   int32_t beam_width = 1;
-  // EXPERIMENT (dec15, removed before the final commit): per-CTA %globaltimer stamps, [cta][16];
-  // one CTA per SM with this many swizzled halves (bf16 12 / 14, fp8 14; 0: off).
-  unsigned long long* exp_timeline = nullptr;
-  int32_t exp_one_cta = 0;
-  int32_t exp_half_partials = 0;
-  int32_t exp_break = 0;
-  int32_t exp_hoist = 0;      // the epilogue's parameters in registers from the start
-  int32_t exp_lse_first = 0;  // the merge loads the LSEs before staging the partials  // f16
-                              // partial outputs (the LSEs stay f32)
 
   const float* k_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
   const float* v_scale = nullptr;  // [1] or [Hkv]; nullptr means 1
