@@ -36,7 +36,8 @@ struct DecodeCase {
   bool cyclic = false;
   bool alibi = false;
   double softcap = 0.0;
-  float q_range = 1.0f;  // larger values make soft-cap and the softmax sharper
+  float q_range = 1.0f;       // larger values make soft-cap and the softmax sharper
+  float v_scale_base = 0.0f;  // > 0: V scales of [0.5, 2) times this, 16-bit caches included
   int32_t num_splits = 0;
   int32_t max_seq_len = 0;  // DecodeArgs::max_seq_len (0: the longest row)
   bool with_lse = true;
@@ -113,7 +114,7 @@ inline HostCache build_cache(const DecodeCase& c, std::mt19937_64& rng) {
   h.v_scale = HostTensor(DType::kF32, {scales});
   for (int i = 0; i < scales; ++i) {
     h.k_scale.set(i, base * scale_dist(rng));
-    h.v_scale.set(i, base * scale_dist(rng));
+    h.v_scale.set(i, (c.v_scale_base > 0.0f ? c.v_scale_base : base) * scale_dist(rng));
   }
   for (int i = 0; i < c.hkv; ++i) {
     h.k_scales.push_back(h.k_scale.get(c.per_head_scale ? i : 0));

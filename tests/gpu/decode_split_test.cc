@@ -2,9 +2,9 @@
 // counts that divide the row's tiles and counts that do not, up to one split per tile and beyond
 // (empty splits), the heuristic's counts at batch 1 (one CTA per SM for short splits), empty
 // splits next to rows of different lengths, groups of 4 / 8 / 16 / 32 heads, 8-bit caches,
-// window + sinks, ALiBi and soft-cap, through a caller DecodeWorkspace and without, and in a
-// captured graph replayed several times. Contexts are short (at most 32k keys over 2 KV heads):
-// the host oracle's cost.
+// window + sinks, ALiBi and soft-cap, outputs beyond f16's range (the partials' type), through a
+// caller DecodeWorkspace and without, and in a captured graph replayed several times. Contexts are
+// short (at most 32k keys over 2 KV heads): the host oracle's cost.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -168,6 +168,20 @@ TEST(DecodeSplit, CapturedGraphReplays) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// The splits' partial outputs are stored in the query's type: bf16 queries over a cache whose V
+// scale puts the outputs near 1e6, beyond f16's range (f16 partials would overflow), forced and
+// heuristic counts, both workspaces.
+TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 2);
+  uint64_t salt = 3600;
+  for (int32_t splits : {5, 16, 0}) {
+    DecodeCase c = gqa4_case({2049, 700}, splits);
+    c.v_scale_base = 1.0e6f;
+    run_both_workspaces(c, salt++, ws.get());
+  }
 }
 
 }  // namespace

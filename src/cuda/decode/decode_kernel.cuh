@@ -286,12 +286,59 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
+// The parameters of the epilogue (the warp merge, the outputs or partials, the arrival count, the
+// merge), read into registers at the kernel start by moves that the compiler cannot turn back
+// into constant-bank loads after the main loop. H200, same run (dec15 round 3, 02:25 UTC, TB/s,
+// two repetitions): bf16 1 x 32k 3.383 / 3.378 -> 3.390 / 3.388 alone, 3.430 / 3.426 -> 3.449 /
+// 3.442 with 16-bit partials; no-split rows tie (32 x 32k 4.563 -> 4.565, 64 x 4k 4.437 ->
+// 4.439).
+struct DecodeEpilogue {
+  void* out;
+  float* lse;
+  void* partial_out;
+  float* partial_lse;
+  int32_t* split_counters;
+  int64_t out_row_stride, out_head_stride, lse_row_stride, lse_head_stride;
+  int32_t num_splits, num_rows, num_q_heads, num_kv_heads, head_blocks;
+};
+__device__ __forceinline__ int64_t decode_in_register(int64_t x) {
+  int64_t y;
+  asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
+  return y;
+}
+__device__ __forceinline__ int32_t decode_in_register(int32_t x) {
+  int32_t y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+template <typename T>
+__device__ __forceinline__ T* decode_in_register(T* x) {
+  return reinterpret_cast<T*>(decode_in_register(reinterpret_cast<int64_t>(x)));
+}
+__device__ __forceinline__ DecodeEpilogue decode_epilogue_of(const DecodeParams& p) {
+  return DecodeEpilogue{decode_in_register(p.out),
+                        decode_in_register(p.lse),
+                        decode_in_register(p.partial_out),
+                        decode_in_register(p.partial_lse),
+                        decode_in_register(p.split_counters),
+                        decode_in_register(p.out_row_stride),
+                        decode_in_register(p.out_head_stride),
+                        decode_in_register(p.lse_row_stride),
+                        decode_in_register(p.lse_head_stride),
+                        decode_in_register(p.num_splits),
+                        decode_in_register(p.num_rows),
+                        decode_in_register(p.num_q_heads),
+                        decode_in_register(p.num_kv_heads),
+                        decode_in_register(p.head_blocks)};
+}
+
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
-// output and LSE: out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m), lse =
-// m + log(sum). The splits' writes are made visible by the fence before the arrival count (the
-// CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1 line.
+// output (16-bit, the query's type) and LSE (f32): out = sum_s w_s out_s with w_s = exp(lse_s - m)
+// / sum_s' exp(lse_s' - m), lse = m + log(sum). The splits' writes are made visible by the fence
+// before the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg),
+// never a stale L1 line.
 template <typename Traits>
-__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue& ep, int row,
                                                            int kv_head, int head_block,
                                                            int first_head, int heads_here,
                                                            float* scratch) {
@@ -300,8 +347,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   __shared__ int is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    int32_t* counter = p.split_counters +
-                       (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
+    int32_t* counter = ep.split_counters +
+                       (static_cast<int64_t>(row) * ep.num_kv_heads + kv_head) * ep.head_blocks +
                        head_block;
     // One thread counts with release / acquire semantics: release publishes the CTA's partial
     // writes (ordered before this thread by the barrier above), acquire makes the other splits'
@@ -315,7 +362,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
                  : "=r"(arrived)
                  : "l"(counter)
                  : "memory");
-    is_last = arrived == p.num_splits - 1;
+    is_last = arrived == ep.num_splits - 1;
     // Every split of this (row, KV head, head block) has counted: the counter is free again, so
     // the next call through the same workspace finds it at zero without a memset.
     if (is_last) *counter = 0;
@@ -324,30 +371,32 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   if (!is_last) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_splits = p.num_splits;
-  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
-  const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
-  constexpr int kVecs = kD / 4;
-  const int split_vecs = heads_here * kVecs;  // float4s of one split's partial outputs
+  const int num_splits = ep.num_splits;
+  const int64_t split_stride = static_cast<int64_t>(ep.num_rows) * ep.num_q_heads;
+  const int64_t first_item = static_cast<int64_t>(row) * ep.num_q_heads + first_head;
+  // The partial outputs are 16-bit values of the query's type: 8 to a 16-byte vector.
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(QT));
+  constexpr int kVecs = kD / kPerVec;
+  const int split_vecs = heads_here * kVecs;  // 16-byte vectors of one split's partial outputs
   const int64_t split_stride_vecs = split_stride * kVecs;
-  const float4* partial = reinterpret_cast<const float4*>(p.partial_out) + first_item * kVecs;
+  const float4* partial = reinterpret_cast<const float4*>(ep.partial_out) + first_item * kVecs;
   // The partial outputs are staged in shared memory by cp.async (.cg: through L2, never a stale L1
   // line), two buffers of splits after the weights, the first two issued before the LSE pass: the
   // merge waits for about one L2 round trip per chunk, and the first ones overlap the LSE pass
   // (batch 1 x 32k, same run: 2.75 -> 2.85 TB/s against loading 16 float4s per thread into
-  // registers at a time).
+  // registers at a time; f32 partials then).
   constexpr int kWeightFloats = Traits::kM * kDecodeMaxSplits;
   constexpr int kBufferVecs = (Traits::kPipelineBytes - kWeightFloats * 4) / 16 / 2;
   static_assert(kBufferVecs >= Traits::kM * kVecs,
                 "the merge stages at least one split per buffer");
   // Chunks are sized by the heads this CTA has (groups of 4 heads in the kM = 8 kernel: twice the
   // splits per buffer), and all splits go in one chunk over both buffers when they fit (head_dim
-  // 128, kM = 8: up to 54 splits of 4 heads, 27 of 8), instead of chunks sized for kM heads (13
-  // splits: 3 chunks, three round trips, for the 32 splits of batch 1). Measured on the H200
-  // (round 4, 19:53 UTC, same run, two repetitions, TB/s): bf16 1 x 32k 3.12 / 3.11 -> 3.18 /
-  // 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x 32k 3.71 /
-  // 3.70 -> 3.72 / 3.72, 4 x 32k 4.06 -> 4.06 (one chunk before as well); fp8 1 x 32k 2.33 /
-  // 2.33 -> 2.40 / 2.41.
+  // 128, kM = 8, 16-bit partials: up to 108 splits of 4 heads, 54 of 8), instead of chunks sized
+  // for kM heads (13 splits: 3 chunks, three round trips, for the 32 splits of batch 1). Measured
+  // on the H200 (round 4, 19:53 UTC, same run, two repetitions, TB/s): bf16 1 x 32k 3.12 / 3.11
+  // -> 3.18 / 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x
+  // 32k 3.71 / 3.70 -> 3.72 / 3.72, 4 x 32k 4.06 -> 4.06 (one chunk before as well); fp8 1 x
+  // 32k 2.33 / 2.33 -> 2.40 / 2.41.
   const int chunk_splits =
       num_splits * split_vecs <= 2 * kBufferVecs ? num_splits : kBufferVecs / split_vecs;
   float4* staging = reinterpret_cast<float4*>(scratch + kWeightFloats);
@@ -362,18 +411,34 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
     }
     cp_async_commit();
   };
+  // The first head of each warp has its LSEs loaded before the partials are staged, so that the
+  // LSE pass does not queue behind them (the last CTA's LSE pass 2.34 -> 1.57 us at bf16 1 x 32k;
+  // with the register epilogue and 16-bit partials 3.449 / 3.442 -> 3.458 / 3.461 TB/s).
+  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
+  float first_lse[kLsePerLane];
+  if (warp < heads_here) {
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      first_lse[i] = s < num_splits ? __ldcg(ep.partial_lse + s * split_stride + first_item + warp)
+                                    : -INFINITY;
+    }
+  }
   stage_chunk(0);
   if (num_chunks > 1) stage_chunk(1);
   float* weight = scratch;  // [kM][num_splits]
-  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
   for (int r = warp; r < heads_here; r += Traits::kWarps) {
     float lse[kLsePerLane];
     float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kLsePerLane; ++i) {
       const int s = lane + 32 * i;
-      lse[i] =
-          s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+      if (r == warp) {
+        lse[i] = first_lse[i];
+      } else {
+        lse[i] =
+            s < num_splits ? __ldcg(ep.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+      }
       m = fmaxf(m, lse[i]);
     }
 #pragma unroll
@@ -394,17 +459,20 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       const int s = lane + 32 * i;
       if (s < num_splits) weight[r * num_splits + s] = lse[i] * inv_sum;
     }
-    if (lane == 0 && p.lse != nullptr) {
-      p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
+    if (lane == 0 && ep.lse != nullptr) {
+      ep.lse[row * ep.lse_row_stride + (first_head + r) * ep.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;
     }
   }
   __syncthreads();
-  // Each thread owns up to kItems (head, 4-d) outputs.
+  // Each thread owns up to kItems (head, kPerVec-d) outputs.
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
-  float4 acc[kItems];
+  float acc[kItems][kPerVec];
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int j = 0; j < kItems; ++j) {
+#pragma unroll
+    for (int k = 0; k < kPerVec; ++k) acc[j][k] = 0.0f;
+  }
   for (int chunk = 0; chunk < num_chunks; ++chunk) {
     if (chunk + 1 < num_chunks) {
       cp_async_wait<1>();
@@ -421,11 +489,10 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       if (i < split_vecs) {
         const float* w = weight + (i / kVecs) * num_splits + s0;
         for (int s = 0; s < n; ++s) {
-          const float4 v = src[s * split_vecs + i];
-          acc[j].x += w[s] * v.x;
-          acc[j].y += w[s] * v.y;
-          acc[j].z += w[s] * v.z;
-          acc[j].w += w[s] * v.w;
+          const float4 raw = src[s * split_vecs + i];
+          const QT* v = reinterpret_cast<const QT*>(&raw);
+#pragma unroll
+          for (int k = 0; k < kPerVec; ++k) acc[j][k] += w[s] * static_cast<float>(v[k]);
         }
       }
     }
@@ -437,12 +504,10 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
     const int i = threadIdx.x + j * Traits::kThreads;
     if (i < heads_here * kVecs) {
       const int r = i / kVecs, c = i % kVecs;
-      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
-                (first_head + r) * p.out_head_stride + 4 * c;
-      out[0] = QT(acc[j].x);
-      out[1] = QT(acc[j].y);
-      out[2] = QT(acc[j].z);
-      out[3] = QT(acc[j].w);
+      QT* out = static_cast<QT*>(ep.out) + row * ep.out_row_stride +
+                (first_head + r) * ep.out_head_stride + kPerVec * c;
+#pragma unroll
+      for (int k = 0; k < kPerVec; ++k) out[k] = QT(acc[j][k]);
     }
   }
 }
@@ -497,6 +562,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
+  const DecodeEpilogue epilogue = decode_epilogue_of(p);
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
@@ -1153,22 +1219,30 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     const float value = empty ? 0.0f : o_all / l_all * v_scale;
     const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
     const int head = first_head + r;
-    if (p.num_splits == 1) {
-      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
+    if (epilogue.num_splits == 1) {
+      QT* out = static_cast<QT*>(epilogue.out) + row * epilogue.out_row_stride +
+                head * epilogue.out_head_stride;
       out[d] = QT(value);
-      if (d == 0 && p.lse != nullptr) {
-        p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
+      if (d == 0 && epilogue.lse != nullptr) {
+        epilogue.lse[row * epilogue.lse_row_stride + head * epilogue.lse_head_stride] = lse;
       }
     } else {
-      const int64_t slot = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
-      p.partial_out[slot * kD + d] = value;
-      if (d == 0) p.partial_lse[slot] = lse;
+      const int64_t slot =
+          (static_cast<int64_t>(split) * epilogue.num_rows + row) * epilogue.num_q_heads + head;
+      // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
+      // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
+      // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
+      // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
+      // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
+      // 3.876 -> 3.917.
+      static_cast<QT*>(epilogue.partial_out)[slot * kD + d] = QT(value);
+      if (d == 0) epilogue.partial_lse[slot] = lse;
     }
   }
-  if (p.num_splits > 1 && p.split_counters != nullptr) {
+  if (epilogue.num_splits > 1 && epilogue.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
-    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
+    decode_combine_in_last_cta<Traits>(epilogue, row, kv_head, head_block, first_head, heads_here,
                                        reinterpret_cast<float*>(pipe_smem));
   }
 }

@@ -362,8 +362,9 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node.
     check_workspace(*args.workspace, params, "decode: workspace");
+    // The partial outputs take the first half of their float region (16-bit values).
     params.partial_out = args.workspace->partials();
-    params.partial_lse = params.partial_out + partial_values * spec.head_dim;
+    params.partial_lse = args.workspace->partials() + partial_values * spec.head_dim;
     params.split_counters = args.workspace->counters();
     launch();
     return;
@@ -378,8 +379,8 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
                  partial_values * (spec.head_dim + 1) * sizeof(float) + counters * sizeof(int32_t),
                  stream),
              "decode: cudaMallocAsync(split-KV workspace)");
-  params.partial_out = static_cast<float*>(workspace);
-  params.partial_lse = params.partial_out + partial_values * spec.head_dim;
+  params.partial_out = workspace;
+  params.partial_lse = static_cast<float*>(workspace) + partial_values * spec.head_dim;
   try {
     params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
     check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
