@@ -287,11 +287,13 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
 }
 
 // The parameters of the epilogue (the warp merge, the outputs or partials, the arrival count, the
-// merge), read into registers at the kernel start by moves that the compiler cannot turn back
-// into constant-bank loads after the main loop. H200, same run (dec15 round 3, 02:25 UTC, TB/s,
-// two repetitions): bf16 1 x 32k 3.383 / 3.378 -> 3.390 / 3.388 alone, 3.430 / 3.426 -> 3.449 /
-// 3.442 with 16-bit partials; no-split rows tie (32 x 32k 4.563 -> 4.565, 64 x 4k 4.437 ->
-// 4.439).
+// merge), passed through register moves at the kernel start to keep them out of the constant
+// bank after the main loop. They do not: ptxas folds the moves, and the sm_90a SASS of the bf16
+// split kernel still reads out, partial_out, partial_lse, num_splits and split_counters with
+// LDC / ULDC after the loop (cuobjdump, session 8), so whether constant-cache misses cost the
+// epilogue is still open. H200, same run (dec15 round 3, 02:25 UTC, TB/s, two repetitions): bf16
+// 1 x 32k 3.383 / 3.378 -> 3.390 / 3.388 alone, 3.430 / 3.426 -> 3.449 / 3.442 with 16-bit
+// partials; no-split rows tie (32 x 32k 4.563 -> 4.565, 64 x 4k 4.437 -> 4.439).
 struct DecodeEpilogue {
   void* out;
   float* lse;
