@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/decode_workspace_check.h"
 #include "core/kv_access.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/cuda_backend.h"
@@ -303,7 +304,7 @@ int64_t counters_of(const DecodeParams& params) {
 }
 int64_t partial_floats_of(const DecodeParams& params) {
   return static_cast<int64_t>(params.num_splits) * params.num_rows * params.num_q_heads *
-         (params.head_dim + 1);
+         detail::decode_partial_words(params.head_dim);
 }
 
 // A split call through a caller's workspace must fit it (checked before anything is enqueued).
@@ -314,9 +315,10 @@ void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, cons
                 "), the workspace holds ", ws.counter_capacity(), " counters (max_rows x Hq)");
   ATTNKIT_CHECK(partial_floats_of(params) <= ws.partial_capacity(), what,
                 ": too small for this call: ", params.num_splits, " splits x ", params.num_rows,
-                " rows x Hq ", params.num_q_heads, " x (D + 1) ", params.head_dim + 1, " = ",
-                partial_floats_of(params), " partial floats, the workspace holds ",
-                ws.partial_capacity(), " (max_rows x max_splits x Hq x (D + 1))");
+                " rows x Hq ", params.num_q_heads, " x (ceil(D / 2) + 1) ",
+                detail::decode_partial_words(params.head_dim), " = ", partial_floats_of(params),
+                " partial words, the workspace holds ", ws.partial_capacity(),
+                " (max_rows x max_splits x Hq x (ceil(D / 2) + 1))");
 }
 
 }  // namespace
@@ -358,29 +360,31 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   }
   const size_t partial_values =
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
+  // 4-byte words of one partial output (16-bit values of the query's type).
+  const size_t output_words = static_cast<size_t>(detail::decode_partial_words(spec.head_dim) - 1);
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node.
     check_workspace(*args.workspace, params, "decode: workspace");
-    // The partial outputs take the first half of their float region (16-bit values).
+    // 16-bit partial outputs, then the f32 LSEs (detail::decode_partial_words).
     params.partial_out = args.workspace->partials();
-    params.partial_lse = args.workspace->partials() + partial_values * spec.head_dim;
+    params.partial_lse = args.workspace->partials() + partial_values * output_words;
     params.split_counters = args.workspace->counters();
     launch();
     return;
   }
   // Per-call stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a
-  // memory node and a memset node). Layout: partial outputs, partial LSEs, then the arrival
-  // counters of the last-CTA merge, zeroed by the memset.
+  // memory node and a memset node). Layout: partial outputs (16-bit), partial LSEs, then the
+  // arrival counters of the last-CTA merge, zeroed by the memset.
   const size_t counters = static_cast<size_t>(counters_of(params));
   void* workspace = nullptr;
-  check_cuda(cudaMallocAsync(
-                 &workspace,
-                 partial_values * (spec.head_dim + 1) * sizeof(float) + counters * sizeof(int32_t),
-                 stream),
-             "decode: cudaMallocAsync(split-KV workspace)");
+  check_cuda(
+      cudaMallocAsync(
+          &workspace,
+          partial_values * (output_words + 1) * sizeof(float) + counters * sizeof(int32_t), stream),
+      "decode: cudaMallocAsync(split-KV workspace)");
   params.partial_out = workspace;
-  params.partial_lse = static_cast<float*>(workspace) + partial_values * spec.head_dim;
+  params.partial_lse = static_cast<float*>(workspace) + partial_values * output_words;
   try {
     params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
     check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
