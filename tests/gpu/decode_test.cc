@@ -163,6 +163,19 @@ TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   EXPECT_EQ(cuda::decode_num_splits(8, 1, 132, 8192, 64), 16);
 }
 
+TEST(DecodeKernelChoiceRule, GroupsBeyondSixteenHeads) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  EXPECT_EQ(cuda::decode_heads_per_cta(4, false, 1, 132), 8);
+  EXPECT_EQ(cuda::decode_heads_per_cta(12, true, 1000, 132), 16);
+  // 16-bit caches: two M blocks once the grid has SMs / 16 CTAs (132: 9 rows x KV heads).
+  EXPECT_EQ(cuda::decode_heads_per_cta(32, false, 64, 132), 32);
+  EXPECT_EQ(cuda::decode_heads_per_cta(32, false, 9, 132), 32);
+  EXPECT_EQ(cuda::decode_heads_per_cta(32, false, 8, 132), 8);
+  EXPECT_EQ(cuda::decode_heads_per_cta(64, false, 1, 132), 8);
+  // 8-bit caches: head blocks of 8 at every grid.
+  EXPECT_EQ(cuda::decode_heads_per_cta(32, true, 64, 132), 8);
+}
+
 TEST(DecodeFused, QuantizedKvAgainstQuantizedReference) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() + 7);
@@ -253,24 +266,30 @@ TEST(DecodeFused, CrossAttentionStaticEncoderCache) {
 TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   uint64_t salt = 800;
-  // Groups of 17..32 heads take two M blocks per CTA (K/V read once); 64 heads two head blocks of
-  // 32; 40 / 2 = 20 and 48 / 2 = 24 leave the second M block partly empty.
+  // Groups beyond 16 heads (decode_heads_per_cta): with 12 rows (12 or 24 rows x KV heads, at
+  // least SMs / 16 on GPUs of up to 192 SMs) two M blocks per CTA (K/V read once); 64 heads two
+  // head blocks of 32; 40 / 2 = 20 and 48 / 2 = 24 leave the second M block partly empty. With 3
+  // rows, head blocks of 8 heads on the keys-as-rows kernel (the last one partly empty for 20
+  // heads). 12 heads a group: one 16-row block either way.
   for (auto [hq, hkv] :
        {std::pair{32, 1}, std::pair{12, 2}, std::pair{40, 2}, std::pair{48, 2}, std::pair{64, 1}}) {
-    DecodeCase c;
-    c.hq = hq;
-    c.hkv = hkv;
-    c.seq_lens = {1, 200, 513};
-    for (int splits : {1, 0, 5}) {
-      c.num_splits = splits;
-      run_case(c, salt++);
+    for (bool large_grid : {false, true}) {
+      DecodeCase c;
+      c.hq = hq;
+      c.hkv = hkv;
+      c.seq_lens = {1, 200, 513};
+      if (large_grid) c.seq_lens = {1, 200, 513, 64, 65, 1000, 33, 300, 7, 128, 129, 2};
+      for (int splits : {1, 0, 5}) {
+        c.num_splits = splits;
+        run_case(c, salt++);
+      }
     }
   }
 }
 
 // The three split calls that the multi-stream tests keep in flight together: GQA 32/8 bf16 with
-// forced splits, f16 GQA 16/2 split by the heuristic (a batch this small), and MQA 32/1 (one CTA
-// per row unless split) with forced splits.
+// forced splits, f16 GQA 16/2 split by the heuristic (a batch this small), and MQA 32/1 (two
+// rows: four head blocks of 8 heads a row) with forced splits.
 struct StreamCases {
   DecodeCase gqa, f16, mqa;
 };

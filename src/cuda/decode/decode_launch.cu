@@ -90,6 +90,25 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 
 }  // namespace
 
+// Groups of up to 8 heads take the keys-as-rows tile (half the MMAs) and groups of up to 16 the
+// 16-row tile. Groups beyond 16 heads take two M blocks per CTA (K/V read once per 32 heads) for
+// 16-bit caches on grids of at least SMs / 16 CTAs; otherwise, and for 8-bit caches, head blocks
+// of 8 on the keys-as-rows kernel (the later head blocks' K/V reads mostly hit L2). Its tuned
+// 8-bit path beats the two-M-block 8-bit kernel, and on small grids the 32-head CTAs need so
+// many splits that their merge dominates (one 32-head CTA at 1 x 32k: 128 splits). H200, same
+// run (04:24 UTC, MQA 32/1, D 128, page 32, TB/s, 32-head CTAs -> head blocks of 8 -> of 16):
+// bf16 64 x 4k 2.360 -> 2.184 -> 2.091, 8 x 32k 2.065 -> 2.020 -> 1.945, 1 x 32k 0.306 -> 0.769
+// -> 0.565; fp8 64 x 4k 1.276 -> 1.492 -> 1.347. This rule against main's build (04:28 UTC): bf16
+// 1 / 2 / 4 / 8 x 32k 0.306 / 0.773 / 1.244 / 2.087 -> 0.760 / 1.273 / 1.695 / 2.010 (8 rows, 128
+// CTAs on 132 SMs, is its one loss: the crossover lies between 4 and 8 rows), 64 x 4k 2.366 both;
+// fp8 1 x 32k 0.160 -> 0.473, int8 8 x 32k 1.032 -> 1.265.
+int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
+                         int sm_count) {
+  if (group_size <= 8) return 8;
+  if (group_size <= 16) return 16;
+  return !eight_bit_cache && rows_x_kv_heads * 16 >= sm_count ? 32 : 8;
+}
+
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
 // tiles of keys per split (the prologue and the combine are not free). Splits that short (at most
@@ -213,10 +232,13 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   params.num_q_heads = spec.num_q_heads;
   params.num_kv_heads = spec.num_kv_heads;
   params.group_size = spec.group_size();
-  // Groups of up to 8 heads take the keys-as-rows tile (half the MMAs); groups beyond 16 heads
-  // two M blocks per CTA, so that K/V is read once per 32 heads.
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   DecodeKernelChoice& choice = plan.choice;
-  choice.heads_per_cta = params.group_size <= 8 ? 8 : (params.group_size <= 16 ? 16 : 32);
+  choice.heads_per_cta = decode_heads_per_cta(
+      params.group_size, p.kv_dtype == DType::kFp8E4M3 || p.kv_dtype == DType::kInt8,
+      p.num_rows * spec.num_kv_heads, sm_count);
   params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
@@ -232,13 +254,10 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   }
   plan.transformed = spec.alibi || spec.logit_softcap > 0.0;
 
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
   if (cache.paged) {
     while ((1 << params.page_shift) < cache.tokens_per_block) ++params.page_shift;
     params.table_cols = static_cast<int32_t>(cache.block_table.shape[1]);
   }
-  const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
   const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
   // The call's kernel family has a 4-CTA-per-SM kernel (8-bit caches at head_dim 128, plain

@@ -39,6 +39,11 @@ void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool tr
 template <int kHeadDim>
 DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice);
 
+// Query heads a CTA serves (DecodeKernelChoice::heads_per_cta, decode_launch.cu) for a group of
+// group_size heads, given the cache's element size, rows x KV heads and the SM count.
+int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
+                         int sm_count);
+
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range.
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
