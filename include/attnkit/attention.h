@@ -78,8 +78,8 @@ class DecodeWorkspace {
 
   const Device& device() const { return device_; }
   int64_t bytes() const { return bytes_; }
-  int64_t counter_capacity() const { return counters_; }        // int32 arrival counters
-  int64_t partial_capacity() const { return partial_floats_; }  // 4-byte words of (O, LSE)
+  int64_t counter_capacity() const { return counters_; }       // int32 arrival counters
+  int64_t partial_capacity() const { return partial_words_; }  // 4-byte words of (O, LSE)
   // Enqueues a zeroing of the counters on `stream` (cudaStream_t as void*).
   void reset(Stream stream = nullptr);
 
@@ -93,7 +93,7 @@ class DecodeWorkspace {
   float* partials_ = nullptr;
   int64_t bytes_ = 0;
   int64_t counters_ = 0;
-  int64_t partial_floats_ = 0;
+  int64_t partial_words_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------

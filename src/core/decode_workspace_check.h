@@ -7,14 +7,17 @@
 namespace attnkit::detail {
 
 struct DecodeWorkspaceSize {
-  int64_t counters = 0;        // int32 arrival counters
-  int64_t partial_floats = 0;  // 4-byte words of the partial outputs and LSEs
+  int64_t counters = 0;       // int32 arrival counters
+  int64_t partial_words = 0;  // 4-byte words of the partial outputs and LSEs
 };
 
-// 4-byte words of one (split, row, query head)'s partial: its output in the query's 16-bit type
-// (ceil(D / 2) words) and its f32 LSE. The decode kernel stores a split's output that way
-// (decode_kernel.cuh), so a workspace of f32 outputs would leave half its memory unused.
-constexpr int64_t decode_partial_words(int64_t head_dim) { return (head_dim + 1) / 2 + 1; }
+// 4-byte words of one (split, row, query head)'s partial output, D values in the query's 16-bit
+// type (the decode kernel stores a split's output that way, decode_kernel.cuh), and of the whole
+// partial with its f32 LSE. The workspace lays out every output, then every LSE.
+constexpr int64_t decode_partial_output_words(int64_t head_dim) { return (head_dim + 1) / 2; }
+constexpr int64_t decode_partial_words(int64_t head_dim) {
+  return decode_partial_output_words(head_dim) + 1;
+}
 
 // Validates the constructor's arguments (naming each) and returns the capacities.
 inline DecodeWorkspaceSize decode_workspace_size(const AttentionSpec& spec, int64_t max_rows,
@@ -29,7 +32,7 @@ inline DecodeWorkspaceSize decode_workspace_size(const AttentionSpec& spec, int6
   DecodeWorkspaceSize size;
   // Head blocks per row (KV heads x head blocks of a group) never exceed the query heads.
   size.counters = max_rows * spec.num_q_heads;
-  size.partial_floats =
+  size.partial_words =
       max_rows * max_splits * spec.num_q_heads * decode_partial_words(spec.head_dim);
   return size;
 }

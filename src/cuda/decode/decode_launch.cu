@@ -236,9 +236,8 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   DecodeKernelChoice& choice = plan.choice;
-  choice.heads_per_cta = decode_heads_per_cta(
-      params.group_size, p.kv_dtype == DType::kFp8E4M3 || p.kv_dtype == DType::kInt8,
-      p.num_rows * spec.num_kv_heads, sm_count);
+  choice.heads_per_cta = decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
+                                              p.num_rows * spec.num_kv_heads, sm_count);
   params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
@@ -321,7 +320,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
 int64_t counters_of(const DecodeParams& params) {
   return static_cast<int64_t>(params.num_rows) * params.num_kv_heads * params.head_blocks;
 }
-int64_t partial_floats_of(const DecodeParams& params) {
+int64_t partial_words_of(const DecodeParams& params) {
   return static_cast<int64_t>(params.num_splits) * params.num_rows * params.num_q_heads *
          detail::decode_partial_words(params.head_dim);
 }
@@ -332,10 +331,10 @@ void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, cons
                 ": too small for this call: it has ", params.num_rows,
                 " rows (counters for rows x KV heads x head blocks = ", counters_of(params),
                 "), the workspace holds ", ws.counter_capacity(), " counters (max_rows x Hq)");
-  ATTNKIT_CHECK(partial_floats_of(params) <= ws.partial_capacity(), what,
+  ATTNKIT_CHECK(partial_words_of(params) <= ws.partial_capacity(), what,
                 ": too small for this call: ", params.num_splits, " splits x ", params.num_rows,
                 " rows x Hq ", params.num_q_heads, " x (ceil(D / 2) + 1) ",
-                detail::decode_partial_words(params.head_dim), " = ", partial_floats_of(params),
+                detail::decode_partial_words(params.head_dim), " = ", partial_words_of(params),
                 " partial words, the workspace holds ", ws.partial_capacity(),
                 " (max_rows x max_splits x Hq x (ceil(D / 2) + 1))");
 }
@@ -379,8 +378,8 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   }
   const size_t partial_values =
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
-  // 4-byte words of one partial output (16-bit values of the query's type).
-  const size_t output_words = static_cast<size_t>(detail::decode_partial_words(spec.head_dim) - 1);
+  const size_t output_words =
+      static_cast<size_t>(detail::decode_partial_output_words(spec.head_dim));
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node.

@@ -25,7 +25,7 @@ DecodeWorkspace::DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, in
   ATTNKIT_CHECK(device.index >= 0 && device.index < count, "DecodeWorkspace: device ", device.str(),
                 " does not exist (", count, " CUDA devices)");
   const int64_t counter_bytes = (size.counters * 4 + kAlign - 1) / kAlign * kAlign;
-  bytes_ = counter_bytes + size.partial_floats * 4;
+  bytes_ = counter_bytes + size.partial_words * 4;
   cuda::DeviceScope scope(device.index, "DecodeWorkspace: cudaSetDevice");
   cuda::check_cuda(cudaMalloc(&memory_, static_cast<size_t>(bytes_)),
                    "DecodeWorkspace: cudaMalloc");
@@ -39,7 +39,7 @@ DecodeWorkspace::DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, in
   }
   partials_ = reinterpret_cast<float*>(static_cast<char*>(memory_) + counter_bytes);
   counters_ = size.counters;
-  partial_floats_ = size.partial_floats;
+  partial_words_ = size.partial_words;
 }
 
 DecodeWorkspace::~DecodeWorkspace() {
