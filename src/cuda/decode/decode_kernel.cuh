@@ -229,7 +229,8 @@ struct DecodeTraits {
   // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
   // keeps a weight per (head, split) there.
   static constexpr int kMergeBytes =
-      kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) * static_cast<int>(sizeof(float));
+      (kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) + kM * kKeyWarps) *
+      static_cast<int>(sizeof(float));
   static constexpr int kCombineBytes = kM * kDecodeMaxSplits * static_cast<int>(sizeof(float));
   static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
   static constexpr int kSmemBytes = kQOutside + kPipelineBytes;
@@ -286,61 +287,13 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
-// The parameters of the epilogue (the warp merge, the outputs or partials, the arrival count, the
-// merge), passed through register moves at the kernel start to keep them out of the constant
-// bank after the main loop. They do not: ptxas folds the moves, and the sm_90a SASS of the bf16
-// split kernel still reads out, partial_out, partial_lse, num_splits and split_counters with
-// LDC / ULDC after the loop (cuobjdump, session 8), so whether constant-cache misses cost the
-// epilogue is still open. H200, same run (dec15 round 3, 02:25 UTC, TB/s, two repetitions): bf16
-// 1 x 32k 3.383 / 3.378 -> 3.390 / 3.388 alone, 3.430 / 3.426 -> 3.449 / 3.442 with 16-bit
-// partials; no-split rows tie (32 x 32k 4.563 -> 4.565, 64 x 4k 4.437 -> 4.439).
-struct DecodeEpilogue {
-  void* out;
-  float* lse;
-  void* partial_out;
-  float* partial_lse;
-  int32_t* split_counters;
-  int64_t out_row_stride, out_head_stride, lse_row_stride, lse_head_stride;
-  int32_t num_splits, num_rows, num_q_heads, num_kv_heads, head_blocks;
-};
-__device__ __forceinline__ int64_t decode_in_register(int64_t x) {
-  int64_t y;
-  asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
-  return y;
-}
-__device__ __forceinline__ int32_t decode_in_register(int32_t x) {
-  int32_t y;
-  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-template <typename T>
-__device__ __forceinline__ T* decode_in_register(T* x) {
-  return reinterpret_cast<T*>(decode_in_register(reinterpret_cast<int64_t>(x)));
-}
-__device__ __forceinline__ DecodeEpilogue decode_epilogue_of(const DecodeParams& p) {
-  return DecodeEpilogue{decode_in_register(p.out),
-                        decode_in_register(p.lse),
-                        decode_in_register(p.partial_out),
-                        decode_in_register(p.partial_lse),
-                        decode_in_register(p.split_counters),
-                        decode_in_register(p.out_row_stride),
-                        decode_in_register(p.out_head_stride),
-                        decode_in_register(p.lse_row_stride),
-                        decode_in_register(p.lse_head_stride),
-                        decode_in_register(p.num_splits),
-                        decode_in_register(p.num_rows),
-                        decode_in_register(p.num_q_heads),
-                        decode_in_register(p.num_kv_heads),
-                        decode_in_register(p.head_blocks)};
-}
-
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
 // output (16-bit, the query's type) and LSE (f32): out = sum_s w_s out_s with w_s = exp(lse_s - m)
 // / sum_s' exp(lse_s' - m), lse = m + log(sum). The splits' writes are made visible by the fence
 // before the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg),
 // never a stale L1 line.
 template <typename Traits>
-__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue& ep, int row,
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
                                                            int kv_head, int head_block,
                                                            int first_head, int heads_here,
                                                            float* scratch) {
@@ -349,8 +302,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
   __shared__ int is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    int32_t* counter = ep.split_counters +
-                       (static_cast<int64_t>(row) * ep.num_kv_heads + kv_head) * ep.head_blocks +
+    int32_t* counter = p.split_counters +
+                       (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
                        head_block;
     // One thread counts with release / acquire semantics: release publishes the CTA's partial
     // writes (ordered before this thread by the barrier above), acquire makes the other splits'
@@ -364,7 +317,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
                  : "=r"(arrived)
                  : "l"(counter)
                  : "memory");
-    is_last = arrived == ep.num_splits - 1;
+    is_last = arrived == p.num_splits - 1;
     // Every split of this (row, KV head, head block) has counted: the counter is free again, so
     // the next call through the same workspace finds it at zero without a memset.
     if (is_last) *counter = 0;
@@ -373,15 +326,15 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
   if (!is_last) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_splits = ep.num_splits;
-  const int64_t split_stride = static_cast<int64_t>(ep.num_rows) * ep.num_q_heads;
-  const int64_t first_item = static_cast<int64_t>(row) * ep.num_q_heads + first_head;
+  const int num_splits = p.num_splits;
+  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
+  const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
   // The partial outputs are 16-bit values of the query's type: 8 to a 16-byte vector.
   constexpr int kPerVec = 16 / static_cast<int>(sizeof(QT));
   constexpr int kVecs = kD / kPerVec;
   const int split_vecs = heads_here * kVecs;  // 16-byte vectors of one split's partial outputs
   const int64_t split_stride_vecs = split_stride * kVecs;
-  const float4* partial = reinterpret_cast<const float4*>(ep.partial_out) + first_item * kVecs;
+  const float4* partial = reinterpret_cast<const float4*>(p.partial_out) + first_item * kVecs;
   // The partial outputs are staged in shared memory by cp.async (.cg: through L2, never a stale L1
   // line), two buffers of splits after the weights, the first two issued before the LSE pass: the
   // merge waits for about one L2 round trip per chunk, and the first ones overlap the LSE pass
@@ -422,8 +375,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
 #pragma unroll
     for (int i = 0; i < kLsePerLane; ++i) {
       const int s = lane + 32 * i;
-      first_lse[i] = s < num_splits ? __ldcg(ep.partial_lse + s * split_stride + first_item + warp)
-                                    : -INFINITY;
+      first_lse[i] =
+          s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + warp) : -INFINITY;
     }
   }
   stage_chunk(0);
@@ -439,7 +392,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
         lse[i] = first_lse[i];
       } else {
         lse[i] =
-            s < num_splits ? __ldcg(ep.partial_lse + s * split_stride + first_item + r) : -INFINITY;
+            s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + r) : -INFINITY;
       }
       m = fmaxf(m, lse[i]);
     }
@@ -461,14 +414,24 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
       const int s = lane + 32 * i;
       if (s < num_splits) weight[r * num_splits + s] = lse[i] * inv_sum;
     }
-    if (lane == 0 && ep.lse != nullptr) {
-      ep.lse[row * ep.lse_row_stride + (first_head + r) * ep.lse_head_stride] =
+    if (lane == 0 && p.lse != nullptr) {
+      p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;
     }
   }
   __syncthreads();
-  // Each thread owns up to kItems (head, kPerVec-d) outputs.
+  // Each output vector (a head's kPerVec d's) is summed over the splits by `parts` consecutive
+  // threads, the splits strided among them and their sums shuffled together, so that a CTA with
+  // fewer vectors than threads (4 heads x 16 vectors at head_dim 128: 64 of 128 threads) keeps
+  // every thread busy; each thread owns up to kItems vectors. The merging CTA runs alone at the
+  // end of the call: its serial chain of shared loads and adds is the call's tail.
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
+  // Splits in flight a thread (more spill the two-M-block kernel's registers).
+  constexpr int kSplitUnroll = kItems > 1 ? 2 : 4;
+  int parts = 1;
+  while (parts < 8 && split_vecs * parts * 2 <= Traits::kThreads) parts *= 2;
+  const int part = threadIdx.x % parts;
+  const int base = threadIdx.x / parts;
   float acc[kItems][kPerVec];
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
@@ -487,27 +450,38 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeEpilogue&
     const int n = min(chunk_splits, num_splits - s0);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      const int i = threadIdx.x + j * Traits::kThreads;
+      const int i = base + j * Traits::kThreads;
       if (i < split_vecs) {
         const float* w = weight + (i / kVecs) * num_splits + s0;
-        for (int s = 0; s < n; ++s) {
+#pragma unroll kSplitUnroll
+        for (int s = part; s < n; s += parts) {
           const float4 raw = src[s * split_vecs + i];
           const QT* v = reinterpret_cast<const QT*>(&raw);
+          const float ws = w[s];
 #pragma unroll
-          for (int k = 0; k < kPerVec; ++k) acc[j][k] += w[s] * static_cast<float>(v[k]);
+          for (int k = 0; k < kPerVec; ++k) acc[j][k] += ws * static_cast<float>(v[k]);
         }
       }
     }
     __syncthreads();
     if (chunk + 2 < num_chunks) stage_chunk(chunk + 2);
   }
+  for (int offset = 1; offset < parts; offset *= 2) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+#pragma unroll
+      for (int k = 0; k < kPerVec; ++k)
+        acc[j][k] += __shfl_xor_sync(0xffffffffu, acc[j][k], offset);
+    }
+  }
+  if (part != 0) return;
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
-    const int i = threadIdx.x + j * Traits::kThreads;
-    if (i < heads_here * kVecs) {
+    const int i = base + j * Traits::kThreads;
+    if (i < split_vecs) {
       const int r = i / kVecs, c = i % kVecs;
-      QT* out = static_cast<QT*>(ep.out) + row * ep.out_row_stride +
-                (first_head + r) * ep.out_head_stride + kPerVec * c;
+      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
+                (first_head + r) * p.out_head_stride + kPerVec * c;
 #pragma unroll
       for (int k = 0; k < kPerVec; ++k) out[k] = QT(acc[j][k]);
     }
@@ -564,7 +538,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
-  const DecodeEpilogue epilogue = decode_epilogue_of(p);
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
@@ -1159,6 +1132,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
   float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
   float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
+  // Per head, the weight of each key warp's O: exp2(m_w - m) / l * v_scale.
+  float4* merge_w = reinterpret_cast<float4*>(merge_l + Traits::kWarps * kMB);  // [kM]
+  static_assert(Traits::kKeyWarps == 4, "one float4 of warp weights a head");
   if constexpr (Traits::kKeysAsRows) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -1201,50 +1177,69 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   }
   __syncthreads();
 
-  for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
-    const int r = i / kD, d = i % kD;
+  // The warps' states combine in two steps: one thread a head computes the weight of each key
+  // warp's O and the head's LSE, then every thread sums its (head, d) outputs from them. One warp
+  // a scheduler runs this, so it is a chain of latencies: one (head, d) at a time, each with its
+  // own max and exponentials, took ~2000 cycles from the first output to the written partials
+  // (batch 1 x 32k's per-CTA timeline), on the call's tail.
+  if (threadIdx.x < kM) {
+    const int r = threadIdx.x;
     // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
     const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
-    float m_all = -INFINITY;
+    float m_w[4], m_all = -INFINITY;
 #pragma unroll
-    for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kMB + rr]);
-    float l_all = 0.0f, o_all = 0.0f;
-    if (m_all != -INFINITY) {
+    for (int k = 0; k < 4; ++k) {
+      m_w[k] = merge_m[(w0 + k) * kMB + rr];
+      m_all = fmaxf(m_all, m_w[k]);
+    }
+    // A row without keys (m_all = -inf) gets weights exp2(-inf) = 0, so l_all = 0 below.
+    const float m_ref = m_all == -INFINITY ? 0.0f : m_all;
+    float l_all = 0.0f;
 #pragma unroll
-      for (int w = w0; w < w0 + Traits::kKeyWarps; ++w) {
-        const float weight = exp2f(merge_m[w * kMB + rr] - m_all);
-        l_all += weight * merge_l[w * kMB + rr];
-        o_all += weight * merge_o[(w * kMB + rr) * kD + d];
-      }
+    for (int k = 0; k < 4; ++k) {
+      m_w[k] = exp2f(m_w[k] - m_ref);
+      l_all += m_w[k] * merge_l[(w0 + k) * kMB + rr];
     }
     const bool empty = l_all == 0.0f;
-    const float value = empty ? 0.0f : o_all / l_all * v_scale;
-    const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
-    const int head = first_head + r;
-    if (epilogue.num_splits == 1) {
-      QT* out = static_cast<QT*>(epilogue.out) + row * epilogue.out_row_stride +
-                head * epilogue.out_head_stride;
-      out[d] = QT(value);
-      if (d == 0 && epilogue.lse != nullptr) {
-        epilogue.lse[row * epilogue.lse_row_stride + head * epilogue.lse_head_stride] = lse;
+    const float scale = empty ? 0.0f : v_scale / l_all;
+    merge_w[r] = make_float4(m_w[0] * scale, m_w[1] * scale, m_w[2] * scale, m_w[3] * scale);
+    if (r < heads_here) {
+      const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
+      const int head = first_head + r;
+      if (p.num_splits == 1) {
+        if (p.lse != nullptr) p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
+      } else {
+        p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] =
+            lse;
       }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
+    const int r = i / kD, d = i % kD;
+    const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
+    const float4 w = merge_w[r];
+    const float* o_w = merge_o + (w0 * kMB + rr) * kD + d;
+    const float value =
+        w.x * o_w[0] + w.y * o_w[kMB * kD] + w.z * o_w[2 * kMB * kD] + w.w * o_w[3 * kMB * kD];
+    const int head = first_head + r;
+    if (p.num_splits == 1) {
+      static_cast<QT*>(p.out)[row * p.out_row_stride + head * p.out_head_stride + d] = QT(value);
     } else {
-      const int64_t slot =
-          (static_cast<int64_t>(split) * epilogue.num_rows + row) * epilogue.num_q_heads + head;
       // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
       // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
       // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
       // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
       // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
       // 3.876 -> 3.917.
-      static_cast<QT*>(epilogue.partial_out)[slot * kD + d] = QT(value);
-      if (d == 0) epilogue.partial_lse[slot] = lse;
+      const int64_t slot = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
+      static_cast<QT*>(p.partial_out)[slot * kD + d] = QT(value);
     }
   }
-  if (epilogue.num_splits > 1 && epilogue.split_counters != nullptr) {
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
-    decode_combine_in_last_cta<Traits>(epilogue, row, kv_head, head_block, first_head, heads_here,
+    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
                                        reinterpret_cast<float*>(pipe_smem));
   }
 }
