@@ -172,8 +172,14 @@ TEST(DecodeKernelChoiceRule, GroupsBeyondSixteenHeads) {
   EXPECT_EQ(cuda::decode_heads_per_cta(32, false, 9, 132), 32);
   EXPECT_EQ(cuda::decode_heads_per_cta(32, false, 8, 132), 8);
   EXPECT_EQ(cuda::decode_heads_per_cta(64, false, 1, 132), 8);
-  // 8-bit caches: head blocks of 8 at every grid.
+  // 8-bit caches: head blocks of 8 at every grid; their 32-head kernels are not built, and asking
+  // for one raises rather than running another configuration.
   EXPECT_EQ(cuda::decode_heads_per_cta(32, true, 64, 132), 8);
+  cuda::DecodeKernelChoice two_m_blocks;
+  two_m_blocks.heads_per_cta = 32;
+  EXPECT_EQ(cuda::decode_kernel_info<128>(DType::kBF16, DType::kBF16, two_m_blocks).tile_n, 64);
+  EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kBF16, DType::kFp8E4M3, two_m_blocks), Error);
+  EXPECT_THROW(cuda::decode_kernel_info<64>(DType::kF16, DType::kInt8, two_m_blocks), Error);
 }
 
 TEST(DecodeFused, QuantizedKvAgainstQuantizedReference) {

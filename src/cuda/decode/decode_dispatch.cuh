@@ -109,11 +109,19 @@ DecodeKernelInfo info_traits() {
   return info;
 }
 
-// Calls f.template operator()<Traits>() for the tile configuration of `choice`.
+// Calls f.template operator()<Traits>() for the tile configuration of `choice`. The two-M-block
+// (32-head) kernel is built for 16-bit caches only: decode_heads_per_cta gives 8-bit caches head
+// blocks of 8 for every group beyond 16 heads (their tuned keys-as-rows path was faster).
 template <int kHeadDim, typename QTag, typename Kv, typename R, typename F>
 R with_config(DecodeKernelChoice choice, F&& f) {
-  if (choice.heads_per_cta == 32)
-    return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 32>>();
+  if (choice.heads_per_cta == 32) {
+    if constexpr (Kv::kBytes == 2) {
+      return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 32>>();
+    } else {
+      detail::fail("decode: no 32-head kernel for an 8-bit cache (decode_heads_per_cta gives ",
+                   "8-bit caches head blocks of 8)");
+    }
+  }
   if (choice.heads_per_cta == 8)
     return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 8>>();
   return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 16>>();
