@@ -226,10 +226,15 @@ struct DecodeTraits {
           ? (kHalvesFit < kMinHalves ? kMinHalves
                                      : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
           : kStages;
-  // The warp merge reuses the pipeline memory: O, m and l of every warp; the split combine then
-  // keeps a weight per (head, split) there.
+  // The warp merge reuses the pipeline memory: O (rows of kMergeStride floats), m and l of every
+  // warp and the key warps' weights of every head; the split combine then keeps a weight per
+  // (head, split) there. O's rows are padded by 4 floats: the accumulator layouts store lanes
+  // (g, t) at rows 2t (keys as rows) or g (heads as rows) and the same column, which an unpadded
+  // 128- or 256-float row puts in one bank (4- and 8-way conflicts; 4 floats make them 1- and
+  // 2-way).
+  static constexpr int kMergeStride = kHeadDim + 4;
   static constexpr int kMergeBytes =
-      (kWarps * kDecodeHeadsPerCta * (kHeadDim + 2) + kM * kKeyWarps) *
+      (kWarps * kDecodeHeadsPerCta * (kMergeStride + 2) + kM * kKeyWarps) *
       static_cast<int>(sizeof(float));
   static constexpr int kCombineBytes = kM * kDecodeMaxSplits * static_cast<int>(sizeof(float));
   static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
@@ -1129,9 +1134,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // Merge the warps' states through shared memory (the pipeline is drained first).
   cp_async_wait<0>();
   __syncthreads();
-  float* merge_o = reinterpret_cast<float*>(pipe_smem);  // [warp][kMB][kD]
-  float* merge_m = merge_o + Traits::kWarps * kMB * kD;  // [warp][kMB]
-  float* merge_l = merge_m + Traits::kWarps * kMB;       // [warp][kMB]
+  constexpr int kMergeStride = Traits::kMergeStride;
+  float* merge_o = reinterpret_cast<float*>(pipe_smem);            // [warp][kMB][kMergeStride]
+  float* merge_m = merge_o + Traits::kWarps * kMB * kMergeStride;  // [warp][kMB]
+  float* merge_l = merge_m + Traits::kWarps * kMB;                 // [warp][kMB]
   // Per head, the weight of each key warp's O: exp2(m_w - m) / l * v_scale.
   float4* merge_w = reinterpret_cast<float4*>(merge_l + Traits::kWarps * kMB);  // [kM]
   static_assert(Traits::kKeyWarps == 4, "one float4 of warp weights a head");
@@ -1152,7 +1158,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       for (int e = 0; e < 4; ++e) {
         // Row g of tile c is d = 16c + g (8-bit caches: 16c + 2g), row g + 8 the next 8 (+ 1).
         const int d = Traits::kDirect ? 16 * c + 2 * g + e / 2 : 16 * c + g + 8 * (e / 2);
-        merge_o[(warp * kMB + 2 * t + (e & 1)) * kD + d] = o[c][e];
+        merge_o[(warp * kMB + 2 * t + (e & 1)) * kMergeStride + d] = o[c][e];
       }
     }
   } else {
@@ -1171,7 +1177,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         const int col = 2 * t + (e & 1);
         // Direct 8-bit PV: tile 2c holds the even d's of chunk c, tile 2c + 1 the odd ones.
         const int d = Traits::kDirect ? (n / 2) * 16 + 2 * col + n % 2 : n * 8 + col;
-        merge_o[(warp * kMB + g + 8 * (e / 2)) * kD + d] = o[n][e];
+        merge_o[(warp * kMB + g + 8 * (e / 2)) * kMergeStride + d] = o[n][e];
       }
     }
   }
@@ -1219,9 +1225,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     const int r = i / kD, d = i % kD;
     const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
     const float4 w = merge_w[r];
-    const float* o_w = merge_o + (w0 * kMB + rr) * kD + d;
-    const float value =
-        w.x * o_w[0] + w.y * o_w[kMB * kD] + w.z * o_w[2 * kMB * kD] + w.w * o_w[3 * kMB * kD];
+    const float* o_w = merge_o + (w0 * kMB + rr) * kMergeStride + d;
+    const float value = w.x * o_w[0] + w.y * o_w[kMB * kMergeStride] +
+                        w.z * o_w[2 * kMB * kMergeStride] + w.w * o_w[3 * kMB * kMergeStride];
     const int head = first_head + r;
     if (p.num_splits == 1) {
       static_cast<QT*>(p.out)[row * p.out_row_stride + head * p.out_head_stride + d] = QT(value);
