@@ -231,7 +231,8 @@ struct DecodeTraits {
   // (head, split) there. O's rows are padded by 4 floats: the accumulator layouts store lanes
   // (g, t) at rows 2t (keys as rows) or g (heads as rows) and the same column, which an unpadded
   // 128- or 256-float row puts in one bank (4- and 8-way conflicts; 4 floats make them 1- and
-  // 2-way).
+  // 2-way). H200, same run (session 10 call 7, TB/s): bf16 1 x 32k 3.487 -> 3.523, fp8 1 x 32k
+  // 2.832 -> 2.871, fp8 64 x 4k 4.235 -> 4.256, MQA 32/1 64 x 4k 2.501 -> 2.559; no row slower.
   static constexpr int kMergeStride = kHeadDim + 4;
   static constexpr int kMergeBytes =
       (kWarps * kDecodeHeadsPerCta * (kMergeStride + 2) + kM * kKeyWarps) *
@@ -429,7 +430,9 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // threads, the splits strided among them and their sums shuffled together, so that a CTA with
   // fewer vectors than threads (4 heads x 16 vectors at head_dim 128: 64 of 128 threads) keeps
   // every thread busy; each thread owns up to kItems vectors. The merging CTA runs alone at the
-  // end of the call: its serial chain of shared loads and adds is the call's tail.
+  // end of the call: its serial chain of shared loads and adds is the call's tail. Deriving the
+  // weights per thread from the LSEs instead of the pass above was slower (session 10 call 4:
+  // bf16 1 x 32k 3.487 -> 3.390: an exponential in every split's chain).
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
   // Splits in flight a thread (more spill the two-M-block kernel's registers).
   constexpr int kSplitUnroll = kItems > 1 ? 2 : 4;
@@ -1187,7 +1190,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // warp's O and the head's LSE, then every thread sums its (head, d) outputs from them. One warp
   // a scheduler runs this, so it is a chain of latencies: one (head, d) at a time, each with its
   // own max and exponentials, took ~2000 cycles from the first output to the written partials
-  // (batch 1 x 32k's per-CTA timeline), on the call's tail.
+  // (batch 1 x 32k's per-CTA timeline), on the call's tail. With the split merge over all
+  // threads, H200, same run against the one-at-a-time form (session 10 call 3, TB/s): bf16 1 x
+  // 32k 3.520 -> 3.540, 1 x 8k 2.295 -> 2.346, fp8 1 x 32k 2.790 -> 2.849, MQA 32/1 64 x 4k 2.372
+  // -> 2.519, 64 x 4k 4.465 -> 4.472.
   if (threadIdx.x < kM) {
     const int r = threadIdx.x;
     // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
