@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 10 (branch w-pad10: the warp merge buffer rows padded by 4 floats)
-# against main's own build, same call, A B B A on the batch-1 rows.
+# Session 10, calls 3, 4 and 7 (as e10.sh, m10.sh and p10.sh, this script under three names):
+# the branch build ($CLI) against main's own build, same call, A B B A on the batch-1 rows.
 T0=$SECONDS
 MB=$HOME/build-main
 for i in $(seq 200); do [ -f "$MB/DONE" ] && break; sleep 1; done; [ -x "$MB/attnkit" ] || echo "main build missing"
