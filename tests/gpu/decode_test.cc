@@ -179,7 +179,7 @@ TEST(DecodeKernelChoiceRule, GroupsBeyondSixteenHeads) {
   two_m_blocks.heads_per_cta = 32;
   EXPECT_EQ(cuda::decode_kernel_info<128>(DType::kBF16, DType::kBF16, two_m_blocks).tile_n, 64);
   EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kBF16, DType::kFp8E4M3, two_m_blocks), Error);
-  EXPECT_THROW(cuda::decode_kernel_info<64>(DType::kF16, DType::kInt8, two_m_blocks), Error);
+  EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kF16, DType::kInt8, two_m_blocks), Error);
 }
 
 TEST(DecodeFused, QuantizedKvAgainstQuantizedReference) {
