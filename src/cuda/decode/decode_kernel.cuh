@@ -434,7 +434,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // weights per thread from the LSEs instead of the pass above was slower (session 10 call 4:
   // bf16 1 x 32k 3.487 -> 3.390: an exponential in every split's chain).
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
-  // Splits in flight a thread (more spill the two-M-block kernel's registers).
+  // Splits in flight a thread: two where a thread owns several vectors (the two-M-block kernel,
+  // held to 128 registers a thread), four otherwise.
   constexpr int kSplitUnroll = kItems > 1 ? 2 : 4;
   int parts = 1;
   while (parts < 8 && split_vecs * parts * 2 <= Traits::kThreads) parts *= 2;
