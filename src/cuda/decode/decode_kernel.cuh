@@ -335,6 +335,20 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   const int num_splits = p.num_splits;
   const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
   const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
+  // The first head of each warp has its LSEs loaded first, before any arithmetic and before the
+  // partials are staged, so that the LSE pass does not queue behind them (the last CTA's LSE pass
+  // 2.34 -> 1.57 us at bf16 1 x 32k; with the register epilogue and 16-bit partials 3.449 / 3.442
+  // -> 3.458 / 3.461 TB/s).
+  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
+  float first_lse[kLsePerLane];
+  if (warp < heads_here) {
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      first_lse[i] =
+          s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + warp) : -INFINITY;
+    }
+  }
   // The partial outputs are 16-bit values of the query's type: 8 to a 16-byte vector.
   constexpr int kPerVec = 16 / static_cast<int>(sizeof(QT));
   constexpr int kVecs = kD / kPerVec;
@@ -358,33 +372,41 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // -> 3.18 / 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x
   // 32k 3.71 / 3.70 -> 3.72 / 3.72, 4 x 32k 4.06 -> 4.06 (one chunk before as well); fp8 1 x
   // 32k 2.33 / 2.33 -> 2.40 / 2.41.
-  const int chunk_splits =
-      num_splits * split_vecs <= 2 * kBufferVecs ? num_splits : kBufferVecs / split_vecs;
+  int chunk_splits = num_splits, num_chunks = 1;
+  if (num_splits * split_vecs > 2 * kBufferVecs) {
+    chunk_splits = kBufferVecs / split_vecs;
+    num_chunks = (num_splits + chunk_splits - 1) / chunk_splits;
+  }
   float4* staging = reinterpret_cast<float4*>(scratch + kWeightFloats);
-  const int num_chunks = (num_splits + chunk_splits - 1) / chunk_splits;
+  // A thread's vectors v = threadIdx.x + k kThreads of a chunk are (split, vector) pairs that
+  // advance by a fixed step, found by subtraction (a few steps: split_vecs >= kVecs), so that the
+  // issue loop has no integer division: one warp a scheduler runs it, and with a division a vector
+  // it took ~120 instructions per four copies, its last copy of the 32 KB of batch 1 x 32k issued
+  // ~1000 cycles after the count.
+  int first_s = 0, first_i = threadIdx.x;
+  while (first_i >= split_vecs) first_i -= split_vecs, ++first_s;
+  int step_s = 0, step_i = Traits::kThreads;
+  while (step_i >= split_vecs) step_i -= split_vecs, ++step_s;
+  const int64_t step_src = step_s * split_stride_vecs + step_i;
+  const int64_t wrap_src = split_stride_vecs - split_vecs;
   auto stage_chunk = [&](int chunk) {
     const int s0 = chunk * chunk_splits;
-    const int n = min(chunk_splits, num_splits - s0);
+    const int n_vecs = min(chunk_splits, num_splits - s0) * split_vecs;
     float4* dst = staging + (chunk % 2) * kBufferVecs;
-    for (int v = threadIdx.x; v < n * split_vecs; v += Traits::kThreads) {
-      const int s = v / split_vecs, i = v - s * split_vecs;
-      cp_async_16(smem_u32(dst + v), partial + (s0 + s) * split_stride_vecs + i, true);
+    const float4* src = partial + (s0 + first_s) * split_stride_vecs + first_i;
+    int i = first_i;
+#pragma unroll 4
+    for (int v = threadIdx.x; v < n_vecs; v += Traits::kThreads) {
+      cp_async_16(smem_u32(dst + v), src, true);
+      src += step_src;
+      i += step_i;
+      if (i >= split_vecs) {
+        i -= split_vecs;
+        src += wrap_src;
+      }
     }
     cp_async_commit();
   };
-  // The first head of each warp has its LSEs loaded before the partials are staged, so that the
-  // LSE pass does not queue behind them (the last CTA's LSE pass 2.34 -> 1.57 us at bf16 1 x 32k;
-  // with the register epilogue and 16-bit partials 3.449 / 3.442 -> 3.458 / 3.461 TB/s).
-  constexpr int kLsePerLane = kDecodeMaxSplits / 32;
-  float first_lse[kLsePerLane];
-  if (warp < heads_here) {
-#pragma unroll
-    for (int i = 0; i < kLsePerLane; ++i) {
-      const int s = lane + 32 * i;
-      first_lse[i] =
-          s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + warp) : -INFINITY;
-    }
-  }
   stage_chunk(0);
   if (num_chunks > 1) stage_chunk(1);
   float* weight = scratch;  // [kM][num_splits]
@@ -1228,25 +1250,42 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < heads_here * kD; i += Traits::kThreads) {
+  // Every thread computes the kernel's most items (kM heads) with unguarded shared loads (rows of
+  // padding heads exist and are finite), so that all items' loads issue together, then stores
+  // the items of the heads this CTA has: one item after another's stores took ~700 cycles.
+  constexpr int kOutItems = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
+  float value[kOutItems];
+#pragma unroll
+  for (int j = 0; j < kOutItems; ++j) {
+    const int i = min(static_cast<int>(threadIdx.x) + j * Traits::kThreads, kM * kD - 1);
     const int r = i / kD, d = i % kD;
     const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
     const float4 w = merge_w[r];
     const float* o_w = merge_o + (w0 * kMB + rr) * kMergeStride + d;
-    const float value = w.x * o_w[0] + w.y * o_w[kMB * kMergeStride] +
-                        w.z * o_w[2 * kMB * kMergeStride] + w.w * o_w[3 * kMB * kMergeStride];
-    const int head = first_head + r;
-    if (p.num_splits == 1) {
-      static_cast<QT*>(p.out)[row * p.out_row_stride + head * p.out_head_stride + d] = QT(value);
-    } else {
-      // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
-      // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
-      // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
-      // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
-      // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
-      // 3.876 -> 3.917.
-      const int64_t slot = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
-      static_cast<QT*>(p.partial_out)[slot * kD + d] = QT(value);
+    value[j] = w.x * o_w[0] + w.y * o_w[kMB * kMergeStride] + w.z * o_w[2 * kMB * kMergeStride] +
+               w.w * o_w[3 * kMB * kMergeStride];
+  }
+  const int out_items = heads_here * kD;
+  if (p.num_splits == 1) {
+    QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + first_head * p.out_head_stride;
+#pragma unroll
+    for (int j = 0; j < kOutItems; ++j) {
+      const int i = threadIdx.x + j * Traits::kThreads;
+      if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
+    }
+  } else {
+    // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
+    // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
+    // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
+    // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
+    // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
+    // 3.876 -> 3.917.
+    QT* out = static_cast<QT*>(p.partial_out) +
+              ((static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head) * kD;
+#pragma unroll
+    for (int j = 0; j < kOutItems; ++j) {
+      const int i = threadIdx.x + j * Traits::kThreads;
+      if (i < out_items) out[i] = QT(value[j]);
     }
   }
   if (p.num_splits > 1 && p.split_counters != nullptr) {
