@@ -1250,43 +1250,58 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
   __syncthreads();
-  // Every thread computes the kernel's most items (kM heads) with unguarded shared loads (rows of
-  // padding heads exist and are finite), so that all items' loads issue together, then stores
-  // the items of the heads this CTA has: one item after another's stores took ~700 cycles.
-  constexpr int kOutItems = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
-  float value[kOutItems];
-#pragma unroll
-  for (int j = 0; j < kOutItems; ++j) {
-    const int i = min(static_cast<int>(threadIdx.x) + j * Traits::kThreads, kM * kD - 1);
-    const int r = i / kD, d = i % kD;
-    const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
-    const float4 w = merge_w[r];
-    const float* o_w = merge_o + (w0 * kMB + rr) * kMergeStride + d;
-    value[j] = w.x * o_w[0] + w.y * o_w[kMB * kMergeStride] + w.z * o_w[2 * kMB * kMergeStride] +
-               w.w * o_w[3 * kMB * kMergeStride];
-  }
+  // A thread's output items are unrolled, computed with unguarded shared loads (rows of padding
+  // heads exist and are finite) so that their loads issue together, then stored: one item after
+  // another's stores took ~700 cycles of the split epilogue. The count is a quarter, half or all
+  // of the kernel's most (kM heads), the least that covers the heads this CTA has, so that small
+  // groups (MHA: one head of kM = 8) do not compute 8 items for 1.
   const int out_items = heads_here * kD;
-  if (p.num_splits == 1) {
-    QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + first_head * p.out_head_stride;
+  auto write_items = [&](auto items) {
+    constexpr int kItems = decltype(items)::value;
+    float value[kItems];
 #pragma unroll
-    for (int j = 0; j < kOutItems; ++j) {
-      const int i = threadIdx.x + j * Traits::kThreads;
-      if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
+    for (int j = 0; j < kItems; ++j) {
+      const int i = min(static_cast<int>(threadIdx.x) + j * Traits::kThreads, kM * kD - 1);
+      const int r = i / kD, d = i % kD;
+      const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
+      const float4 w = merge_w[r];
+      const float* o_w = merge_o + (w0 * kMB + rr) * kMergeStride + d;
+      value[j] = w.x * o_w[0] + w.y * o_w[kMB * kMergeStride] + w.z * o_w[2 * kMB * kMergeStride] +
+                 w.w * o_w[3 * kMB * kMergeStride];
     }
+    if (p.num_splits == 1) {
+      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + first_head * p.out_head_stride;
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const int i = threadIdx.x + j * Traits::kThreads;
+        if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
+      }
+    } else {
+      // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
+      // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
+      // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
+      // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
+      // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
+      // 3.876 -> 3.917.
+      QT* out =
+          static_cast<QT*>(p.partial_out) +
+          ((static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head) * kD;
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const int i = threadIdx.x + j * Traits::kThreads;
+        if (i < out_items) out[i] = QT(value[j]);
+      }
+    }
+  };
+  constexpr int kOutItems = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
+  constexpr int kHalfItems = kOutItems / 2 > 0 ? kOutItems / 2 : 1;
+  constexpr int kQuarterItems = kOutItems / 4 > 0 ? kOutItems / 4 : 1;
+  if (out_items <= kQuarterItems * Traits::kThreads) {
+    write_items(std::integral_constant<int, kQuarterItems>());
+  } else if (out_items <= kHalfItems * Traits::kThreads) {
+    write_items(std::integral_constant<int, kHalfItems>());
   } else {
-    // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
-    // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
-    // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
-    // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
-    // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
-    // 3.876 -> 3.917.
-    QT* out = static_cast<QT*>(p.partial_out) +
-              ((static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head) * kD;
-#pragma unroll
-    for (int j = 0; j < kOutItems; ++j) {
-      const int i = threadIdx.x + j * Traits::kThreads;
-      if (i < out_items) out[i] = QT(value[j]);
-    }
+    write_items(std::integral_constant<int, kOutItems>());
   }
   if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
