@@ -227,15 +227,15 @@ struct DecodeTraits {
                                      : (kHalvesFit > 2 * kMaxStages ? 2 * kMaxStages : kHalvesFit))
           : kStages;
   // The warp merge reuses the pipeline memory: O (rows of kMergeStride floats), m and l of every
-  // warp and the key warps' weights of every head; the split combine then keeps a weight per
-  // (head, split) there. O's rows are padded by 4 floats: the accumulator layouts store lanes
-  // (g, t) at rows 2t (keys as rows) or g (heads as rows) and the same column, which an unpadded
-  // 128- or 256-float row puts in one bank (4- and 8-way conflicts; 4 floats make them 1- and
-  // 2-way). H200, same run (session 10 call 7, TB/s): bf16 1 x 32k 3.487 -> 3.523, fp8 1 x 32k
+  // warp, the key warps' weights and the (m, l) of every head; the split combine then keeps a
+  // weight per (head, split) there. O's rows are padded by 4 floats: the accumulator layouts store
+  // lanes (g, t) at rows 2t (keys as rows) or g (heads as rows) and the same column, which an
+  // unpadded 128- or 256-float row puts in one bank (4- and 8-way conflicts; 4 floats make them 1-
+  // and 2-way). H200, same run (session 10 call 7, TB/s): bf16 1 x 32k 3.487 -> 3.523, fp8 1 x 32k
   // 2.832 -> 2.871, fp8 64 x 4k 4.235 -> 4.256, MQA 32/1 64 x 4k 2.501 -> 2.559; no row slower.
   static constexpr int kMergeStride = kHeadDim + 4;
   static constexpr int kMergeBytes =
-      (kWarps * kDecodeHeadsPerCta * (kMergeStride + 2) + kM * kKeyWarps) *
+      (kWarps * kDecodeHeadsPerCta * (kMergeStride + 2) + kM * (kKeyWarps + 2)) *
       static_cast<int>(sizeof(float));
   static constexpr int kCombineBytes = kM * kDecodeMaxSplits * static_cast<int>(sizeof(float));
   static constexpr int kPipelineBytes = std::max({kUnits * kUnitBytes, kMergeBytes, kCombineBytes});
@@ -1166,6 +1166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   float* merge_l = merge_m + Traits::kWarps * kMB;                 // [warp][kMB]
   // Per head, the weight of each key warp's O: exp2(m_w - m) / l * v_scale.
   float4* merge_w = reinterpret_cast<float4*>(merge_l + Traits::kWarps * kMB);  // [kM]
+  float2* merge_ml = reinterpret_cast<float2*>(merge_w + kM);  // [kM]: the head's m, l
   static_assert(Traits::kKeyWarps == 4, "one float4 of warp weights a head");
   if constexpr (Traits::kKeysAsRows) {
 #pragma unroll
@@ -1238,18 +1239,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     const bool empty = l_all == 0.0f;
     const float scale = empty ? 0.0f : v_scale / l_all;
     merge_w[r] = make_float4(m_w[0] * scale, m_w[1] * scale, m_w[2] * scale, m_w[3] * scale);
-    if (r < heads_here) {
-      const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * 0.6931471805599453f;
-      const int head = first_head + r;
-      if (p.num_splits == 1) {
-        if (p.lse != nullptr) p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
-      } else {
-        p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] =
-            lse;
-      }
-    }
+    merge_ml[r] = make_float2(m_all, l_all);
   }
   __syncthreads();
+  // The heads' LSEs (a log polynomial and a global store each) are written by the last warp after
+  // the barrier, beside its items, not by warp 0 on its way to the barrier after the weights.
+  if (const int r = static_cast<int>(threadIdx.x) - (Traits::kThreads - 32);
+      r >= 0 && r < heads_here) {
+    const float2 ml = merge_ml[r];
+    const float lse = ml.y == 0.0f ? -INFINITY : (ml.x + log2f(ml.y)) * 0.6931471805599453f;
+    const int head = first_head + r;
+    if (p.num_splits == 1) {
+      if (p.lse != nullptr) p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
+    } else {
+      p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] = lse;
+    }
+  }
   // A thread's output items are unrolled, computed with unguarded shared loads (rows of padding
   // heads exist and are finite) so that their loads issue together, then stored: one item after
   // another's stores took ~700 cycles of the split epilogue. The count is a quarter, half or all
