@@ -113,6 +113,32 @@ TEST(DecodeSplit, GroupSizesAndHeadDims) {
   }
 }
 
+// The merge's staging walks (split, vector) pairs by fixed steps without a division (session 11):
+// vectors a split of 10 and 12 a head (head_dim 80 / 96) and 8 (64), groups of 1 to 6 heads, so
+// that a split's vectors divide the CTA's threads, do not, or exceed them, with one chunk (7, 40
+// splits) and several (128 splits of 6 heads at head_dim 96).
+TEST(DecodeSplit, MergeStagingStepsOfEveryShape) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(12, 2);
+  uint64_t salt = 3300;
+  struct Shape {
+    int32_t group, head_dim;
+  };
+  for (const Shape& s : {Shape{1, 80}, Shape{3, 80}, Shape{6, 96}, Shape{5, 64}, Shape{1, 96}}) {
+    for (int32_t splits : {7, 40, 128}) {
+      DecodeCase c;
+      c.hq = 2 * s.group;
+      c.hkv = 2;
+      c.head_dim = s.head_dim;
+      c.dtype = c.kv_dtype = DType::kBF16;
+      c.page = 16;
+      c.seq_lens = {1200, 517};
+      c.num_splits = splits;
+      run_both_workspaces(c, salt++, ws.get());
+    }
+  }
+}
+
 // 8-bit caches (per-tensor and per-head scales, against the same quantization; 128-key tiles),
 // sliding window with sinks over a cyclic cache, ALiBi and soft-cap, split unevenly.
 TEST(DecodeSplit, QuantizedWindowAlibiSoftcap) {
