@@ -379,10 +379,11 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   }
   float4* staging = reinterpret_cast<float4*>(scratch + kWeightFloats);
   // A thread's vectors v = threadIdx.x + k kThreads of a chunk are (split, vector) pairs that
-  // advance by a fixed step, found by subtraction (a few steps: split_vecs >= kVecs), so that the
-  // issue loop has no integer division: one warp a scheduler runs it, and with a division a vector
-  // it took ~120 instructions per four copies, its last copy of the 32 KB of batch 1 x 32k issued
-  // ~1000 cycles after the count.
+  // advance by a fixed step, found once by subtraction (at most kThreads / kVecs steps: one or
+  // two for groups of 4 heads), so that the issue loop has no integer division: one warp a
+  // scheduler runs it, and with a division a vector it took ~120 instructions per four copies, the
+  // last copy of batch 1 x 32k's 32 KB issued ~1000 cycles after the count (bf16 1 x 32k 3.572 ->
+  // 3.636 TB/s, H200, same run; docs/decode_design.md session 11).
   int first_s = 0, first_i = threadIdx.x;
   while (first_i >= split_vecs) first_i -= split_vecs, ++first_s;
   int step_s = 0, step_i = Traits::kThreads;
