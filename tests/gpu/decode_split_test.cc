@@ -114,9 +114,10 @@ TEST(DecodeSplit, GroupSizesAndHeadDims) {
 }
 
 // The merge's staging walks (split, vector) pairs by fixed steps without a division (session 11):
-// vectors a split of 10 and 12 a head (head_dim 80 / 96) and 8 (64), groups of 1 to 6 heads, so
-// that a split's vectors divide the CTA's threads, do not, or exceed them, with one chunk (7, 40
-// splits) and several (128 splits of 6 heads at head_dim 96).
+// 10 and 12 vectors a head (head_dim 80 / 96) and 8 (64) in groups of 1, 3, 5 and 6 heads, so that
+// a split's vectors (10-72) do not divide the CTA's 128 threads and the steps wrap (powers of two
+// and groups of 16-32 heads, whose vectors reach or exceed the threads, are in the tests above),
+// with one chunk (7, 40 splits) and several (128 splits of 6 heads at head_dim 96).
 TEST(DecodeSplit, MergeStagingStepsOfEveryShape) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(12, 2);
