@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -195,8 +196,18 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
       },
       {.calls_per_sample = 16, .cuda_graph = true});
   const double kv_bytes = 2.0 * s.batch * s.context * s.kv_heads * s.head_dim * elt;
+  const double tbps = kv_bytes / (ms * 1e-3) * 1e-12;
   row.extra["kv_mb"] = kv_bytes * 1e-6;
-  return {ms, kv_bytes / (ms * 1e-3) * 1e-12};
+  // A kernel that only reads the same bytes, timed the same way: the rate this row's size allows
+  // (per-call gaps and the ramp weigh more in short calls), next to the 1 GiB ceiling.
+  std::vector<const void*> sets;
+  for (const DeviceBuffer& b : pool) sets.push_back(b.get());
+  if (const std::optional<double> read_ms = session.time_read_ms(sets, pool_bytes)) {
+    const double read_tbps = static_cast<double>(pool_bytes) / (*read_ms * 1e-3) * 1e-12;
+    row.extra["read_same_bytes_tbps"] = read_tbps;
+    row.extra["pct_of_same_bytes_read"] = 100.0 * tbps / read_tbps;
+  }
+  return {ms, tbps};
 }
 
 }  // namespace

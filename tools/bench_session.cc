@@ -206,9 +206,9 @@ std::optional<double> median_op_seconds(cudaStream_t stream, const std::function
   return median(seconds);
 }
 
-// Bytes read per second by a reduction over 1 GiB (read_ceiling.cu), the fastest of its variants,
-// in TB/s: the ceiling of a kernel that only reads, such as decode.
-double measure_read_tbps(cudaStream_t stream) {
+// Bytes read per second by a reduction over 1 GiB (read_ceiling.cu), the fastest of its variants
+// (stored in `fastest`), in TB/s: the ceiling of a kernel that only reads, such as decode.
+double measure_read_tbps(cudaStream_t stream, int& fastest) {
   const size_t bytes = size_t{1} << 30;
   DeviceBuffer data(bytes), sink(sizeof(unsigned));
   cuda_ok(cudaMemsetAsync(data.get(), 0x3c, bytes, stream), "cudaMemset");
@@ -221,7 +221,8 @@ double measure_read_tbps(cudaStream_t stream) {
           "read ceiling kernel");
       return true;
     });
-    best = std::max(best, static_cast<double>(bytes) / *seconds * 1e-12);
+    const double tbps = static_cast<double>(bytes) / *seconds * 1e-12;
+    if (tbps > best) best = tbps, fastest = variant;
   }
   return best;
 }
@@ -362,7 +363,7 @@ BenchSession::BenchSession(std::string subcommand, RateUnit unit, Ceiling ceilin
   if (!options.no_ceilings) {
     progress_.message(
         "measuring the ceilings: read 1 GiB, D2D copy 1 GiB, cuBLAS bf16 GEMM 8192^3 ...");
-    report_.ceilings.read_tbps = measure_read_tbps(stream);
+    report_.ceilings.read_tbps = measure_read_tbps(stream, read_variant_);
     report_.ceilings.copy_tbps = measure_copy_tbps(stream);
     report_.ceilings.gemm_bf16_tflops = measure_gemm_tflops(stream);
   }
@@ -454,6 +455,26 @@ double BenchSession::time_ms(const std::function<void(int, Stream)>& launch,
   (void)launch;
   (void)plan;
   throw Error("bench: this attnkit was built without CUDA");
+#endif
+}
+
+std::optional<double> BenchSession::time_read_ms(const std::vector<const void*>& sets,
+                                                 size_t bytes) {
+  if (host_mode_ || read_variant_ < 0 || sets.empty()) return std::nullopt;
+#if defined(ATTNKIT_WITH_CUDA)
+  const int blocks = read_reduction_blocks(read_variant_);
+  const DeviceBuffer sink(sizeof(unsigned));
+  return time_ms(
+      [&](int call, Stream stream) {
+        cuda_ok(launch_read_reduction(read_variant_, blocks, sets[call % sets.size()],
+                                      bytes / 16 * 16, sink.as<unsigned>(),
+                                      static_cast<cudaStream_t>(stream)),
+                "read ceiling kernel");
+      },
+      {.calls_per_sample = 16, .cuda_graph = true});
+#else
+  (void)bytes;
+  return std::nullopt;
 #endif
 }
 

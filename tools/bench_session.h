@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,12 @@ class BenchSession {
   // counts up so the launch can rotate its input sets.
   double time_ms(const std::function<void(int, Stream)>& launch, const TimingPlan& plan);
 
+  // Median per-call milliseconds of the read ceiling's kernel (its fastest variant) reading
+  // `bytes` of sets[call % sets.size()], timed as a row of 16 calls in a CUDA graph: the rate of
+  // a kernel that only reads a row's bytes, launch gaps included. nullopt without measured
+  // ceilings (--no-ceilings) and in the self-test mode.
+  std::optional<double> time_read_ms(const std::vector<const void*>& sets, size_t bytes);
+
   // Median per-call milliseconds of a device-to-device copy of `bytes` (read bytes + write bytes),
   // rotated over buffers past the L2 like the kernels' inputs.
   double time_copy_ms(size_t bytes);
@@ -124,6 +131,7 @@ class BenchSession {
   int failed_ = 0;
   std::string timing_note_;  // set by time_ms for the row being measured
   bool host_mode_ = false;
+  int read_variant_ = -1;  // the read ceiling's fastest kernel variant, once measured
 };
 
 }  // namespace attnkit::tools

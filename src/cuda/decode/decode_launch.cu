@@ -380,13 +380,16 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
   const size_t output_words =
       static_cast<size_t>(detail::decode_partial_output_words(spec.head_dim));
+  // 16-bit partial outputs, then the f32 LSEs (detail::decode_partial_words), from `base`.
+  auto place_partials = [&](float* base) {
+    params.partial_out = base;
+    params.partial_lse = base + partial_values * output_words;
+  };
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node.
     check_workspace(*args.workspace, params, "decode: workspace");
-    // 16-bit partial outputs, then the f32 LSEs (detail::decode_partial_words).
-    params.partial_out = args.workspace->partials();
-    params.partial_lse = args.workspace->partials() + partial_values * output_words;
+    place_partials(args.workspace->partials());
     params.split_counters = args.workspace->counters();
     launch();
     return;
@@ -401,8 +404,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
           &workspace,
           partial_values * (output_words + 1) * sizeof(float) + counters * sizeof(int32_t), stream),
       "decode: cudaMallocAsync(split-KV workspace)");
-  params.partial_out = workspace;
-  params.partial_lse = static_cast<float*>(workspace) + partial_values * output_words;
+  place_partials(static_cast<float*>(workspace));
   try {
     params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
     check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
