@@ -466,10 +466,10 @@ std::optional<double> BenchSession::time_read_ms(const std::vector<const void*>&
   const DeviceBuffer sink(sizeof(unsigned));
   return time_ms(
       [&](int call, Stream stream) {
-        cuda_ok(launch_read_reduction(read_variant_, blocks, sets[call % sets.size()],
-                                      bytes / 16 * 16, sink.as<unsigned>(),
-                                      static_cast<cudaStream_t>(stream)),
-                "read ceiling kernel");
+        cuda_ok(
+            launch_read_reduction(read_variant_, blocks, sets[call % sets.size()], bytes / 16 * 16,
+                                  sink.as<unsigned>(), static_cast<cudaStream_t>(stream)),
+            "read ceiling kernel");
       },
       {.calls_per_sample = 16, .cuda_graph = true});
 #else
