@@ -1,12 +1,16 @@
 // Pure-read rate at decode's byte counts, timed as `attnkit bench decode` times (a CUDA graph of
 // back-to-back calls): does a kernel that only reads reach the same TB/s at fp8 64 x 4k's bytes
-// (537 MB) as at bf16's (1074 MB)?
+// (537 MB) as at bf16's (1074 MB)? The grid-stride read is the bench's read ceiling kernel
+// (tools/read_ceiling.cu, included; in call 1 the probe held a copy of it). Built from this folder:
+// nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I../../../tools readprobe.cu
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
+
+#include "read_ceiling.cu"
 #define CK(x)                                        \
   do {                                               \
     cudaError_t e = (x);                             \
@@ -16,25 +20,6 @@
     }                                                \
   } while (0)
 
-template <int kUnroll>
-__global__ void __launch_bounds__(256)
-    stride_read(const uint4* __restrict__ d, size_t n, unsigned* sink) {
-  const size_t stride = size_t{gridDim.x} * 256;
-  size_t i = size_t{blockIdx.x} * 256 + threadIdx.x;
-  unsigned acc = 0;
-  for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(d + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < n; i += stride) {
-    uint4 v = __ldcs(d + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
-}
 // One contiguous chunk a CTA (decode's one item a CTA), 128 threads, 8 loads in flight a thread.
 __global__ void __launch_bounds__(128)
     chunk_read(const uint4* __restrict__ d, size_t per_cta, unsigned* sink) {
@@ -90,15 +75,15 @@ int main() {
   CK(cudaMemset(d, 0x3c, maxb));
   cudaStream_t s;
   cudaStreamCreate(&s);
-  int occ4, occ8;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ4, stride_read<4>, 256, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ8, stride_read<8>, 256, 0);
+  using attnkit::tools::launch_read_reduction;
+  const int blocks4 = attnkit::tools::read_reduction_blocks(1);  // 4 loads in flight a thread
+  const int blocks8 = attnkit::tools::read_reduction_blocks(2);  // 8
   const size_t sizes[] = {size_t{268435456}, size_t{536870912}, size_t{1073741824},
                           size_t{2147483648}};
   for (size_t bytes : sizes) {
     const size_t n = bytes / 16;
-    double u4 = graph_us([&] { stride_read<4><<<sms * occ4, 256, 0, s>>>(d, n, sink); }, s);
-    double u8 = graph_us([&] { stride_read<8><<<sms * occ8, 256, 0, s>>>(d, n, sink); }, s);
+    double u4 = graph_us([&] { launch_read_reduction(1, blocks4, d, bytes, sink, s); }, s);
+    double u8 = graph_us([&] { launch_read_reduction(2, blocks8, d, bytes, sink, s); }, s);
     printf("stride  %5zu MB: unroll4 %7.2f us %.3f TB/s | unroll8 %7.2f us %.3f TB/s\n",
            bytes >> 20, u4, bytes / u4 * 1e-6, u8, bytes / u8 * 1e-6);
     for (int ctas : {256, 512, 1024, 2048}) {
