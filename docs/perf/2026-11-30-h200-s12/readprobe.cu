@@ -1,46 +1,81 @@
-// Pure-read rate at decode's byte counts, timed as `attnkit bench decode` times (a CUDA graph of
-// back-to-back calls): does a kernel that only reads reach the same TB/s at fp8 64 x 4k's bytes
-// (537 MB) as at bf16's (1074 MB)? The grid-stride read is the bench's read ceiling kernel
-// (tools/read_ceiling.cu, included; in call 1 the probe held a copy of it). Built from this folder:
-// nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I../../../tools readprobe.cu
+// Pure-read rates at decode's byte counts, timed as `attnkit bench decode` times rows (a CUDA graph
+// of 20 back-to-back calls, median of 9 graph launches). Two experiments:
+//   readprobe sizes   (call 1): does a kernel that only reads reach the same TB/s at fp8 64 x 4k's
+//                     bytes (537 MB) as at bf16's (1074 MB)? Grid-stride and one chunk a CTA.
+//   readprobe split   (call 5): at those bytes, what does a one-chunk-a-CTA grid (decode's
+//                     decomposition) lose against grid-stride, by bytes and warps in flight, and
+//                     does claiming pieces from a counter (dynamic balance) win it back?
+// The grid-stride read is the bench's read ceiling kernel (tools/read_ceiling.cu, included; in
+// call 1 the probe held a copy of it, and call 5 ran this file's split mode as probe2.cu, with a
+// 16 KB piece row that read nothing: 16 KB is less than one step of 128 threads x 16 loads).
+// Built from this folder:
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I../../../tools readprobe.cu
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "read_ceiling.cu"
-#define CK(x)                                        \
-  do {                                               \
-    cudaError_t e = (x);                             \
-    if (e != cudaSuccess) {                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      return 1;                                      \
-    }                                                \
-  } while (0)
 
-// One contiguous chunk a CTA (decode's one item a CTA), 128 threads, 8 loads in flight a thread.
-__global__ void __launch_bounds__(128)
+// XOR of `count` vectors from p (the part past the last whole step of kU loads is not read), kU
+// loads in flight a thread.
+template <int kT, int kU>
+__device__ __forceinline__ void read_range(const uint4* __restrict__ p, size_t count,
+                                           unsigned& acc) {
+  for (size_t i = threadIdx.x; i + (kU - 1) * kT < count; i += kU * kT) {
+    uint4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) v[u] = __ldcs(p + i + u * kT);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+}
+
+// One contiguous chunk of `per_cta` vectors a CTA, kU loads in flight a thread.
+template <int kT, int kU>
+__global__ void __launch_bounds__(kT)
     chunk_read(const uint4* __restrict__ d, size_t per_cta, unsigned* sink) {
   const uint4* p = d + blockIdx.x * per_cta;
   unsigned acc = 0;
-  for (size_t i = threadIdx.x; i + 7 * 128 < per_cta; i += 8 * 128) {
-    uint4 v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = __ldcs(p + i + u * 128);
-#pragma unroll
-    for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  read_range<kT, kU>(p, per_cta, acc);
+  if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
+}
+
+// Persistent CTAs claim pieces of `piece` vectors (at least kU * kT) from *counter; the next
+// claim is issued before the current piece is read.
+template <int kT, int kU>
+__global__ void __launch_bounds__(kT)
+    dynamic_read(const uint4* __restrict__ d, size_t pieces, size_t piece, unsigned* counter,
+                 unsigned* sink) {
+  __shared__ unsigned next[2];
+  unsigned acc = 0;
+  if (threadIdx.x == 0) next[0] = atomicAdd(counter, 1u);
+  __syncthreads();
+  for (int buf = 0;; buf ^= 1) {
+    const unsigned c = next[buf];
+    if (c >= pieces) break;
+    if (threadIdx.x == 0) next[buf ^ 1] = atomicAdd(counter, 1u);
+    const uint4* p = d + c * piece;
+    read_range<kT, kU>(p, piece, acc);
+    __syncthreads();
   }
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
+constexpr int kCalls = 20;
+
+// Median microseconds a call of `launch(call)` over a graph of kCalls calls; `counters` (kCalls
+// words, one a call) are zeroed by a memset node at the graph's start.
 template <typename F>
-double graph_us(F launch, cudaStream_t s, int calls = 20) {
+double graph_us(F launch, cudaStream_t s, unsigned* counters = nullptr) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
-  for (int i = 0; i < calls; ++i) launch();
+  if (counters != nullptr) cudaMemsetAsync(counters, 0, kCalls * sizeof(unsigned), s);
+  for (int i = 0; i < kCalls; ++i) launch(i);
   cudaStreamEndCapture(s, &g);
   cudaGraphInstantiate(&ge, g, 0);
   cudaGraphLaunch(ge, s);
@@ -56,7 +91,7 @@ double graph_us(F launch, cudaStream_t s, int calls = 20) {
     cudaEventSynchronize(b);
     float ms;
     cudaEventElapsedTime(&ms, a, b);
-    t.push_back(ms * 1000.f / calls);
+    t.push_back(ms * 1000.f / kCalls);
   }
   std::sort(t.begin(), t.end());
   cudaGraphExecDestroy(ge);
@@ -64,34 +99,66 @@ double graph_us(F launch, cudaStream_t s, int calls = 20) {
   return t[t.size() / 2];
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool split_mode = argc > 1 && std::strcmp(argv[1], "split") == 0;
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const size_t maxb = size_t{2} << 30;
+  const size_t max_bytes = size_t{2} << 30;
   uint4* d;
-  unsigned* sink;
-  CK(cudaMalloc(&d, maxb));
-  CK(cudaMalloc(&sink, 4));
-  CK(cudaMemset(d, 0x3c, maxb));
+  unsigned *sink, *counters;
+  cudaMalloc(&d, max_bytes);
+  cudaMalloc(&sink, sizeof(unsigned));
+  cudaMalloc(&counters, kCalls * sizeof(unsigned));
+  cudaMemset(d, 0x3c, max_bytes);
   cudaStream_t s;
   cudaStreamCreate(&s);
   using attnkit::tools::launch_read_reduction;
   const int blocks4 = attnkit::tools::read_reduction_blocks(1);  // 4 loads in flight a thread
   const int blocks8 = attnkit::tools::read_reduction_blocks(2);  // 8
-  const size_t sizes[] = {size_t{268435456}, size_t{536870912}, size_t{1073741824},
-                          size_t{2147483648}};
+  std::vector<size_t> sizes = {size_t{536870912}, size_t{1073741824}};
+  if (!split_mode) sizes = {size_t{268435456}, sizes[0], sizes[1], max_bytes};
   for (size_t bytes : sizes) {
     const size_t n = bytes / 16;
-    double u4 = graph_us([&] { launch_read_reduction(1, blocks4, d, bytes, sink, s); }, s);
-    double u8 = graph_us([&] { launch_read_reduction(2, blocks8, d, bytes, sink, s); }, s);
-    printf("stride  %5zu MB: unroll4 %7.2f us %.3f TB/s | unroll8 %7.2f us %.3f TB/s\n",
-           bytes >> 20, u4, bytes / u4 * 1e-6, u8, bytes / u8 * 1e-6);
-    for (int ctas : {256, 512, 1024, 2048}) {
-      double u = graph_us([&] { chunk_read<<<ctas, 128, 0, s>>>(d, n / ctas, sink); }, s);
-      printf("chunk   %5zu MB %4d CTAs: %7.2f us %.3f TB/s\n", bytes >> 20, ctas, u,
-             bytes / u * 1e-6);
+    auto report = [&](const char* what, double us) {
+      printf("%5zu MB %-42s %8.2f us %.3f TB/s\n", bytes >> 20, what, us, bytes / us * 1e-6);
+    };
+    report("grid-stride, 4 loads a thread",
+           graph_us([&](int) { launch_read_reduction(1, blocks4, d, bytes, sink, s); }, s));
+    if (!split_mode) {
+      report("grid-stride, 8 loads a thread",
+             graph_us([&](int) { launch_read_reduction(2, blocks8, d, bytes, sink, s); }, s));
+      for (int ctas : {256, 512, 1024, 2048}) {
+        char what[64];
+        std::snprintf(what, sizeof(what), "%d chunks x 128 thr x 8 (16 KB)", ctas);
+        report(
+            what,
+            graph_us([&](int) { chunk_read<128, 8><<<ctas, 128, 0, s>>>(d, n / ctas, sink); }, s));
+      }
+      continue;
+    }
+    report("512 chunks x 128 thr x 8 (16 KB)",
+           graph_us([&](int) { chunk_read<128, 8><<<512, 128, 0, s>>>(d, n / 512, sink); }, s));
+    report("512 chunks x 128 thr x 16 (32 KB)",
+           graph_us([&](int) { chunk_read<128, 16><<<512, 128, 0, s>>>(d, n / 512, sink); }, s));
+    report("512 chunks x 256 thr x 8 (32 KB)",
+           graph_us([&](int) { chunk_read<256, 8><<<512, 256, 0, s>>>(d, n / 512, sink); }, s));
+    report("264 chunks x 256 thr x 16 (64 KB)",
+           graph_us([&](int) { chunk_read<256, 16><<<264, 256, 0, s>>>(d, n / 264, sink); }, s));
+    report("1056 chunks x 128 thr x 8 (16 KB)",
+           graph_us([&](int) { chunk_read<128, 8><<<1056, 128, 0, s>>>(d, n / 1056, sink); }, s));
+    for (size_t piece_kb : {64, 256}) {
+      const size_t piece = piece_kb * 1024 / 16, pieces = n / piece;
+      char what[64];
+      std::snprintf(what, sizeof(what), "dynamic %d x 128 thr x 16, %zu KB pieces", 4 * sms,
+                    piece_kb);
+      report(what, graph_us(
+                       [&](int call) {
+                         dynamic_read<128, 16>
+                             <<<4 * sms, 128, 0, s>>>(d, pieces, piece, counters + call, sink);
+                       },
+                       s, counters));
     }
   }
-  CK(cudaGetLastError());
+  std::printf("%s\n", cudaGetErrorString(cudaGetLastError()));
   return 0;
 }
