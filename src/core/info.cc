@@ -48,50 +48,35 @@ std::string unsupported_reason(const SupportQuery& query) {
   spec.num_q_heads = 32;
   spec.num_kv_heads = 8;
   spec.head_dim = query.head_dim;
+  // The op's problem with the query's device and dtypes (dense has no cache dtype).
+  auto problem = [&query](auto p) {
+    p.device = query.device;
+    p.dtype = query.q_dtype;
+    if constexpr (requires { p.kv_dtype; }) p.kv_dtype = query.kv_dtype;
+    return p;
+  };
   std::string reason;
   switch (query.op) {
     case Op::kPrefill: {
-      detail::PrefillProblem p;
-      p.device = query.device;
-      p.dtype = query.q_dtype;
-      p.kv_dtype = query.kv_dtype;
+      detail::PrefillProblem p = problem(detail::PrefillProblem{});
       p.paged = query.kv_dtype != query.q_dtype;
       reason = cuda::fused_prefill_unsupported(spec, p);
       break;
     }
-    case Op::kDecode: {
-      detail::DecodeProblem p;
-      p.device = query.device;
-      p.dtype = query.q_dtype;
-      p.kv_dtype = query.kv_dtype;
-      reason = cuda::fused_decode_unsupported(spec, p);
+    case Op::kDecode:
+      reason = cuda::fused_decode_unsupported(spec, problem(detail::DecodeProblem{}));
       break;
-    }
-    case Op::kAppendKv: {
-      detail::AppendKvProblem p;
-      p.device = query.device;
-      p.dtype = query.q_dtype;
-      p.kv_dtype = query.kv_dtype;
-      reason = cuda::fused_append_kv_unsupported(spec, p);
+    case Op::kAppendKv:
+      reason = cuda::fused_append_kv_unsupported(spec, problem(detail::AppendKvProblem{}));
       break;
-    }
-    case Op::kForward: {
-      detail::ForwardProblem p;
-      p.device = query.device;
-      p.dtype = query.q_dtype;
-      p.kv_dtype = query.kv_dtype;
-      reason = cuda::fused_forward_unsupported(spec, p);
+    case Op::kForward:
+      reason = cuda::fused_forward_unsupported(spec, problem(detail::ForwardProblem{}));
       break;
-    }
-    case Op::kDense: {
-      detail::DenseProblem p;
-      p.device = query.device;
-      p.dtype = query.q_dtype;
+    case Op::kDense:
       spec.num_kv_heads = spec.num_q_heads;
       spec.mask.kind = MaskKind::kNone;
-      reason = cuda::fused_dense_unsupported(spec, p);
+      reason = cuda::fused_dense_unsupported(spec, problem(detail::DenseProblem{}));
       break;
-    }
     case Op::kMergeStates:
       break;
   }
