@@ -5,6 +5,8 @@
 //   readprobe split   (call 5): at those bytes, what does a one-chunk-a-CTA grid (decode's
 //                     decomposition) lose against grid-stride, by bytes and warps in flight, and
 //                     does claiming pieces from a counter (dynamic balance) win it back?
+//   readprobe cpasync (not run yet): the same grid copying with cp.async into a shared ring, as
+//                     the decode kernels do, by 128 or 256 threads at the same bytes in flight.
 // The grid-stride read is the bench's read ceiling kernel (tools/read_ceiling.cu, included; in
 // call 1 the probe held a copy of it, and call 5 ran this file's split mode as probe2.cu, with a
 // 16 KB piece row that read nothing: 16 KB is less than one step of 128 threads x 16 loads).
@@ -65,6 +67,42 @@ __global__ void __launch_bounds__(kT)
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
+// One contiguous chunk a CTA copied by cp.async (16 bytes, .cg) into a shared ring of kStages
+// groups of kU copies a thread, as the decode kernels copy: kStages - 1 groups in flight while one
+// is read back (one word a copy, so the copies cannot be elided).
+template <int kT, int kU, int kStages>
+__global__ void __launch_bounds__(kT)
+    chunk_cp_async(const uint4* __restrict__ d, size_t per_cta, unsigned* sink) {
+  extern __shared__ uint4 ring[];  // [kStages][kU][kT]
+  const uint4* p = d + blockIdx.x * per_cta;
+  const size_t steps = per_cta / (kU * kT);
+  unsigned acc = 0;
+  // Copies of step `step` into its ring slot, as one committed group; past the chunk's end an
+  // empty group, so that the wait below keeps counting groups.
+  auto issue = [&](size_t step) {
+    if (step < steps) {
+      uint4* dst = ring + (step % kStages) * kU * kT;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const unsigned addr =
+            static_cast<unsigned>(__cvta_generic_to_shared(dst + u * kT + threadIdx.x));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr),
+                     "l"(p + step * kU * kT + u * kT + threadIdx.x));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  for (int st = 0; st < kStages - 1; ++st) issue(st);
+  for (size_t step = 0; step < steps; ++step) {
+    issue(step + kStages - 1);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1));
+    const uint4* src = ring + (step % kStages) * kU * kT;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) acc ^= src[u * kT + threadIdx.x].x;
+  }
+  if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
+}
+
 constexpr int kCalls = 20;
 
 // Median microseconds a call of `launch(call)` over a graph of kCalls calls; `counters` (kCalls
@@ -101,6 +139,7 @@ double graph_us(F launch, cudaStream_t s, unsigned* counters = nullptr) {
 
 int main(int argc, char** argv) {
   const bool split_mode = argc > 1 && std::strcmp(argv[1], "split") == 0;
+  const bool cp_async_mode = argc > 1 && std::strcmp(argv[1], "cpasync") == 0;
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const size_t max_bytes = size_t{2} << 30;
@@ -116,7 +155,7 @@ int main(int argc, char** argv) {
   const int blocks4 = attnkit::tools::read_reduction_blocks(1);  // 4 loads in flight a thread
   const int blocks8 = attnkit::tools::read_reduction_blocks(2);  // 8
   std::vector<size_t> sizes = {size_t{536870912}, size_t{1073741824}};
-  if (!split_mode) sizes = {size_t{268435456}, sizes[0], sizes[1], max_bytes};
+  if (!split_mode && !cp_async_mode) sizes = {size_t{268435456}, sizes[0], sizes[1], max_bytes};
   for (size_t bytes : sizes) {
     const size_t n = bytes / 16;
     auto report = [&](const char* what, double us) {
@@ -124,6 +163,24 @@ int main(int argc, char** argv) {
     };
     report("grid-stride, 4 loads a thread",
            graph_us([&](int) { launch_read_reduction(1, blocks4, d, bytes, sink, s); }, s));
+    if (cp_async_mode) {
+      // 512 CTAs (fp8 64 x 4k's grid), 4 an SM, 32 KB of copies in flight a CTA (the 4-CTA 8-bit
+      // kernel's two 16 KB halves) by 128 or 256 threads; and 48 KB by 128, whose 64 KB ring
+      // leaves room for 3 CTAs an SM (two waves).
+      auto run = [&](const char* what, auto kernel, int threads, int ring_bytes) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
+        report(
+            what,
+            graph_us([&](int) { kernel<<<512, threads, ring_bytes, s>>>(d, n / 512, sink); }, s));
+      };
+      run("cp.async 512 x 128 thr x 8 x 3 stages (32 KB)", chunk_cp_async<128, 8, 3>, 128,
+          3 * 8 * 128 * 16);
+      run("cp.async 512 x 256 thr x 4 x 3 stages (32 KB)", chunk_cp_async<256, 4, 3>, 256,
+          3 * 4 * 256 * 16);
+      run("cp.async 512 x 128 thr x 8 x 4 st. (48 KB, 3/SM)", chunk_cp_async<128, 8, 4>, 128,
+          4 * 8 * 128 * 16);
+      continue;
+    }
     if (!split_mode) {
       report("grid-stride, 8 loads a thread",
              graph_us([&](int) { launch_read_reduction(2, blocks8, d, bytes, sink, s); }, s));
