@@ -464,7 +464,9 @@ std::optional<double> BenchSession::time_read_ms(const std::vector<const void*>&
 #if defined(ATTNKIT_WITH_CUDA)
   const int blocks = read_reduction_blocks(read_variant_);
   const DeviceBuffer sink(sizeof(unsigned));
-  return time_ms(
+  // The row's timing note is the row's own, not this comparison's.
+  const std::string row_note = timing_note_;
+  const double ms = time_ms(
       [&](int call, Stream stream) {
         cuda_ok(
             launch_read_reduction(read_variant_, blocks, sets[call % sets.size()], bytes / 16 * 16,
@@ -472,6 +474,8 @@ std::optional<double> BenchSession::time_read_ms(const std::vector<const void*>&
             "read ceiling kernel");
       },
       {.calls_per_sample = 16, .cuda_graph = true});
+  timing_note_ = row_note;
+  return ms;
 #else
   (void)bytes;
   return std::nullopt;
