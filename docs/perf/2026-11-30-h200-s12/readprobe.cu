@@ -5,8 +5,9 @@
 //   readprobe split   (call 5): at those bytes, what does a one-chunk-a-CTA grid (decode's
 //                     decomposition) lose against grid-stride, by bytes and warps in flight, and
 //                     does claiming pieces from a counter (dynamic balance) win it back?
-//   readprobe cpasync (not run yet): the same grid copying with cp.async into a shared ring, as
-//                     the decode kernels do, by 128 or 256 threads at the same bytes in flight.
+//   readprobe cpasync (session 13): the same grid copying with cp.async into a shared ring, as
+//                     the decode kernels do, by 128 or 256 threads at the same bytes in flight;
+//                     and at batch 1 x 32k's 134 MB, 2 CTAs an SM against 1 with a deeper ring.
 // The grid-stride read is the bench's read ceiling kernel (tools/read_ceiling.cu, included; in
 // call 1 the probe held a copy of it, and call 5 ran this file's split mode as probe2.cu, with a
 // 16 KB piece row that read nothing: 16 KB is less than one step of 128 threads x 16 loads).
@@ -156,6 +157,7 @@ int main(int argc, char** argv) {
   const int blocks8 = attnkit::tools::read_reduction_blocks(2);  // 8
   std::vector<size_t> sizes = {size_t{536870912}, size_t{1073741824}};
   if (!split_mode && !cp_async_mode) sizes = {size_t{268435456}, sizes[0], sizes[1], max_bytes};
+  if (cp_async_mode) sizes.insert(sizes.begin(), size_t{134217728});
   for (size_t bytes : sizes) {
     const size_t n = bytes / 16;
     auto report = [&](const char* what, double us) {
@@ -167,12 +169,21 @@ int main(int argc, char** argv) {
       // 512 CTAs (fp8 64 x 4k's grid), 4 an SM, 32 KB of copies in flight a CTA (the 4-CTA 8-bit
       // kernel's two 16 KB halves) by 128 or 256 threads; and 48 KB by 128, whose 64 KB ring
       // leaves room for 3 CTAs an SM (two waves).
-      auto run = [&](const char* what, auto kernel, int threads, int ring_bytes) {
+      auto run = [&](const char* what, auto kernel, int threads, int ring_bytes, int ctas = 512) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
         report(
             what,
-            graph_us([&](int) { kernel<<<512, threads, ring_bytes, s>>>(d, n / 512, sink); }, s));
+            graph_us([&](int) { kernel<<<ctas, threads, ring_bytes, s>>>(d, n / ctas, sink); }, s));
       };
+      // Batch 1 x 32k's grids (134 MB bf16): 256 CTAs, 2 an SM, 6 halves of 16 KB in flight
+      // (the 2-CTA kernel), against 128 CTAs, 1 an SM, 11 in flight by 4 or 8 warps.
+      run("cp.async 256 x 128 thr x 8 x 7 st. (96 KB, 2/SM)", chunk_cp_async<128, 8, 7>, 128,
+          7 * 8 * 128 * 16, 256);
+      run("cp.async 128 x 128 thr x 8 x 12 st. (176 KB, 1/SM)", chunk_cp_async<128, 8, 12>, 128,
+          12 * 8 * 128 * 16, 128);
+      run("cp.async 128 x 256 thr x 4 x 12 st. (176 KB, 1/SM)", chunk_cp_async<256, 4, 12>, 256,
+          12 * 4 * 256 * 16, 128);
+      if (bytes < (size_t{256} << 20)) continue;
       run("cp.async 512 x 128 thr x 8 x 3 stages (32 KB)", chunk_cp_async<128, 8, 3>, 128,
           3 * 8 * 128 * 16);
       run("cp.async 512 x 256 thr x 4 x 3 stages (32 KB)", chunk_cp_async<256, 4, 3>, 256,
