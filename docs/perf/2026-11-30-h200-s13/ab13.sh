@@ -19,13 +19,8 @@ else
 fi
 for i in $(seq 200); do [ -f "$DONE" ] && break; sleep 1; done
 echo "build waited $((SECONDS - T0)) s"
-B() { # cli tag value args...
-  local c=$1 e=$2 v=$3; shift 3
-  [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-200} ] || { echo "skip $e $*"; return; }
-  env "$VAR=$v" timeout 10 "$c" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$e $* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'
-}
+# shellcheck source=../ab_row.sh
+source "$(dirname "$0")/../ab_row.sh"
 R1="--batch 1 --context 32768"
 BATCH1=("--batch 1 --context 32768" "--kv-dtype fp8_e4m3 --batch 1 --context 32768"
         "--batch 1 --context 8192" "--batch 1 --context 16384" "--batch 2 --context 32768")
