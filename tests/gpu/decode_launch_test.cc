@@ -30,5 +30,37 @@ TEST(DecodeLaunch, ProgrammaticLaunchRule) {
   EXPECT_FALSE(cuda::decode_programmatic_launch(8, 1, 2048, 264));
 }
 
+// Which split calls merge in a kernel of their own: items of 16 or more heads, or of more than
+// 64 KB of 16-bit partials; the batch-1 target's items (32 splits of 4 heads at head_dim 128: 32
+// KB) keep the in-kernel merge, and calls without splits never merge.
+TEST(DecodeLaunch, SeparateMergeRule) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
+  EXPECT_FALSE(cuda::decode_separate_merge(32, 4, 128));
+  EXPECT_FALSE(cuda::decode_separate_merge(16, 8, 128));   // 32 KB
+  EXPECT_FALSE(cuda::decode_separate_merge(32, 8, 128));   // 64 KB: not more
+  EXPECT_TRUE(cuda::decode_separate_merge(33, 8, 128));    // 66 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(64, 8, 128));    // MQA 32/1 1 x 32k: 128 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(2, 16, 128));    // 16 heads
+  EXPECT_TRUE(cuda::decode_separate_merge(4, 32, 128));    // MQA 32/1 64 x 4k
+  EXPECT_TRUE(cuda::decode_separate_merge(128, 16, 128));  // GQA 32/2 1 x 32k
+  EXPECT_FALSE(cuda::decode_separate_merge(1, 32, 256));
+  EXPECT_FALSE(cuda::decode_separate_merge(128, 1, 256));  // 64 KB
+  // The tests' overrides.
+  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kSeparate);
+  EXPECT_TRUE(cuda::decode_separate_merge(2, 4, 128));
+  EXPECT_FALSE(cuda::decode_separate_merge(1, 4, 128));
+  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kInKernel);
+  EXPECT_FALSE(cuda::decode_separate_merge(128, 32, 256));
+  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
+  // Four warps a (row, head) for fewer pairs than SMs: MQA 32/1 1 x 32k's 32 pairs on 132 SMs;
+  // one warp for 16 x 8k's 512 and 64 x 4k's 2048.
+  EXPECT_EQ(cuda::decode_merge_warps_per_item(32, 132), 4);
+  EXPECT_EQ(cuda::decode_merge_warps_per_item(131, 132), 4);
+  EXPECT_EQ(cuda::decode_merge_warps_per_item(132, 132), 1);
+  EXPECT_EQ(cuda::decode_merge_warps_per_item(512, 132), 1);
+  EXPECT_EQ(cuda::decode_merge_warps_per_item(2048, 132), 1);
+}
+
 }  // namespace
 }  // namespace attnkit::test

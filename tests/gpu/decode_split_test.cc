@@ -3,8 +3,9 @@
 // (empty splits), the heuristic's counts at batch 1 (one CTA per SM for short splits), empty
 // splits next to rows of different lengths, groups of 4 / 8 / 16 / 32 heads, 8-bit caches,
 // window + sinks, ALiBi and soft-cap, outputs beyond f16's range (the partials' type), through a
-// caller DecodeWorkspace and without, and in a captured graph replayed several times. Contexts are
-// short (at most 32k keys over 2 KV heads): the host oracle's cost.
+// caller DecodeWorkspace and without, in a captured graph replayed several times, and the merge in
+// a kernel of its own against the in-kernel one. Contexts are short (at most 32k keys over 2 KV
+// heads): the host oracle's cost.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "cuda/decode/decode_launch.h"
 #include "gpu/decode_case_util.h"
 #include "gpu/gpu_util.h"
 
@@ -209,6 +211,106 @@ TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
     c.v_scale_base = 1.0e6f;
     run_both_workspaces(c, salt++, ws.get());
   }
+}
+
+// The split merge in a kernel of its own (decode_merge.cu) and inside the decode kernel, each
+// forced on every shape below whichever the rule would take: head_dim 64 / 80 / 96 / 128 / 256 (8
+// to 32 vectors a head; 10 and 12 leave lanes of the merge's warp idle), groups of 1 / 4 / 16 / 32
+// heads, bf16 and f16, forced counts with empty splits (a 1-key row next to 1500 keys) and the
+// heuristic, through both workspaces. Three rows take four warps a (row, head) in the separate
+// merge from 97 SMs up, 40 rows (160-1280 (row, head) pairs) one warp up to 160 SMs, and the
+// head_dim 256 cases have more splits than one batch of a lane's loads. Then the rule's own
+// choice in a captured graph replayed with the outputs poisoned (MQA: its 32-head items merge
+// apart; GQA 4 heads: in the kernel).
+TEST(DecodeSplit, SeparateAndInKernelMergeOfEveryShape) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  struct RestoreRule {
+    ~RestoreRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
+  } restore_rule;
+  auto ws = make_workspace(32, 40);
+  uint64_t salt = 3700;
+  struct Shape {
+    int32_t hq, hkv, head_dim;
+    DType dtype;
+  };
+  for (cuda::DecodeMergeMode mode :
+       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
+    cuda::set_decode_merge_mode(mode);
+    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
+    for (const Shape& s : {Shape{2, 2, 80, DType::kBF16}, Shape{8, 2, 96, DType::kF16},
+                           Shape{8, 2, 64, DType::kBF16}, Shape{8, 2, 128, DType::kF16},
+                           Shape{16, 1, 128, DType::kBF16}, Shape{32, 1, 128, DType::kBF16},
+                           Shape{4, 1, 256, DType::kF16}}) {
+      for (int32_t splits : {2, 9, 40, 0}) {
+        DecodeCase c;
+        c.hq = s.hq;
+        c.hkv = s.hkv;
+        c.head_dim = s.head_dim;
+        c.dtype = c.kv_dtype = s.dtype;
+        c.page = 32;
+        c.seq_lens = {1500, 1, 333};
+        c.num_splits = splits;
+        run_both_workspaces(c, salt++, ws.get());
+      }
+    }
+    // Rows enough for one warp a (row, head), and splits beyond one batch of a lane's loads (8):
+    // head_dim 256 (one lane group a warp) over 9-19 splits with one warp, over 40 with four.
+    struct ManyRows {
+      Shape shape;
+      int32_t rows, max_len;
+      std::vector<int32_t> splits;
+    };
+    for (const ManyRows& m : {ManyRows{Shape{32, 1, 128, DType::kBF16}, 40, 600, {3, 17}},
+                              ManyRows{Shape{32, 4, 96, DType::kF16}, 40, 200, {3}},
+                              ManyRows{Shape{4, 1, 256, DType::kF16}, 40, 1200, {17, 40}},
+                              ManyRows{Shape{2, 1, 256, DType::kBF16}, 1, 4000, {40, 0}}}) {
+      for (int32_t splits : m.splits) {
+        DecodeCase c;
+        c.hq = m.shape.hq;
+        c.hkv = m.shape.hkv;
+        c.head_dim = m.shape.head_dim;
+        c.dtype = c.kv_dtype = m.shape.dtype;
+        c.page = 16;
+        c.seq_lens.clear();
+        for (int32_t r = 0; r < m.rows; ++r) {
+          c.seq_lens.push_back(m.rows == 1 ? m.max_len : 1 + (r * 97) % m.max_len);
+        }
+        c.num_splits = splits;
+        run_both_workspaces(c, salt++, ws.get());
+      }
+    }
+  }
+  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
+  std::vector<std::unique_ptr<PreparedCase>> prepared;
+  for (int32_t hkv : {1, 2}) {
+    for (int32_t splits : {0, 5}) {
+      for (bool caller : {true, false}) {
+        DecodeCase c = gqa4_case({2100, 900}, splits, hkv);
+        if (hkv == 1) {
+          // MQA 32/1 over 10 rows: two M blocks a CTA (rows x KV heads >= SMs / 16 up to 160
+          // SMs), 32-head items that the rule merges apart.
+          c.hq = 32;
+          c.seq_lens = {700, 300, 1, 65, 129, 1000, 64, 33, 500, 257};
+        }
+        prepared.push_back(std::make_unique<PreparedCase>(c, salt++));
+        if (caller) prepared.back()->args.workspace = ws.get();
+      }
+    }
+  }
+  cudaStream_t stream = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  capture_decode_calls(prepared, stream, &graph, &exec);
+  if (HasFatalFailure()) return;
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE(detail::concat("replay ", replay));
+    replay_and_check(prepared, exec, stream);
+    expect_counters_zero(*ws);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

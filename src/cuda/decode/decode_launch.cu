@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -197,6 +198,7 @@ struct DecodePlan {
   DecodeParams params;
   DecodeKernelChoice choice;
   bool transformed = false;
+  int sm_count = 0;
 };
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -235,6 +237,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   int device = 0;
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  plan.sm_count = sm_count;
   DecodeKernelChoice& choice = plan.choice;
   choice.heads_per_cta = decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
                                               p.num_rows * spec.num_kv_heads, sm_count);
@@ -348,6 +351,29 @@ void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, cons
 // vs 4.411 / 4.410 always; fp8 64 x 4k (512 in 528) 4.215 / 4.215 vs 4.189 / 4.188 always; fp8
 // 32 x 32k (2 splits, 512 in 528) 4.374 / 4.375 never vs 4.345 / 4.345 with PDL; fp8 256 x 1k (4
 // waves) 4.069 / 4.067 vs 4.050 / 4.051 never; bf16 1 x 32k (32 splits) 3.380 vs 3.351 never.
+namespace {
+std::atomic<int> g_merge_mode{static_cast<int>(DecodeMergeMode::kAuto)};
+}  // namespace
+
+bool decode_separate_merge(int32_t num_splits, int heads_per_item, int head_dim) {
+  constexpr int64_t kInKernelMergeBytes = 64 * 1024;
+  if (num_splits <= 1) return false;
+  switch (static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed))) {
+    case DecodeMergeMode::kInKernel:
+      return false;
+    case DecodeMergeMode::kSeparate:
+      return true;
+    case DecodeMergeMode::kAuto:
+      break;
+  }
+  return heads_per_item >= 16 ||
+         static_cast<int64_t>(num_splits) * heads_per_item * head_dim * 2 > kInKernelMergeBytes;
+}
+
+void set_decode_merge_mode(DecodeMergeMode mode) {
+  g_merge_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
+}
+
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas) {
   if (compute_major < 9) return false;
@@ -368,9 +394,20 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
+  // Items of many partials are merged by a kernel of their own after the decode grid, which then
+  // needs no counters (decode_separate_merge).
+  const bool separate_merge = decode_separate_merge(
+      params.num_splits, std::min(params.group_size, plan.choice.heads_per_cta), spec.head_dim);
   auto launch = [&] {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
+    if (separate_merge) {
+      const bool programmatic =
+          device_attribute(cudaDevAttrComputeCapabilityMajor, p.device.index) >= 9;
+      launch_decode_merge(params, p.dtype, programmatic,
+                          decode_merge_warps_per_item(p.num_rows * spec.num_q_heads, plan.sm_count),
+                          stream);
+    }
   };
   if (params.num_splits == 1) {
     launch();
@@ -387,17 +424,17 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   };
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
-    // so the call is one kernel node.
+    // so the call is one kernel node (two with a separate merge, which uses no counters).
     check_workspace(*args.workspace, params, "decode: workspace");
     place_partials(args.workspace->partials());
-    params.split_counters = args.workspace->counters();
+    params.split_counters = separate_merge ? nullptr : args.workspace->counters();
     launch();
     return;
   }
   // Per-call stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a
   // memory node and a memset node). Layout: partial outputs (16-bit), partial LSEs, then the
   // arrival counters of the last-CTA merge, zeroed by the memset.
-  const size_t counters = static_cast<size_t>(counters_of(params));
+  const size_t counters = separate_merge ? 0 : static_cast<size_t>(counters_of(params));
   void* workspace = nullptr;
   check_cuda(
       cudaMallocAsync(
@@ -406,9 +443,11 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
       "decode: cudaMallocAsync(split-KV workspace)");
   place_partials(static_cast<float*>(workspace));
   try {
-    params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
-    check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
-               "decode: cudaMemsetAsync(split counters)");
+    if (!separate_merge) {
+      params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
+      check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
+                 "decode: cudaMemsetAsync(split counters)");
+    }
     launch();
   } catch (...) {
     cudaFreeAsync(workspace, stream);

@@ -49,6 +49,33 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n);
 
+// The split merge of a call: by the last CTA of each (row, KV head, head block) inside the decode
+// kernel, or by decode_merge.cu's kernel after it (launch_decode_merge), taken by calls whose items
+// hold many partials (decode_separate_merge).
+enum class DecodeMergeMode { kAuto, kInKernel, kSeparate };
+
+// Whether a call of num_splits > 1 splits whose CTAs serve heads_per_item query heads of head_dim
+// merges in a kernel of its own: items of 16 or more heads (one CTA merging them was the tail of
+// MQA 32/1 64 x 4k: ~6.7 of 51.5 us, session 13) or of more than 64 KB of 16-bit partials (GQA 32/2
+// 1 x 32k: 128 splits of 16 heads, 11.4 of 26 us).
+bool decode_separate_merge(int32_t num_splits, int heads_per_item, int head_dim);
+
+// Tests: forces the merge path of the split calls that follow (process-wide; kAuto: the rule).
+void set_decode_merge_mode(DecodeMergeMode mode);
+
+// Warps of the separate merge per (row, query head) for `items` of them: one, or a CTA of four
+// for fewer items than SMs (batch 1 of MQA or GQA-16: 32 items, 64-128 partials each). H200,
+// session 14 call 2 (TB/s, one warp -> four): MQA 32/1 1 x 32k 1.086 -> 1.149, GQA 32/2 1 x 32k
+// 1.918 -> 2.047, but MQA 16 x 8k (512 items) 2.143 -> 1.603, GQA 32/2 8 x 8k (256) 2.623 ->
+// 2.564.
+int decode_merge_warps_per_item(int64_t items, int sm_count);
+
+// Launches the separate split merge (decode_merge.cu) of the partials `p` describes, into p.out and
+// p.lse, with warps_per_item (1 or 4) warps per (row, query head); `programmatic` (sm_90+): as a
+// programmatic dependent of the decode grid before it.
+void launch_decode_merge(const DecodeParams& p, DType q_dtype, bool programmatic,
+                         int warps_per_item, cudaStream_t stream);
+
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
                                                DecodeKernelChoice, cudaStream_t);       \

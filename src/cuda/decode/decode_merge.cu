@@ -1,0 +1,193 @@
+// The split-KV merge as a kernel of its own, for split calls whose items (row, KV head, head
+// block) hold so many partials that one merging CTA each would be the call's tail
+// (decode_separate_merge): one warp, or for calls of few (row, query head) pairs one CTA of four
+// warps, per (row, query head), so that the merge is spread over the SMs. The decode grid then
+// writes its partials and returns (no counters); this kernel follows it on the stream, on sm_90+
+// as a programmatic dependent whose CTAs wait (griddepcontrol.wait) for the decode grid to
+// complete before reading its partials.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "core/check.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/decode/decode_launch.h"
+
+namespace attnkit::cuda {
+namespace {
+
+constexpr int kMergeWarps = 4;
+constexpr int kLsePerLane = kDecodeMaxSplits / 32;
+// Partial vectors a lane loads before it adds any: the loads of one batch are in flight together
+// (a merge of 64 splits over four warps is one batch a lane).
+constexpr int kLoadBatch = 8;
+
+// out[row, head] = sum_s w_s partial_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m),
+// lse = m + log(sum); splits without keys have LSE -inf (and zero outputs): weight 0. A row whose
+// splits are all empty gives zeros and LSE -inf. kWarpsPerItem warps share one (row, head): the
+// first computes the weights, each sums its share of the splits, the first adds the shares. The
+// bound's 4 CTAs an SM frees ptxas's register budget: without it, it sank the batch's loads
+// between the adds (one load in flight a lane, 43 registers); with it, the 8 issue together (72).
+template <typename QT, int kWarpsPerItem>
+__global__ void __launch_bounds__(kMergeWarps * 32, 4)
+    decode_merge_splits_kernel(const __grid_constant__ DecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.pdl) {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  }
+#endif
+  constexpr int kItemsPerCta = kMergeWarps / kWarpsPerItem;
+  __shared__ float weights[kItemsPerCta][kDecodeMaxSplits];
+  // Per warp: the output sums of each lane (at most 32 lanes of 8 floats).
+  __shared__ float sums[kMergeWarps][32 * 8];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int local = warp / kWarpsPerItem, part = warp % kWarpsPerItem;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kItemsPerCta + local;  // row x Hq + head
+  // No early return: the warps of an item meet at barriers.
+  const bool valid = item < static_cast<int64_t>(p.num_rows) * p.num_q_heads;
+  const int row = static_cast<int>(item / p.num_q_heads);
+  const int head = static_cast<int>(item % p.num_q_heads);
+  const int num_splits = p.num_splits;
+  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
+
+  if (valid && part == 0) {
+    float lse[kLsePerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      lse[i] = s < num_splits ? __ldcg(p.partial_lse + s * split_stride + item) : -INFINITY;
+      m = fmaxf(m, lse[i]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      lse[i] = lse[i] == -INFINITY ? 0.0f : __expf(lse[i] - m);
+      sum += lse[i];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    }
+    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLsePerLane; ++i) {
+      const int s = lane + 32 * i;
+      if (s < num_splits) weights[local][s] = lse[i] * inv_sum;
+    }
+    if (lane == 0 && p.lse != nullptr) {
+      p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
+          sum > 0.0f ? m + logf(sum) : -INFINITY;
+    }
+  }
+  __syncthreads();
+
+  // The head's D values are `vecs` 16-byte vectors of 8; a warp's lanes form `groups` groups of
+  // `vecs` lanes (head_dim 80 and 96 leave lanes idle), the item's warps kWarpsPerItem x groups
+  // groups in all; lane (group, v) sums vector v over the splits group, group + all_groups, ...
+  const int vecs = p.head_dim / 8;
+  const int groups = 32 / vecs;
+  const int all_groups = groups * kWarpsPerItem;
+  const int g = lane / vecs, v = lane % vecs;
+  const int group = part * groups + g;
+  float acc[8] = {};
+  if (valid && g < groups) {
+    const float4* src =
+        reinterpret_cast<const float4*>(static_cast<const QT*>(p.partial_out) + item * p.head_dim) +
+        v;
+    const int64_t step = split_stride * vecs;  // one split, in vectors
+    for (int first = group; first < num_splits; first += kLoadBatch * all_groups) {
+      // The batch's weights first, then its loads unpredicated (past the last split: the last
+      // split again, weight 0), so that all of them issue before the first add.
+      float w[kLoadBatch];
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int s = first + j * all_groups;
+        w[j] = s < num_splits ? weights[local][s] : 0.0f;
+      }
+      float4 raw[kLoadBatch];
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        raw[j] = __ldcg(src + min(first + j * all_groups, num_splits - 1) * step);
+      }
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const QT* x = reinterpret_cast<const QT*>(&raw[j]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] += w[j] * static_cast<float>(x[k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sums[warp][lane * 8 + k] = acc[k];
+  __syncthreads();
+  if (!valid || part != 0 || g != 0) return;
+  float out_value[8] = {};
+  for (int w = 0; w < kWarpsPerItem; ++w) {
+    for (int other = 0; other < groups; ++other) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        out_value[k] += sums[local * kWarpsPerItem + w][(other * vecs + v) * 8 + k];
+      }
+    }
+  }
+  QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + head * p.out_head_stride + 8 * v;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) out[k] = QT(out_value[k]);
+}
+
+template <typename QT>
+void launch_merge(const DecodeParams& params, bool programmatic, int warps_per_item,
+                  cudaStream_t stream) {
+  const int64_t items = static_cast<int64_t>(params.num_rows) * params.num_q_heads;
+  const int64_t items_per_cta = kMergeWarps / warps_per_item;
+  const dim3 grid(static_cast<unsigned>((items + items_per_cta - 1) / items_per_cta));
+  auto kernel = warps_per_item == 1 ? decode_merge_splits_kernel<QT, 1>
+                                    : decode_merge_splits_kernel<QT, kMergeWarps>;
+  if (programmatic) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(kMergeWarps * 32);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&config, kernel, params), "decode_merge_splits_kernel (PDL)");
+    return;
+  }
+  kernel<<<grid, kMergeWarps * 32, 0, stream>>>(params);
+  check_launch("decode_merge_splits_kernel");
+}
+
+}  // namespace
+
+int decode_merge_warps_per_item(int64_t items, int sm_count) {
+  return items >= sm_count ? 1 : kMergeWarps;
+}
+
+void launch_decode_merge(const DecodeParams& p, DType q_dtype, bool programmatic,
+                         int warps_per_item, cudaStream_t stream) {
+  ATTNKIT_CHECK(warps_per_item == 1 || warps_per_item == kMergeWarps,
+                "decode: split merge warps_per_item must be 1 or ", kMergeWarps, ", got ",
+                warps_per_item);
+  DecodeParams params = p;
+  params.pdl = programmatic ? 1 : 0;
+  if (q_dtype == DType::kBF16) {
+    launch_merge<__nv_bfloat16>(params, programmatic, warps_per_item, stream);
+  } else if (q_dtype == DType::kF16) {
+    launch_merge<__half>(params, programmatic, warps_per_item, stream);
+  } else {
+    detail::fail("decode: no split merge for q dtype ", dtype_name(q_dtype));
+  }
+}
+
+}  // namespace attnkit::cuda
