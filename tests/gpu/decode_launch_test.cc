@@ -30,9 +30,9 @@ TEST(DecodeLaunch, ProgrammaticLaunchRule) {
   EXPECT_FALSE(cuda::decode_programmatic_launch(8, 1, 2048, 264));
 }
 
-// Which split calls merge in a kernel of their own: items of 16 or more heads, or of more than
-// 64 KB of 16-bit partials; the batch-1 target's items (32 splits of 4 heads at head_dim 128: 32
-// KB) keep the in-kernel merge, and calls without splits never merge.
+// Which split calls merge in a kernel of their own: groups of 16 or more heads, or KV heads of
+// more than 64 KB of 16-bit partials; the batch-1 target's (32 splits of 4 heads at head_dim 128:
+// 32 KB) keep the in-kernel merge, and calls without splits never merge.
 TEST(DecodeLaunch, SeparateMergeRule) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
@@ -40,9 +40,9 @@ TEST(DecodeLaunch, SeparateMergeRule) {
   EXPECT_FALSE(cuda::decode_separate_merge(16, 8, 128));   // 32 KB
   EXPECT_FALSE(cuda::decode_separate_merge(32, 8, 128));   // 64 KB: not more
   EXPECT_TRUE(cuda::decode_separate_merge(33, 8, 128));    // 66 KB
-  EXPECT_TRUE(cuda::decode_separate_merge(64, 8, 128));    // MQA 32/1 1 x 32k: 128 KB
-  EXPECT_TRUE(cuda::decode_separate_merge(2, 16, 128));    // 16 heads
-  EXPECT_TRUE(cuda::decode_separate_merge(4, 32, 128));    // MQA 32/1 64 x 4k
+  EXPECT_TRUE(cuda::decode_separate_merge(64, 8, 128));    // 128 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(2, 16, 128));    // 16 heads (GQA 32/2)
+  EXPECT_TRUE(cuda::decode_separate_merge(4, 32, 128));    // MQA 32/1, any head block
   EXPECT_TRUE(cuda::decode_separate_merge(128, 16, 128));  // GQA 32/2 1 x 32k
   EXPECT_FALSE(cuda::decode_separate_merge(1, 32, 256));
   EXPECT_FALSE(cuda::decode_separate_merge(128, 1, 256));  // 64 KB

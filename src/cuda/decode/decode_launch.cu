@@ -355,7 +355,7 @@ namespace {
 std::atomic<int> g_merge_mode{static_cast<int>(DecodeMergeMode::kAuto)};
 }  // namespace
 
-bool decode_separate_merge(int32_t num_splits, int heads_per_item, int head_dim) {
+bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim) {
   constexpr int64_t kInKernelMergeBytes = 64 * 1024;
   if (num_splits <= 1) return false;
   switch (static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed))) {
@@ -366,8 +366,8 @@ bool decode_separate_merge(int32_t num_splits, int heads_per_item, int head_dim)
     case DecodeMergeMode::kAuto:
       break;
   }
-  return heads_per_item >= 16 ||
-         static_cast<int64_t>(num_splits) * heads_per_item * head_dim * 2 > kInKernelMergeBytes;
+  return group_size >= 16 ||
+         static_cast<int64_t>(num_splits) * group_size * head_dim * 2 > kInKernelMergeBytes;
 }
 
 void set_decode_merge_mode(DecodeMergeMode mode) {
@@ -394,10 +394,10 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
-  // Items of many partials are merged by a kernel of their own after the decode grid, which then
-  // needs no counters (decode_separate_merge).
-  const bool separate_merge = decode_separate_merge(
-      params.num_splits, std::min(params.group_size, plan.choice.heads_per_cta), spec.head_dim);
+  // Large groups and KV heads of many partials are merged by a kernel of their own after the
+  // decode grid, which then needs no counters (decode_separate_merge).
+  const bool separate_merge =
+      decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
   auto launch = [&] {
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
