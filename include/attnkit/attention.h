@@ -48,7 +48,8 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream =
 // cudaMallocAsync and zeroes its arrival counters with cudaMemsetAsync (three extra graph nodes,
 // ~2-4 us a call at batch 1 on the H200, docs/decode_design.md). With one, the counters are
 // zeroed once here and the merging CTA of each (row, KV head) sets its counter back to zero, so
-// a call enqueues its kernel only.
+// a call enqueues its kernels only (the decode kernel, and for large groups the merge kernel,
+// which uses no counters).
 //
 // Rules:
 // - Not shared by calls that may run at the same time (other streams, graphs replayed on other
