@@ -48,6 +48,25 @@ void run_both_workspaces(const DecodeCase& c, uint64_t salt, DecodeWorkspace* ws
   }
 }
 
+// Captures the prepared calls into one graph on a stream of its own and replays it three times,
+// outputs poisoned before and checked after each replay, `ws`'s counters zero after each.
+void capture_and_replay(std::vector<std::unique_ptr<PreparedCase>>& prepared,
+                        const DecodeWorkspace& ws) {
+  cudaStream_t stream = nullptr;
+  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  capture_decode_calls(prepared, stream, &graph, &exec);
+  for (int replay = 0; replay < 3 && !::testing::Test::HasFatalFailure(); ++replay) {
+    SCOPED_TRACE(detail::concat("replay ", replay));
+    replay_and_check(prepared, exec, stream);
+    expect_counters_zero(ws);
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 std::unique_ptr<DecodeWorkspace> make_workspace(int32_t hq, int64_t rows) {
   AttentionSpec sizing;
   sizing.num_q_heads = hq;
@@ -183,20 +202,7 @@ TEST(DecodeSplit, CapturedGraphReplays) {
       if (caller) prepared.back()->args.workspace = ws.get();
     }
   }
-  cudaStream_t stream = nullptr;
-  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  capture_decode_calls(prepared, stream, &graph, &exec);
-  if (HasFatalFailure()) return;
-  for (int replay = 0; replay < 3; ++replay) {
-    SCOPED_TRACE(detail::concat("replay ", replay));
-    replay_and_check(prepared, exec, stream);
-    expect_counters_zero(*ws);
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  capture_and_replay(prepared, *ws);
 }
 
 // The splits' partial outputs are stored in the query's type: bf16 queries over a cache whose V
@@ -297,20 +303,7 @@ TEST(DecodeSplit, SeparateAndInKernelMergeOfEveryShape) {
       }
     }
   }
-  cudaStream_t stream = nullptr;
-  ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  capture_decode_calls(prepared, stream, &graph, &exec);
-  if (HasFatalFailure()) return;
-  for (int replay = 0; replay < 3; ++replay) {
-    SCOPED_TRACE(detail::concat("replay ", replay));
-    replay_and_check(prepared, exec, stream);
-    expect_counters_zero(*ws);
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  capture_and_replay(prepared, *ws);
 }
 
 }  // namespace
