@@ -11,6 +11,7 @@
 #include "attnkit/types.h"
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/launch.cuh"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_launch.h"
 
@@ -35,25 +36,10 @@ void prepare_kernel() {
 template <typename Traits, DecodeLogits kLogits>
 void launch_kernel_instance(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   prepare_kernel<Traits, kLogits>();
-  if (p.pdl) {
-    // Programmatic dependent launch (sm_90+): the kernel waits for its predecessor
-    // (griddepcontrol.wait) before it reads anything.
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(Traits::kThreads);
-    config.dynamicSmemBytes = Traits::kSmemBytes;
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    check_cuda(cudaLaunchKernelEx(&config, decode_kernel<Traits, kLogits>, p),
-               "decode_kernel (PDL)");
-    return;
-  }
-  decode_kernel<Traits, kLogits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  check_launch("decode_kernel");
+  // With p.pdl (sm_90+) the kernel waits for its predecessor (griddepcontrol.wait) before it reads
+  // anything.
+  launch_maybe_programmatic(decode_kernel<Traits, kLogits>, grid, dim3(Traits::kThreads),
+                            Traits::kSmemBytes, stream, p.pdl != 0, p, "decode_kernel");
 }
 
 template <typename Traits>

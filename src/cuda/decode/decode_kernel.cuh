@@ -23,6 +23,7 @@
 #include "cuda/common/ldmatrix_sm80.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/decode/decode_params.h"
+#include "cuda/decode/split_weights.cuh"
 
 namespace attnkit::cuda {
 
@@ -425,24 +426,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       }
       m = fmaxf(m, lse[i]);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLsePerLane; ++i) {
-      // Empty splits have LSE -inf (and wrote zeros): weight 0.
-      lse[i] = lse[i] == -INFINITY ? 0.0f : __expf(lse[i] - m);
-      sum += lse[i];
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLsePerLane; ++i) {
-      const int s = lane + 32 * i;
-      if (s < num_splits) weight[r * num_splits + s] = lse[i] * inv_sum;
-    }
+    // Empty splits have LSE -inf (and wrote zeros): weight 0.
+    const float sum = split_weights(lse, m, num_splits, lane, weight + r * num_splits);
     if (lane == 0 && p.lse != nullptr) {
       p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;

@@ -13,7 +13,9 @@
 
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/launch.cuh"
 #include "cuda/decode/decode_launch.h"
+#include "cuda/decode/split_weights.cuh"
 
 namespace attnkit::cuda {
 namespace {
@@ -62,26 +64,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
       lse[i] = s < num_splits ? __ldcg(p.partial_lse + s * split_stride + item) : -INFINITY;
       m = fmaxf(m, lse[i]);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    }
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLsePerLane; ++i) {
-      lse[i] = lse[i] == -INFINITY ? 0.0f : __expf(lse[i] - m);
-      sum += lse[i];
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    }
-    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLsePerLane; ++i) {
-      const int s = lane + 32 * i;
-      if (s < num_splits) weights[local][s] = lse[i] * inv_sum;
-    }
+    const float sum = split_weights(lse, m, num_splits, lane, weights[local]);
     if (lane == 0 && p.lse != nullptr) {
       p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;
@@ -151,21 +134,8 @@ void launch_merge(const DecodeParams& params, bool programmatic, int warps_per_i
   const dim3 grid(static_cast<unsigned>((items + items_per_cta - 1) / items_per_cta));
   auto kernel = warps_per_item == 1 ? decode_merge_splits_kernel<QT, 1>
                                     : decode_merge_splits_kernel<QT, kMergeWarps>;
-  if (programmatic) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(kMergeWarps * 32);
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    check_cuda(cudaLaunchKernelEx(&config, kernel, params), "decode_merge_splits_kernel (PDL)");
-    return;
-  }
-  kernel<<<grid, kMergeWarps * 32, 0, stream>>>(params);
-  check_launch("decode_merge_splits_kernel");
+  launch_maybe_programmatic(kernel, grid, dim3(kMergeWarps * 32), 0, stream, programmatic, params,
+                            "decode_merge_splits_kernel");
 }
 
 }  // namespace
