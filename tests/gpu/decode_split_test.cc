@@ -33,6 +33,25 @@ DecodeCase gqa4_case(std::vector<int32_t> seq_lens, int32_t splits, int32_t hkv 
   return c;
 }
 
+// Query heads, KV heads, head_dim and the query / cache dtype of a case.
+struct HeadShape {
+  int32_t hq, hkv, head_dim;
+  DType dtype;
+};
+
+DecodeCase shaped_case(const HeadShape& s, int32_t page, std::vector<int32_t> seq_lens,
+                       int32_t splits) {
+  DecodeCase c;
+  c.hq = s.hq;
+  c.hkv = s.hkv;
+  c.head_dim = s.head_dim;
+  c.dtype = c.kv_dtype = s.dtype;
+  c.page = page;
+  c.seq_lens = std::move(seq_lens);
+  c.num_splits = splits;
+  return c;
+}
+
 // Runs the case through the caller workspace `ws`, then through the per-call workspace; outputs
 // poisoned before each call.
 void run_both_workspaces(const DecodeCase& c, uint64_t salt, DecodeWorkspace* ws) {
@@ -113,23 +132,11 @@ TEST(DecodeSplit, GroupSizesAndHeadDims) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(32, 2);
   uint64_t salt = 3200;
-  struct Shape {
-    int32_t hq, hkv, head_dim;
-    DType dtype;
-  };
-  for (const Shape& s : {Shape{8, 1, 128, DType::kF16}, Shape{16, 1, 128, DType::kBF16},
-                         Shape{32, 1, 128, DType::kF16}, Shape{8, 2, 64, DType::kBF16},
-                         Shape{8, 1, 256, DType::kF16}}) {
+  for (const HeadShape& s : {HeadShape{8, 1, 128, DType::kF16}, HeadShape{16, 1, 128, DType::kBF16},
+                             HeadShape{32, 1, 128, DType::kF16}, HeadShape{8, 2, 64, DType::kBF16},
+                             HeadShape{8, 1, 256, DType::kF16}}) {
     for (int32_t splits : {0, 7}) {
-      DecodeCase c;
-      c.hq = s.hq;
-      c.hkv = s.hkv;
-      c.head_dim = s.head_dim;
-      c.dtype = c.kv_dtype = s.dtype;
-      c.page = 32;
-      c.seq_lens = {1500, 333};
-      c.num_splits = splits;
-      run_both_workspaces(c, salt++, ws.get());
+      run_both_workspaces(shaped_case(s, 32, {1500, 333}, splits), salt++, ws.get());
     }
   }
 }
@@ -235,54 +242,36 @@ TEST(DecodeSplit, SeparateAndInKernelMergeOfEveryShape) {
   } restore_rule;
   auto ws = make_workspace(32, 40);
   uint64_t salt = 3700;
-  struct Shape {
-    int32_t hq, hkv, head_dim;
-    DType dtype;
-  };
   for (cuda::DecodeMergeMode mode :
        {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
     cuda::set_decode_merge_mode(mode);
     SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
-    for (const Shape& s : {Shape{2, 2, 80, DType::kBF16}, Shape{8, 2, 96, DType::kF16},
-                           Shape{8, 2, 64, DType::kBF16}, Shape{8, 2, 128, DType::kF16},
-                           Shape{16, 1, 128, DType::kBF16}, Shape{32, 1, 128, DType::kBF16},
-                           Shape{4, 1, 256, DType::kF16}}) {
+    for (const HeadShape& s :
+         {HeadShape{2, 2, 80, DType::kBF16}, HeadShape{8, 2, 96, DType::kF16},
+          HeadShape{8, 2, 64, DType::kBF16}, HeadShape{8, 2, 128, DType::kF16},
+          HeadShape{16, 1, 128, DType::kBF16}, HeadShape{32, 1, 128, DType::kBF16},
+          HeadShape{4, 1, 256, DType::kF16}}) {
       for (int32_t splits : {2, 9, 40, 0}) {
-        DecodeCase c;
-        c.hq = s.hq;
-        c.hkv = s.hkv;
-        c.head_dim = s.head_dim;
-        c.dtype = c.kv_dtype = s.dtype;
-        c.page = 32;
-        c.seq_lens = {1500, 1, 333};
-        c.num_splits = splits;
-        run_both_workspaces(c, salt++, ws.get());
+        run_both_workspaces(shaped_case(s, 32, {1500, 1, 333}, splits), salt++, ws.get());
       }
     }
     // Rows enough for one warp a (row, head), and splits beyond one batch of a lane's loads (8):
     // head_dim 256 (one lane group a warp) over 9-19 splits with one warp, over 40 with four.
     struct ManyRows {
-      Shape shape;
+      HeadShape shape;
       int32_t rows, max_len;
       std::vector<int32_t> splits;
     };
-    for (const ManyRows& m : {ManyRows{Shape{32, 1, 128, DType::kBF16}, 40, 600, {3, 17}},
-                              ManyRows{Shape{32, 4, 96, DType::kF16}, 40, 200, {3}},
-                              ManyRows{Shape{4, 1, 256, DType::kF16}, 40, 1200, {17, 40}},
-                              ManyRows{Shape{2, 1, 256, DType::kBF16}, 1, 4000, {40, 0}}}) {
+    for (const ManyRows& m : {ManyRows{HeadShape{32, 1, 128, DType::kBF16}, 40, 600, {3, 17}},
+                              ManyRows{HeadShape{32, 4, 96, DType::kF16}, 40, 200, {3}},
+                              ManyRows{HeadShape{4, 1, 256, DType::kF16}, 40, 1200, {17, 40}},
+                              ManyRows{HeadShape{2, 1, 256, DType::kBF16}, 1, 4000, {40, 0}}}) {
+      std::vector<int32_t> seq_lens;
+      for (int32_t r = 0; r < m.rows; ++r) {
+        seq_lens.push_back(m.rows == 1 ? m.max_len : 1 + (r * 97) % m.max_len);
+      }
       for (int32_t splits : m.splits) {
-        DecodeCase c;
-        c.hq = m.shape.hq;
-        c.hkv = m.shape.hkv;
-        c.head_dim = m.shape.head_dim;
-        c.dtype = c.kv_dtype = m.shape.dtype;
-        c.page = 16;
-        c.seq_lens.clear();
-        for (int32_t r = 0; r < m.rows; ++r) {
-          c.seq_lens.push_back(m.rows == 1 ? m.max_len : 1 + (r * 97) % m.max_len);
-        }
-        c.num_splits = splits;
-        run_both_workspaces(c, salt++, ws.get());
+        run_both_workspaces(shaped_case(m.shape, 16, seq_lens, splits), salt++, ws.get());
       }
     }
   }
