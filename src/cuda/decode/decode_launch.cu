@@ -199,6 +199,7 @@ struct DecodePlan {
   DecodeKernelChoice choice;
   bool transformed = false;
   int sm_count = 0;
+  int compute_major = 0;
 };
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -238,6 +239,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   plan.sm_count = sm_count;
+  plan.compute_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
   DecodeKernelChoice& choice = plan.choice;
   choice.heads_per_cta = decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
                                               p.num_rows * spec.num_kv_heads, sm_count);
@@ -312,11 +314,10 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const bool four_ctas = choice.wide_grid && has_four_cta_kernel;
   const int64_t resident =
       static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) * sm_count;
-  params.pdl =
-      decode_programmatic_launch(device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-                                 params.num_splits, ctas * params.num_splits, resident)
-          ? 1
-          : 0;
+  params.pdl = decode_programmatic_launch(plan.compute_major, params.num_splits,
+                                          ctas * params.num_splits, resident)
+                   ? 1
+                   : 0;
   return plan;
 }
 
@@ -402,9 +403,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                   stream);
     if (separate_merge) {
-      const bool programmatic =
-          device_attribute(cudaDevAttrComputeCapabilityMajor, p.device.index) >= 9;
-      launch_decode_merge(params, p.dtype, programmatic,
+      launch_decode_merge(params, p.dtype, plan.compute_major >= 9,
                           decode_merge_warps_per_item(p.num_rows * spec.num_q_heads, plan.sm_count),
                           stream);
     }
