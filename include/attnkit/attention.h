@@ -56,11 +56,11 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream =
 //   streams): use one workspace per stream or per concurrently running call. Calls on one stream
 //   (eager or replayed graphs) may all use the same one.
 // - A split call fits when rows x KV heads x head blocks <= counter_capacity() and splits x rows x
-//   Hq x (ceil(D / 2) + 1) <= partial_capacity() (each split's output is kept in the query's
-//   16-bit type, its LSE in f32); for the spec it was sized for, every call of <= max_rows
-//   rows and <= max_splits splits fits (max_splits = 128, the kernel's limit, fits any split
-//   count). A call that does not fit throws naming `workspace` (decode) or `decode_workspace`
-//   (forward) before anything is enqueued. Calls that do not split do not use it.
+//   Hq x (D + 1) <= partial_capacity() (each split's output and LSE are kept in f32); for the spec
+//   it was sized for, every call of <= max_rows rows and <= max_splits splits fits (max_splits =
+//   128, the kernel's limit, fits any split count). A call that does not fit throws naming
+//   `workspace` (decode) or `decode_workspace` (forward) before anything is enqueued. Calls that do
+//   not split do not use it.
 // - A call that throws leaves the counters zero (nothing was enqueued, or the kernel did not
 //   start). A kernel that faults on the device loses the CUDA context and the workspace with it;
 //   reset() re-zeroes the counters (stream ordered) for a caller who wants to be certain.
@@ -70,8 +70,8 @@ class DecodeWorkspace {
  public:
   static constexpr int32_t kMaxSplits = 128;
   // Capacity for decode calls of spec's heads (Hq query heads, head_dim D): counters for
-  // max_rows x Hq (head blocks) and max_rows x max_splits x Hq x (ceil(D / 2) + 1) 4-byte words
-  // of partials (16-bit outputs, f32 LSEs).
+  // max_rows x Hq (head blocks) and max_rows x max_splits x Hq x (D + 1) 4-byte words of
+  // partials (f32 outputs and LSEs).
   DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, int32_t max_splits, Device device);
   ~DecodeWorkspace();
   DecodeWorkspace(const DecodeWorkspace&) = delete;

@@ -108,9 +108,9 @@ def test_cuda_decode_rejects_a_too_small_workspace(rng):
     last = torch.tensor(np.cumsum(lens) - 1, device="cuda")
     qd = q[last].contiguous()
     out = torch.full_like(qd, float("nan"))
-    # Capacity is checked against what the call needs (rows x splits x Hq x (D / 2 + 1) partial
-    # words, rows x KV heads counters), not against max_rows / max_splits themselves: 3 rows x 8
-    # splits need 12480 words; these hold 2 x 2 x 8 x 65 = 2080 and 4 x 4 x 8 x 65 = 8320.
+    # Capacity is checked against what the call needs (rows x splits x Hq x (D + 1) partial words,
+    # rows x KV heads counters), not against max_rows / max_splits themselves: 3 rows x 8 splits
+    # need 24768 words; these hold 2 x 2 x 8 x 129 = 4128 and 4 x 4 x 8 x 129 = 16512.
     for max_rows, max_splits in ((2, 2), (4, 4)):
         small = attnkit.DecodeWorkspace(**HEADS, max_rows=max_rows, max_splits=max_splits)
         with pytest.raises(attnkit.Error, match="workspace"):

@@ -11,10 +11,10 @@ struct DecodeWorkspaceSize {
   int64_t partial_words = 0;  // 4-byte words of the partial outputs and LSEs
 };
 
-// 4-byte words of one (split, row, query head)'s partial output, D values in the query's 16-bit
-// type (the decode kernel stores a split's output that way, decode_kernel.cuh), and of the whole
-// partial with its f32 LSE. The workspace lays out every output, then every LSE.
-constexpr int64_t decode_partial_output_words(int64_t head_dim) { return (head_dim + 1) / 2; }
+// 4-byte words of one (split, row, query head)'s partial output, D f32 values (the decode kernel
+// stores a split's output unrounded, decode_kernel.cuh), and of the whole partial with its f32
+// LSE. The workspace lays out every output, then every LSE.
+constexpr int64_t decode_partial_output_words(int64_t head_dim) { return head_dim; }
 constexpr int64_t decode_partial_words(int64_t head_dim) {
   return decode_partial_output_words(head_dim) + 1;
 }

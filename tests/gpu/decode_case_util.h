@@ -38,6 +38,9 @@ struct DecodeCase {
   double softcap = 0.0;
   float q_range = 1.0f;       // larger values make soft-cap and the softmax sharper
   float v_scale_base = 0.0f;  // > 0: V scales of [0.5, 2) times this, 16-bit caches included
+  // V values of a row's first half of keys (by slot) shifted up by this, the rest down: the row's
+  // mean near 0, the means of splits within one half near +-v_half_offset. Non-cyclic caches.
+  float v_half_offset = 0.0f;
   int32_t num_splits = 0;
   int32_t max_seq_len = 0;  // DecodeArgs::max_seq_len (0: the longest row)
   bool with_lse = true;
@@ -140,10 +143,13 @@ inline HostCache build_cache(const DecodeCase& c, std::mt19937_64& rng) {
       for (int kv = 0; kv < 2; ++kv) {
         for (int head = 0; head < c.hkv; ++head) {
           const float scale = kv == 0 ? h.k_scales[head] : h.v_scales[head];
+          const float shift =
+              kv == 0 ? 0.0f : (s < c.seq_lens[r] / 2 ? c.v_half_offset : -c.v_half_offset);
           for (int d = 0; d < c.head_dim; ++d) {
             // Stored values are round(x / scale) for quantized caches (DESIGN.md section 3).
+            const float x = value(rng) + shift;
             h.pool.set(h.element(block, kv, head, s % h.tokens_per_block, d, c),
-                       quantized ? value(rng) / scale : value(rng));
+                       quantized ? x / scale : x);
           }
         }
       }

@@ -31,21 +31,23 @@ TEST(DecodeLaunch, ProgrammaticLaunchRule) {
 }
 
 // Which split calls merge in a kernel of their own: groups of 16 or more heads, or KV heads of
-// more than 64 KB of 16-bit partials; the batch-1 target's (32 splits of 4 heads at head_dim 128:
-// 32 KB) keep the in-kernel merge, and calls without splits never merge.
+// more than 64 KB of f32 partials; the batch-1 target's (32 splits of 4 heads at head_dim 128:
+// 64 KB) keep the in-kernel merge, and calls without splits never merge.
 TEST(DecodeLaunch, SeparateMergeRule) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
-  EXPECT_FALSE(cuda::decode_separate_merge(32, 4, 128));
-  EXPECT_FALSE(cuda::decode_separate_merge(16, 8, 128));   // 32 KB
-  EXPECT_FALSE(cuda::decode_separate_merge(32, 8, 128));   // 64 KB: not more
-  EXPECT_TRUE(cuda::decode_separate_merge(33, 8, 128));    // 66 KB
-  EXPECT_TRUE(cuda::decode_separate_merge(64, 8, 128));    // 128 KB
+  EXPECT_FALSE(cuda::decode_separate_merge(32, 4, 128));   // 64 KB: not more
+  EXPECT_FALSE(cuda::decode_separate_merge(8, 8, 128));    // 32 KB
+  EXPECT_FALSE(cuda::decode_separate_merge(16, 8, 128));   // 64 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(17, 8, 128));    // 68 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(33, 4, 128));    // 66 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(64, 8, 128));    // 256 KB
   EXPECT_TRUE(cuda::decode_separate_merge(2, 16, 128));    // 16 heads (GQA 32/2)
   EXPECT_TRUE(cuda::decode_separate_merge(4, 32, 128));    // MQA 32/1, any head block
   EXPECT_TRUE(cuda::decode_separate_merge(128, 16, 128));  // GQA 32/2 1 x 32k
   EXPECT_FALSE(cuda::decode_separate_merge(1, 32, 256));
-  EXPECT_FALSE(cuda::decode_separate_merge(128, 1, 256));  // 64 KB
+  EXPECT_FALSE(cuda::decode_separate_merge(64, 1, 256));  // 64 KB
+  EXPECT_TRUE(cuda::decode_separate_merge(128, 1, 256));  // 128 KB
   // The tests' overrides.
   cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kSeparate);
   EXPECT_TRUE(cuda::decode_separate_merge(2, 4, 128));

@@ -86,6 +86,11 @@ void capture_and_replay(std::vector<std::unique_ptr<PreparedCase>>& prepared,
   cudaStreamDestroy(stream);
 }
 
+// Puts the split merge back under its rule when a test that forced it ends.
+struct RestoreMergeRule {
+  ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
+};
+
 std::unique_ptr<DecodeWorkspace> make_workspace(int32_t hq, int64_t rows) {
   AttentionSpec sizing;
   sizing.num_q_heads = hq;
@@ -212,9 +217,10 @@ TEST(DecodeSplit, CapturedGraphReplays) {
   capture_and_replay(prepared, *ws);
 }
 
-// The splits' partial outputs are stored in the query's type: bf16 queries over a cache whose V
-// scale puts the outputs near 1e6, beyond f16's range (f16 partials would overflow), forced and
-// heuristic counts, both workspaces.
+// Outputs near 1e6 (bf16 queries over a cache whose V scale puts them beyond f16's range, so f16
+// partials would overflow), forced and heuristic counts, both workspaces. The splits' means are
+// larger than the rows' where they cancel: partials rounded to the query's type (the kernels up to
+// session 14) failed DESIGN.md 6's bound here for some seeds (388.7 against 366.9); f32 partials.
 TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(8, 2);
@@ -223,6 +229,32 @@ TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
     DecodeCase c = gqa4_case({2049, 700}, splits);
     c.v_scale_base = 1.0e6f;
     run_both_workspaces(c, salt++, ws.get());
+  }
+}
+
+// Splits whose means are far from the row's: V shifted by +0.5 over the first half of each row's
+// keys and by -0.5 over the rest, so that a split's output is ~+-0.5 while the row's is ~0 and the
+// error of any rounding of the partials, relative to the splits' means, dwarfs the naive
+// computation's (a host model of the kernel: bf16 partials broke the bound in 179 to 200 of 200
+// cases at offsets 0.25 to 1; f32 partials at most 0.84 of it). Both merges, bf16 and f16
+// queries, forced and heuristic counts, both workspaces.
+TEST(DecodeSplit, SplitMeansFarFromTheRowsMean) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  RestoreMergeRule restore_rule;
+  auto ws = make_workspace(8, 2);
+  uint64_t salt = 3650;
+  for (cuda::DecodeMergeMode mode :
+       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
+    cuda::set_decode_merge_mode(mode);
+    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      for (int32_t splits : {5, 16, 0}) {
+        DecodeCase c = gqa4_case({2049, 700}, splits);
+        c.dtype = c.kv_dtype = dtype;
+        c.v_half_offset = 0.5f;
+        run_both_workspaces(c, salt++, ws.get());
+      }
+    }
   }
 }
 
@@ -237,9 +269,7 @@ TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
 // apart; GQA 4 heads: in the kernel).
 TEST(DecodeSplit, SeparateAndInKernelMergeOfEveryShape) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  struct RestoreRule {
-    ~RestoreRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
-  } restore_rule;
+  RestoreMergeRule restore_rule;
   auto ws = make_workspace(32, 40);
   uint64_t salt = 3700;
   for (cuda::DecodeMergeMode mode :

@@ -814,8 +814,8 @@ TEST(DecodeWorkspace, RejectsTooSmallOrForeignWorkspace) {
   one_head.num_q_heads = one_head.num_kv_heads = 1;
   DecodeWorkspace few_rows(one_head, 2, 128, Device::cuda(0));
   DecodeWorkspace few_splits(sizing, 3, 8, Device::cuda(0));
-  // Sized for 16-bit partial outputs and f32 LSEs: 3 rows x 8 splits x 32 heads x (64 + 1) words.
-  EXPECT_EQ(few_splits.partial_capacity(), 3 * 8 * 32 * 65);
+  // Sized for f32 partial outputs and LSEs: 3 rows x 8 splits x 32 heads x (128 + 1) words.
+  EXPECT_EQ(few_splits.partial_capacity(), 3 * 8 * 32 * 129);
   auto expect_rejected = [&](const DecodeArgs& args, const AttentionSpec& spec,
                              const std::string& needle) {
     try {

@@ -295,8 +295,8 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
 }
 
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
-// output (16-bit, the query's type) and LSE (f32): out = sum_s w_s out_s with w_s = exp(lse_s - m)
-// / sum_s' exp(lse_s' - m), lse = m + log(sum). The splits' writes are made visible by the fence
+// output and LSE (both f32): out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s'
+// - m), lse = m + log(sum). The splits' writes are made visible by the fence
 // before the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg),
 // never a stale L1 line.
 template <typename Traits>
@@ -338,8 +338,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
   // The first head of each warp has its LSEs loaded first, before any arithmetic and before the
   // partials are staged, so that the LSE pass does not queue behind them (the last CTA's LSE pass
-  // 2.34 -> 1.57 us at bf16 1 x 32k; with the register epilogue and 16-bit partials 3.449 / 3.442
-  // -> 3.458 / 3.461 TB/s).
+  // 2.34 -> 1.57 us at bf16 1 x 32k; with the register epilogue and the 16-bit partials of the
+  // time 3.449 / 3.442 -> 3.458 / 3.461 TB/s).
   constexpr int kLsePerLane = kDecodeMaxSplits / 32;
   float first_lse[kLsePerLane];
   if (warp < heads_here) {
@@ -350,8 +350,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
           s < num_splits ? __ldcg(p.partial_lse + s * split_stride + first_item + warp) : -INFINITY;
     }
   }
-  // The partial outputs are 16-bit values of the query's type: 8 to a 16-byte vector.
-  constexpr int kPerVec = 16 / static_cast<int>(sizeof(QT));
+  // The partial outputs are f32 values: 4 to a 16-byte vector.
+  constexpr int kPerVec = 4;
   constexpr int kVecs = kD / kPerVec;
   const int split_vecs = heads_here * kVecs;  // 16-byte vectors of one split's partial outputs
   const int64_t split_stride_vecs = split_stride * kVecs;
@@ -367,7 +367,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
                 "the merge stages at least one split per buffer");
   // Chunks are sized by the heads this CTA has (groups of 4 heads in the kM = 8 kernel: twice the
   // splits per buffer), and all splits go in one chunk over both buffers when they fit (head_dim
-  // 128, kM = 8, 16-bit partials: up to 108 splits of 4 heads, 54 of 8), instead of chunks sized
+  // 128, kM = 8, f32 partials: up to 54 splits of 4 heads, 27 of 8), instead of chunks sized
   // for kM heads (13 splits: 3 chunks, three round trips, for the 32 splits of batch 1). Measured
   // on the H200 (round 4, 19:53 UTC, same run, two repetitions, TB/s): bf16 1 x 32k 3.12 / 3.11
   // -> 3.18 / 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x
@@ -472,11 +472,12 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
         const float* w = weight + (i / kVecs) * num_splits + s0;
 #pragma unroll kSplitUnroll
         for (int s = part; s < n; s += parts) {
-          const float4 raw = src[s * split_vecs + i];
-          const QT* v = reinterpret_cast<const QT*>(&raw);
+          const float4 v = src[s * split_vecs + i];
           const float ws = w[s];
-#pragma unroll
-          for (int k = 0; k < kPerVec; ++k) acc[j][k] += ws * static_cast<float>(v[k]);
+          acc[j][0] += ws * v.x;
+          acc[j][1] += ws * v.y;
+          acc[j][2] += ws * v.z;
+          acc[j][3] += ws * v.w;
         }
       }
     }
@@ -1268,19 +1269,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
       }
     } else {
-      // The split's output is rounded to the query's type (as FlashInfer's tmp_v in the output
-      // type): half the bytes the merging CTA stages (32 instead of 64 KB a KV head at batch 1 x
-      // 32k). H200, same run (round 3, 02:25 UTC, TB/s): bf16 1 x 32k 3.383 / 3.378 -> 3.430 /
-      // 3.426; with the register epilogue and the early LSE loads 3.458 / 3.461, fp8 1 x 32k
-      // 2.622 / 2.612 -> 2.733 / 2.731, 1 x 8k 2.069 -> 2.158, 1 x 16k 2.794 -> 2.876, 2 x 32k
-      // 3.876 -> 3.917.
-      QT* out =
-          static_cast<QT*>(p.partial_out) +
+      // The split's output stays f32: rounding it to the query's type (as FlashInfer's tmp_v in
+      // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%, session 8) but
+      // rounded every output twice, and the second rounding, of a split's mean (larger than the
+      // row's where the splits' means cancel), broke DESIGN.md 6's bound on fresh data
+      // (`DecodeSplit.PartialsKeepTheRangeOfTheOutputType`, session 15: 388.7 against 366.9).
+      float* out =
+          p.partial_out +
           ((static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head) * kD;
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
         const int i = threadIdx.x + j * Traits::kThreads;
-        if (i < out_items) out[i] = QT(value[j]);
+        if (i < out_items) out[i] = value[j];
       }
     }
   };

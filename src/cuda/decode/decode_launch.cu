@@ -368,7 +368,7 @@ bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim) {
       break;
   }
   return group_size >= 16 ||
-         static_cast<int64_t>(num_splits) * group_size * head_dim * 2 > kInKernelMergeBytes;
+         static_cast<int64_t>(num_splits) * group_size * head_dim * 4 > kInKernelMergeBytes;
 }
 
 void set_decode_merge_mode(DecodeMergeMode mode) {
@@ -416,7 +416,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
       static_cast<size_t>(params.num_splits) * static_cast<size_t>(p.num_rows) * spec.num_q_heads;
   const size_t output_words =
       static_cast<size_t>(detail::decode_partial_output_words(spec.head_dim));
-  // 16-bit partial outputs, then the f32 LSEs (detail::decode_partial_words), from `base`.
+  // The f32 partial outputs, then the f32 LSEs (detail::decode_partial_words), from `base`.
   auto place_partials = [&](float* base) {
     params.partial_out = base;
     params.partial_lse = base + partial_values * output_words;
@@ -431,7 +431,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     return;
   }
   // Per-call stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a
-  // memory node and a memset node). Layout: partial outputs (16-bit), partial LSEs, then the
+  // memory node and a memset node). Layout: partial outputs (f32), partial LSEs, then the
   // arrival counters of the last-CTA merge, zeroed by the memset.
   const size_t counters = separate_merge ? 0 : static_cast<size_t>(counters_of(params));
   void* workspace = nullptr;

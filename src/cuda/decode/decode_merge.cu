@@ -72,9 +72,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
   }
   __syncthreads();
 
-  // The head's D values are `vecs` 16-byte vectors of 8; a warp's lanes form `groups` groups of
-  // `vecs` lanes (head_dim 80 and 96 leave lanes idle), the item's warps kWarpsPerItem x groups
-  // groups in all; lane (group, v) sums vector v over the splits group, group + all_groups, ...
+  // The head's D values are `vecs` vectors of 8 floats (two 16-byte loads); a warp's lanes form
+  // `groups` groups of `vecs` lanes (head_dim 80 and 96 leave lanes idle), the item's warps
+  // kWarpsPerItem x groups groups in all; lane (group, v) sums vector v over the splits group,
+  // group + all_groups, ...
   const int vecs = p.head_dim / 8;
   const int groups = 32 / vecs;
   const int all_groups = groups * kWarpsPerItem;
@@ -82,10 +83,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
   const int group = part * groups + g;
   float acc[8] = {};
   if (valid && g < groups) {
-    const float4* src =
-        reinterpret_cast<const float4*>(static_cast<const QT*>(p.partial_out) + item * p.head_dim) +
-        v;
-    const int64_t step = split_stride * vecs;  // one split, in vectors
+    const float4* src = reinterpret_cast<const float4*>(p.partial_out + item * p.head_dim) + 2 * v;
+    const int64_t step = split_stride * (p.head_dim / 4);  // one split, in 16-byte loads
     for (int first = group; first < num_splits; first += kLoadBatch * all_groups) {
       // The batch's weights first, then its loads unpredicated (past the last split: the last
       // split again, weight 0), so that all of them issue before the first add.
@@ -95,16 +94,23 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
         const int s = first + j * all_groups;
         w[j] = s < num_splits ? weights[local][s] : 0.0f;
       }
-      float4 raw[kLoadBatch];
+      float4 raw[kLoadBatch][2];
 #pragma unroll
       for (int j = 0; j < kLoadBatch; ++j) {
-        raw[j] = __ldcg(src + min(first + j * all_groups, num_splits - 1) * step);
+        const float4* at = src + min(first + j * all_groups, num_splits - 1) * step;
+        raw[j][0] = __ldcg(at);
+        raw[j][1] = __ldcg(at + 1);
       }
 #pragma unroll
       for (int j = 0; j < kLoadBatch; ++j) {
-        const QT* x = reinterpret_cast<const QT*>(&raw[j]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] += w[j] * static_cast<float>(x[k]);
+        acc[0] += w[j] * raw[j][0].x;
+        acc[1] += w[j] * raw[j][0].y;
+        acc[2] += w[j] * raw[j][0].z;
+        acc[3] += w[j] * raw[j][0].w;
+        acc[4] += w[j] * raw[j][1].x;
+        acc[5] += w[j] * raw[j][1].y;
+        acc[6] += w[j] * raw[j][1].z;
+        acc[7] += w[j] * raw[j][1].w;
       }
     }
   }

@@ -33,7 +33,7 @@ struct DecodeParams {
   // Split-KV workspace (num_splits > 1): each split's normalized output (already multiplied by
   // the V scale, rounded to the dtype of q) and its LSE; the last CTA of each (row, KV head, head
   // block) merges them.
-  void* partial_out = nullptr;   // [num_splits, num_rows, Hq, D], dtype of q
+  float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
   // One arrival counter per (row, KV head, head block), zero at the launch (a caller's
   // DecodeWorkspace, or the per-call memset): the last split CTA to finish merges the splits and
