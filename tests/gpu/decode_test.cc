@@ -161,6 +161,11 @@ TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   EXPECT_EQ(cuda::decode_num_splits(16, 2, 132, 32768, 64), 16);
   // Kernels of one CTA per SM keep the fill rule.
   EXPECT_EQ(cuda::decode_num_splits(8, 1, 132, 8192, 64), 16);
+  // The two-M-block kernel takes no split from one CTA per SM on 95% of the SMs (126 of 132).
+  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(128, 132));
+  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(126, 132));
+  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(125, 132));
+  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(96, 132));
 }
 
 TEST(DecodeKernelChoiceRule, GroupsBeyondSixteenHeads) {

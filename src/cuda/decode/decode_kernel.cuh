@@ -556,6 +556,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // w / 4.
   const int key_warp = warp % Traits::kKeyWarps;
   const int m_block = warp / Traits::kKeyWarps;
+  // The kCopyKeys keys of a tile this warp copies: its own slot, or with two M blocks the half of
+  // its key warp's keys, so that the keys a pair of warps (one per M block) reads are the keys the
+  // pair copies and the pair alone meets at each unit (pair_barrier).
+  const int copy_slot = Traits::kMBlocks == 2 ? key_warp * Traits::kMBlocks + m_block : warp;
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
@@ -579,7 +583,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   for (int s = 0; s < kOffsetTiles; ++s) {
     early_block[s] = 0;
     if (early_table && lane < kCopyKeys) {
-      const int64_t key = static_cast<int64_t>(guess_begin) + s * kTileN + warp * kCopyKeys + lane;
+      const int64_t key =
+          static_cast<int64_t>(guess_begin) + s * kTileN + copy_slot * kCopyKeys + lane;
       early_block[s] = table_row[min(key >> p.page_shift, static_cast<int64_t>(p.table_cols - 1))];
     }
   }
@@ -626,7 +631,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * (Traits::kChunksPerToken * 16);
   const int32_t page_mask = (1 << p.page_shift) - 1;
   auto key_offset = [&](int tile) -> int64_t {
-    const int32_t key = key_begin + tile * kTileN + warp * kCopyKeys + lane;
+    const int32_t key = key_begin + tile * kTileN + copy_slot * kCopyKeys + lane;
     if (lane >= kCopyKeys || key >= key_end) return -1;
     const int32_t pos = keys.position(key);
     if (plain_paged) {
@@ -681,7 +686,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       // This lane's destination for base = 0; the per-iteration part is a constant when the
       // pieces of a token divide (or are a multiple of) the 32 lanes.
       const uint32_t lane_dst =
-          warp * kCopyKeys * kDstRowBytes +
+          copy_slot * kCopyKeys * kDstRowBytes +
           (32 % kCpt == 0 ? (lane / kCpt) * kDstRowBytes + (lane % kCpt) * 16 : lane * 16);
       const uint32_t k_lane = smem_u32(k_dst) + lane_dst;
       const uint32_t v_lane = smem_u32(v_dst) + lane_dst;
@@ -719,7 +724,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const bool valid = key_offset >= 0;
       const int64_t offset = key_offset + part * 16;
       if (c < kChunks) {
-        const int dst = (warp * kCopyKeys + token) * kDstRowBytes +
+        const int dst = (copy_slot * kCopyKeys + token) * kDstRowBytes +
                         (Traits::kSwizzle ? part ^ (token & 7) : part) * 16;
         if (copy_k) {
           cp_async_16(smem_u32(k_dst + dst), valid ? p.kv.k_base + offset : p.kv.k_base, valid);
@@ -763,7 +768,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if (early_table && key_begin == guess_begin) {
 #pragma unroll
       for (int s = 0; s < kOffsetTiles; ++s) {
-        const int32_t key = key_begin + s * kTileN + warp * kCopyKeys + lane;
+        const int32_t key = key_begin + s * kTileN + copy_slot * kCopyKeys + lane;
         offsets[s] = lane < kCopyKeys && key < key_end
                          ? static_cast<int64_t>(early_block[s]) * p.kv.block_stride_bytes +
                                head_bytes + (key & page_mask) * (Traits::kChunksPerToken * 16)
@@ -798,7 +803,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if constexpr (Traits::kWarpLocal) {
       __syncwarp();
     } else {
-      __syncthreads();
+      // The two warps of a key warp (one per M block) copy and read the same keys: a named
+      // barrier of those 64 threads (ids 1-4), not the CTA's.
+      // Immediate ids (a register id makes ptxas reserve all 16 barriers).
+      switch (key_warp) {
+        case 0:
+          asm volatile("bar.sync 1, 64;\n" ::: "memory");
+          break;
+        case 1:
+          asm volatile("bar.sync 2, 64;\n" ::: "memory");
+          break;
+        case 2:
+          asm volatile("bar.sync 3, 64;\n" ::: "memory");
+          break;
+        default:
+          asm volatile("bar.sync 4, 64;\n" ::: "memory");
+          break;
+      }
     }
     uint8_t* dst = pipe_smem + write_buffer * Traits::kUnitBytes;
     if (issue_tile < num_tiles) {
@@ -860,7 +881,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 
   // The warp-local pipeline has no CTA barrier in the loop: Q's stores need one here (and Q in
   // the last pipeline buffer must be read by every warp before the loop refills that buffer).
-  if constexpr ((Traits::kWarpLocal && !Traits::kKeysAsRows) || Traits::kSwizzle) __syncthreads();
+  if constexpr (!Traits::kKeysAsRows || Traits::kSwizzle) __syncthreads();
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     // K (and with full stages V) of this tile; the unit issued is kUnits - 1 ahead.

@@ -118,6 +118,10 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
 // per SM) vs the 32 of two CTAs per SM): 1 x 8k 2.185 vs 2.056 / 2.057, 1 x 16k 2.872 vs 2.706 /
 // 2.708 (24 splits: 1.878, 2.416); 1 x 32k keeps 32 splits of 1024 keys (3.39 in that run; 16
 // splits lost there in the afternoon, 2.68 vs 2.83, 24: 2.89 vs 3.39 at 21:58).
+bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
+  return ctas * 100 >= static_cast<int64_t>(sm_count) * 95;
+}
+
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n) {
   constexpr int64_t kShortSplitKeys = 512;
@@ -281,7 +285,10 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       max_keys =
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
-    params.num_splits = decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
+    params.num_splits =
+        choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count)
+            ? 1
+            : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
     // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
     // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
     // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8

@@ -44,6 +44,13 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
                          int sm_count);
 
+// Whether a grid of `ctas` two-M-block CTAs (32 heads, decode_heads_per_cta) covers 95% of the
+// SMs with one CTA each: such a grid takes no split. With its pairs of warps meeting on their own
+// barriers that kernel streams as fast from one CTA an SM as from two, so the split that would fill
+// the second slot only adds a merge. H200, session 15 call 4 (TB/s, 1 split vs the fill rule's 2):
+// MQA 32/1 128 x 2k 2.942 vs 2.490, GQA 64/2 64 x 4k 3.281 vs 3.069.
+bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count);
+
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range.
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
