@@ -114,8 +114,8 @@ struct KvInt8 {
 constexpr int kDecodeSmemPerSm = 228 * 1024;
 
 // How the K/V pipeline is organised. With one M block (groups <= 16) every warp copies exactly
-// the keys it reads and waits for them with a warp barrier; two M blocks share each copy and use a
-// CTA barrier.
+// the keys it reads and waits for them with a warp barrier; with two M blocks the two warps that
+// read a key slice copy it together and meet on a named barrier of their own (next_unit).
 // kStages: a stage holds K and V of a tile.
 // kSwizzledHalves: K and V of a tile are separate units of the ring, so K(t)'s buffer is refilled
 //   while V(t) is still read; rows are unpadded, their 16-byte chunks XOR-swizzled by the row
