@@ -86,10 +86,20 @@ void capture_and_replay(std::vector<std::unique_ptr<PreparedCase>>& prepared,
   cudaStreamDestroy(stream);
 }
 
-// Puts the split merge back under its rule when a test that forced it ends.
-struct RestoreMergeRule {
-  ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
-};
+// Runs body() with each split merge forced in turn (the separate kernel, then the last CTA's),
+// and puts the merge back under its rule afterwards, also when body fails.
+template <typename Body>
+void with_each_merge_forced(Body body) {
+  struct RestoreMergeRule {
+    ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
+  } restore_rule;
+  for (cuda::DecodeMergeMode mode :
+       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
+    cuda::set_decode_merge_mode(mode);
+    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
+    body();
+  }
+}
 
 std::unique_ptr<DecodeWorkspace> make_workspace(int32_t hq, int64_t rows) {
   AttentionSpec sizing;
@@ -240,13 +250,9 @@ TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
 // and heuristic counts, both workspaces.
 TEST(DecodeSplit, SplitMeansFarFromTheRowsMean) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  RestoreMergeRule restore_rule;
   auto ws = make_workspace(8, 2);
   uint64_t salt = 3650;
-  for (cuda::DecodeMergeMode mode :
-       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
-    cuda::set_decode_merge_mode(mode);
-    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
+  with_each_merge_forced([&] {
     for (DType dtype : {DType::kBF16, DType::kF16}) {
       for (int32_t splits : {5, 16, 0}) {
         DecodeCase c = gqa4_case({2049, 700}, splits);
@@ -258,7 +264,7 @@ TEST(DecodeSplit, SplitMeansFarFromTheRowsMean) {
         run_both_workspaces(c, salt++, ws.get());
       }
     }
-  }
+  });
 }
 
 // The split merge in a kernel of its own (decode_merge.cu) and inside the decode kernel, each
@@ -272,13 +278,9 @@ TEST(DecodeSplit, SplitMeansFarFromTheRowsMean) {
 // apart; GQA 4 heads: in the kernel).
 TEST(DecodeSplit, SeparateAndInKernelMergeOfEveryShape) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  RestoreMergeRule restore_rule;
   auto ws = make_workspace(32, 40);
   uint64_t salt = 3700;
-  for (cuda::DecodeMergeMode mode :
-       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
-    cuda::set_decode_merge_mode(mode);
-    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
+  with_each_merge_forced([&] {
     for (const HeadShape& s :
          {HeadShape{2, 2, 80, DType::kBF16}, HeadShape{8, 2, 96, DType::kF16},
           HeadShape{8, 2, 64, DType::kBF16}, HeadShape{8, 2, 128, DType::kF16},
@@ -307,8 +309,7 @@ TEST(DecodeSplit, SeparateAndInKernelMergeOfEveryShape) {
         run_both_workspaces(shaped_case(m.shape, 16, seq_lens, splits), salt++, ws.get());
       }
     }
-  }
-  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
+  });
   std::vector<std::unique_ptr<PreparedCase>> prepared;
   for (int32_t hkv : {1, 2}) {
     for (int32_t splits : {0, 5}) {
