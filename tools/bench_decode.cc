@@ -3,7 +3,8 @@
 // copy bandwidth. CUDA graphs of 16 calls (the host's launch cost stays out), KV pools rotated
 // past the L2, scattered pages, random data (bench_session.h). Split calls go through one
 // DecodeWorkspace, as a serving engine keeps one per stream (--split-workspace per-call: the
-// per-call allocation and counter memset instead).
+// per-call allocation and counter memset instead). --merge forces where split calls merge (the
+// library's test seam, cuda::set_decode_merge_mode): a measurement knob, not a DecodeArgs field.
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -16,6 +17,10 @@
 #include "attnkit/attention.h"
 #include "bench_session.h"
 #include "commands.h"
+#include "core/check.h"
+#if defined(ATTNKIT_WITH_CUDA)
+#include "cuda/decode/decode_launch.h"
+#endif
 
 namespace attnkit::tools {
 namespace {
@@ -33,6 +38,7 @@ struct DecodeShape {
   std::string kv_dtype = "bf16";
   int splits = 0;                // 0: heuristic
   bool caller_workspace = true;  // DecodeArgs::workspace (false: the per-call workspace)
+  std::string merge = "auto";    // where split calls merge: auto (the rule), in-kernel, separate
 };
 
 struct DecodeBenchOptions {
@@ -46,6 +52,7 @@ struct DecodeBenchOptions {
   std::string kv_dtype = "bf16";
   int splits = 0;
   std::string split_workspace = "caller";
+  std::string merge = "auto";
   bool custom = false;  // a shape option was given: run that shape instead of the grid
 };
 
@@ -87,12 +94,14 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
   check_at_least(kCommand, "--splits", o.splits, 0);
   check_iters(kCommand, o.common.iters);
   check_names(kCommand, "--split-workspace", {o.split_workspace}, {"caller", "per-call"});
+  check_names(kCommand, "--merge", {o.merge}, {"auto", "in-kernel", "separate"});
   const bool caller_workspace = o.split_workspace == "caller";
   if (!o.custom) {
     std::vector<DecodeShape> grid = default_grid(o.common.quick);
     for (DecodeShape& s : grid) {
       s.splits = o.splits;
       s.caller_workspace = caller_workspace;
+      s.merge = o.merge;
     }
     return grid;
   }
@@ -107,7 +116,8 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
                       .page = o.page,
                       .kv_dtype = o.kv_dtype,
                       .splits = o.splits,
-                      .caller_workspace = caller_workspace});
+                      .caller_workspace = caller_workspace,
+                      .merge = o.merge});
   }
   return shapes;
 }
@@ -123,7 +133,8 @@ BenchRow row_of(const DecodeShape& s) {
                {"page", s.page},
                {"kv_dtype", s.kv_dtype},
                {"splits", s.splits},
-               {"split_workspace", s.caller_workspace ? "caller" : "per-call"}};
+               {"split_workspace", s.caller_workspace ? "caller" : "per-call"},
+               {"merge", s.merge}};
   return row;
 }
 
@@ -182,6 +193,25 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
   }
   // Sized for this batch at any split count (calls that do not split never touch it). The
   // self-test (reference backend on the CPU) has no use for one.
+  // The forced merge holds for this row's calls only.
+  struct MergeOverride {
+    explicit MergeOverride(const std::string& merge, Backend backend) {
+      if (merge == "auto") return;
+      ATTNKIT_CHECK(backend == Backend::kFused, "bench decode: --merge ", merge,
+                    " needs the fused backend (this row runs ", backend_name(backend), ")");
+#if defined(ATTNKIT_WITH_CUDA)
+      cuda::set_decode_merge_mode(merge == "separate" ? cuda::DecodeMergeMode::kSeparate
+                                                      : cuda::DecodeMergeMode::kInKernel);
+      forced = true;
+#endif
+    }
+    ~MergeOverride() {
+#if defined(ATTNKIT_WITH_CUDA)
+      if (forced) cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
+#endif
+    }
+    bool forced = false;
+  } merge_override(s.merge, spec.backend);
   std::unique_ptr<DecodeWorkspace> workspace;
   if (s.caller_workspace && gpu.is_cuda()) {
     workspace = std::make_unique<DecodeWorkspace>(spec, s.batch, DecodeWorkspace::kMaxSplits, gpu);
@@ -227,6 +257,10 @@ void register_bench_decode(CLI::App& bench) {
   cmd->add_option("--kv-dtype", o->kv_dtype, "bf16, fp8_e4m3 or int8 (default bf16)");
   cmd->add_option("--splits", o->splits,
                   "split-KV count (0 = heuristic; also applies to the grid)");
+  cmd->add_option("--merge", o->merge,
+                  "where split calls merge their partials: 'auto' (the library's rule, the "
+                  "default), 'in-kernel' (the last CTA of each KV head) or 'separate' (a merge "
+                  "kernel after the decode grid); a measurement knob");
   cmd->add_option("--split-workspace", o->split_workspace,
                   "split calls through one caller-owned DecodeWorkspace ('caller', the default, "
                   "as a serving engine) or a per-call allocation + counter memset ('per-call')");

@@ -367,6 +367,8 @@ TEST(BenchCommand, RejectsInvalidOptionsBeforeTouchingTheGpu) {
       {"bench decode --batch 0", "bench decode: --batch: accepted an integer >= 1; got 0"},
       {"bench decode --split-workspace none",
        "bench decode: --split-workspace: accepted caller, per-call; got 'none'"},
+      {"bench decode --merge last",
+       "bench decode: --merge: accepted auto, in-kernel, separate; got 'last'"},
       {"bench prefill --head-dim 100", "--head-dim: accepted 64, 80, 96, 128, 256; got 100"},
       {"bench prefill --seqlen 1024 --kv-dtype int8", "--kv-dtype int8: accepted only with --page"},
       {"bench prefill --page 3", "bench prefill: --page: accepted 0, 8, 16, 32, 64, 128; got 3"},
@@ -437,6 +439,7 @@ TEST(BenchCommand, SelfTestRunsEverySubcommandOnTheReference) {
                          2);
   EXPECT_EQ(r["rows"][1]["batch"], 3);
   EXPECT_EQ(r["rows"][1]["kv_dtype"], kv);
+  EXPECT_EQ(r["rows"][1]["merge"], "auto");
   // KV bytes that must be read: 2 (K, V) x batch x context x kv_heads x D x element size.
   const double element = std::string(kv) == "bf16" ? 2 : 1;
   EXPECT_NEAR(r["rows"][1]["kv_mb"].get<double>(), 2 * 3 * context * 2 * 64 * element * 1e-6, 1e-9);
@@ -452,6 +455,23 @@ TEST(BenchCommand, SelfTestRunsEverySubcommandOnTheReference) {
                 3);
   r = run_self_test("dense --seqlen " + std::to_string(seqlen) + " --heads 2 --head-dim 64", 5);
   EXPECT_EQ(r["rows"][4]["variant"], "vanilla");
+}
+
+// A forced split merge is a knob of the fused kernels: a row on the reference says so and fails.
+TEST(BenchCommand, ForcedMergeNeedsTheFusedBackend) {
+  for (const char* merge : {"in-kernel", "separate"}) {
+    const RunResult r = run_program(
+        std::string("bench decode --batch 1 --context 40 --q-heads 4 --kv-heads 2 --head-dim 64 "
+                    "--merge ") +
+            merge,
+        "ATTNKIT_BENCH_DEVICE=cpu");
+    EXPECT_EQ(r.status, 1) << r.err;
+    EXPECT_NE((r.out + r.err)
+                  .find(std::string("--merge ") + merge +
+                        " needs the fused backend (this row runs vanilla)"),
+              std::string::npos)
+        << r.out << r.err;
+  }
 }
 
 TEST(BenchCommand, DenseHotKeysGiveSkipSoftmaxItsTiles) {
