@@ -707,7 +707,8 @@ class DecodeWorkspace:
     arrival counters for decode calls of up to ``max_rows`` rows and ``max_splits`` splits with
     these heads, allocated once on ``device`` ("cuda" or "cuda:N") with its counters zeroed. Pass
     it as ``decode(..., workspace=)`` or ``forward(..., decode_workspace=)``: a split call is then
-    one kernel, with no allocation or memset (and no such nodes in a captured CUDA graph).
+    its kernels alone (one, or two where the separate merge kernel follows), with no allocation or
+    memset (and no such nodes in a captured CUDA graph).
 
     One workspace per stream (or per set of calls that never run at the same time): calls that
     run concurrently must not share one. After a failed launch, ``reset(stream)`` re-zeroes the
