@@ -295,10 +295,10 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
 }
 
 // The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
-// output and LSE (both f32): out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s'
-// - m), lse = m + log(sum). The splits' writes are made visible by the fence
-// before the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg),
-// never a stale L1 line.
+// output and LSE (both f32): out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s'
+// exp(lse_s' - m), lse = m + log(sum). The splits' writes are made visible by the fence before
+// the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a
+// stale L1 line.
 template <typename Traits>
 __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
                                                            int kv_head, int head_block,
@@ -558,7 +558,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int m_block = warp / Traits::kKeyWarps;
   // The kCopyKeys keys of a tile this warp copies: its own slot, or with two M blocks the half of
   // its key warp's keys, so that the keys a pair of warps (one per M block) reads are the keys the
-  // pair copies and the pair alone meets at each unit (pair_barrier).
+  // pair copies and the pair alone meets at each unit (next_unit's named barrier).
   const int copy_slot = Traits::kMBlocks == 2 ? key_warp * Traits::kMBlocks + m_block : warp;
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
@@ -1292,8 +1292,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     } else {
       // The split's output stays f32: rounding it to the query's type (as FlashInfer's tmp_v in
       // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%, session 8) but
-      // rounded every output twice, and the second rounding, of a split's mean (larger than the
-      // row's where the splits' means cancel), broke DESIGN.md 6's bound on fresh data
+      // rounded every output twice, and that extra rounding, relative to the split's mean (larger
+      // than the row's where the splits' means cancel), broke DESIGN.md 6's bound on fresh data
       // (`DecodeSplit.PartialsKeepTheRangeOfTheOutputType`, session 15: 388.7 against 366.9).
       float* out =
           p.partial_out +

@@ -110,6 +110,10 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
   return !eight_bit_cache && rows_x_kv_heads * 16 >= sm_count ? 32 : 8;
 }
 
+bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
+  return ctas * 100 >= static_cast<int64_t>(sm_count) * 95;
+}
+
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
 // tiles of keys per split (the prologue and the combine are not free). Splits that short (at most
@@ -118,10 +122,6 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
 // per SM) vs the 32 of two CTAs per SM): 1 x 8k 2.185 vs 2.056 / 2.057, 1 x 16k 2.872 vs 2.706 /
 // 2.708 (24 splits: 1.878, 2.416); 1 x 32k keeps 32 splits of 1024 keys (3.39 in that run; 16
 // splits lost there in the afternoon, 2.68 vs 2.83, 24: 2.89 vs 3.39 at 21:58).
-bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
-  return ctas * 100 >= static_cast<int64_t>(sm_count) * 95;
-}
-
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
                           int tile_n) {
   constexpr int64_t kShortSplitKeys = 512;

@@ -64,10 +64,10 @@ enum class DecodeMergeMode { kAuto, kInKernel, kSeparate };
 // Whether a call of num_splits > 1 splits over KV heads of group_size query heads of head_dim
 // merges in a kernel of its own: groups of 16 or more heads (one CTA merging a 32-head item was
 // the tail of MQA 32/1 64 x 4k: ~6.7 of 51.5 us, session 13; MQA's head blocks of 8 gain too,
-// session 14) or a KV head's splits of more than 64 KB of (f32) partials, which the in-kernel
-// merge stages in one chunk. The group, not the
-// CTA's head block, decides: MQA 32/1 2 x 32k 1.420 -> 1.541 TB/s, 4 x 16k 1.479 -> 1.547, 8 x 32k
-// 2.093 -> 2.151 with head blocks of 8 merged apart (session 14 call 5, the rest within 0.2%).
+// session 14) or a KV head's splits of more than 64 KB of (f32) partials (up to 64 KB, the
+// in-kernel merge stages them in one chunk). The group, not the CTA's head block, decides: MQA
+// 32/1 2 x 32k 1.420 -> 1.541 TB/s, 4 x 16k 1.479 -> 1.547, 8 x 32k 2.093 -> 2.151 with head
+// blocks of 8 merged apart (session 14 call 5, the rest within 0.2%).
 bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim);
 
 // Tests: forces the merge path of the split calls that follow (process-wide; kAuto: the rule).
