@@ -191,8 +191,6 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
     cache.k_scale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
     cache.v_scale = cache.k_scale;
   }
-  // Sized for this batch at any split count (calls that do not split never touch it). The
-  // self-test (reference backend on the CPU) has no use for one.
   // The forced merge holds for this row's calls only.
   struct MergeOverride {
     explicit MergeOverride(const std::string& merge, Backend backend) {
@@ -212,6 +210,8 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
     }
     bool forced = false;
   } merge_override(s.merge, spec.backend);
+  // Sized for this batch at any split count (calls that do not split never touch it). The
+  // self-test (reference backend on the CPU) has no use for one.
   std::unique_ptr<DecodeWorkspace> workspace;
   if (s.caller_workspace && gpu.is_cuda()) {
     workspace = std::make_unique<DecodeWorkspace>(spec, s.batch, DecodeWorkspace::kMaxSplits, gpu);
