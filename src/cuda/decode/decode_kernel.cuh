@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "cuda/common/cp_async_sm80.cuh"
+#include "cuda/common/fast_math.cuh"
 #include "cuda/common/ldmatrix_sm80.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/decode/decode_params.h"
@@ -264,7 +265,7 @@ __device__ __forceinline__ void decode_update_max(float m_tile, float slack, flo
   const bool rise = m_tile > m_run + slack;
   const float m_new = rise ? m_tile : m_run;
   m_use = m_new == -INFINITY ? 0.0f : m_new;
-  alpha = rise ? exp2f(m_run - m_use) : 1.0f;
+  alpha = rise ? fast_exp2(m_run - m_use) : 1.0f;
   m_run = m_new;
   l_run *= alpha;
 }
@@ -993,7 +994,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       for (int b = 0; b < kSub; ++b) {
         float pr[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[b][e] - m_use[e & 1]);
+        for (int e = 0; e < 4; ++e) pr[e] = fast_exp2(s[b][e] - m_use[e & 1]);
         l_run[0] += pr[0] + pr[2];
         l_run[1] += pr[1] + pr[3];
         pb[b][0] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1]));
@@ -1117,8 +1118,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       uint32_t pa[4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        const float p0 = exp2f(s[n][0] - m_use[0]), p1 = exp2f(s[n][1] - m_use[0]);
-        const float p2 = exp2f(s[n][2] - m_use[1]), p3 = exp2f(s[n][3] - m_use[1]);
+        const float p0 = fast_exp2(s[n][0] - m_use[0]), p1 = fast_exp2(s[n][1] - m_use[0]);
+        const float p2 = fast_exp2(s[n][2] - m_use[1]), p3 = fast_exp2(s[n][3] - m_use[1]);
         l_run[0] += p0 + p1;
         l_run[1] += p2 + p3;
         pa[2 * n] = pack_pair<MmaTag>(p0, p1);
