@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -251,6 +252,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
   params.softcap = static_cast<float>(spec.logit_softcap);
+  if (const char* slack = std::getenv("ATTNKIT_DECODE_RESCALE_SLACK")) {
+    params.rescale_slack = std::strtof(slack, nullptr);
+  }
   if (spec.mask.kind == MaskKind::kSlidingWindow) {
     params.window = spec.mask.window;
     params.sink_tokens = spec.mask.sink_tokens;
