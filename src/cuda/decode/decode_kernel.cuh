@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "cuda/common/cp_async_sm80.cuh"
+#include "cuda/common/fast_math.cuh"
 #include "cuda/common/ldmatrix_sm80.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/decode/decode_params.h"
@@ -251,6 +252,23 @@ struct DecodeTraits {
 // Logit transforms as a compile-time policy: kPlain is q.k * scale; kTransformed applies the
 // soft-cap (when softcap > 0) and the ALiBi bias (slope 0 when off), in DESIGN.md's order.
 enum class DecodeLogits { kPlain, kTransformed };
+
+// One row's softmax reference after a tile whose max is m_tile (log2 units): the reference m_run
+// rises only when m_tile passes it by more than `slack`, so that once it has settled most tiles
+// skip the rescale of O and l (alpha = 1; the warp-uniform branch around the O multiplies). The
+// probabilities exp2(s - m_use) are then at most 2^slack (f16 MMAs hold 2^15), and l and O
+// accumulate against the same reference, so (m_run, l_run) stay a consistent pair for the merges
+// and the LSE. slack = 0 is the exact running max. A row without keys so far (m_run = -inf) takes
+// any finite m_tile; a fully masked row keeps m_use = 0 (probabilities exp2(-inf) = 0).
+__device__ __forceinline__ void decode_update_max(float m_tile, float slack, float& m_run,
+                                                  float& l_run, float& alpha, float& m_use) {
+  const bool rise = m_tile > m_run + slack;
+  const float m_new = rise ? m_tile : m_run;
+  m_use = m_new == -INFINITY ? 0.0f : m_new;
+  alpha = rise ? fast_exp2(m_run - m_use) : 1.0f;
+  m_run = m_new;
+  l_run *= alpha;
+}
 
 __device__ __forceinline__ float warp_max_quad(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -967,11 +985,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #pragma unroll
         for (int offset = 4; offset < 32; offset *= 2)
           m_tile = fmaxf(m_tile, __shfl_xor_sync(0xffffffffu, m_tile, offset));
-        const float m_new = fmaxf(m_run[h], m_tile);
-        m_use[h] = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked head stays at zero
-        alpha[h] = exp2f(m_run[h] - m_use[h]);
-        m_run[h] = m_new;
-        l_run[h] *= alpha[h];
+        decode_update_max(m_tile, p.rescale_slack, m_run[h], l_run[h], alpha[h], m_use[h]);
       }
       // P^T as the B operand (k = key, n = head): transpose the two 8x8 key blocks of each
       // 16-key block.
@@ -980,7 +994,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       for (int b = 0; b < kSub; ++b) {
         float pr[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[b][e] - m_use[e & 1]);
+        for (int e = 0; e < 4; ++e) pr[e] = fast_exp2(s[b][e] - m_use[e & 1]);
         l_run[0] += pr[0] + pr[2];
         l_run[1] += pr[1] + pr[3];
         pb[b][0] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1]));
@@ -1098,17 +1112,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       float alpha[2], m_use[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m_run[r], warp_max_quad(tile_max[r]));
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row stays at zero
-        alpha[r] = exp2f(m_run[r] - m_use[r]);
-        m_run[r] = m_new;
-        l_run[r] *= alpha[r];
+        decode_update_max(warp_max_quad(tile_max[r]), p.rescale_slack, m_run[r], l_run[r], alpha[r],
+                          m_use[r]);
       }
       uint32_t pa[4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        const float p0 = exp2f(s[n][0] - m_use[0]), p1 = exp2f(s[n][1] - m_use[0]);
-        const float p2 = exp2f(s[n][2] - m_use[1]), p3 = exp2f(s[n][3] - m_use[1]);
+        const float p0 = fast_exp2(s[n][0] - m_use[0]), p1 = fast_exp2(s[n][1] - m_use[0]);
+        const float p2 = fast_exp2(s[n][2] - m_use[1]), p3 = fast_exp2(s[n][3] - m_use[1]);
         l_run[0] += p0 + p1;
         l_run[1] += p2 + p3;
         pa[2 * n] = pack_pair<MmaTag>(p0, p1);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -110,6 +111,15 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
   return !eight_bit_cache && rows_x_kv_heads * 16 >= sm_count ? 32 : 8;
 }
 
+// w-wave15 experiment: ATTNKIT_DECODE_ONE_WAVE=0 turns the two-M-block kernel's one-wave rule off.
+static bool one_wave_rule() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTNKIT_DECODE_ONE_WAVE");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
 bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
   return ctas * 100 >= static_cast<int64_t>(sm_count) * 95;
 }
@@ -122,8 +132,8 @@ bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
 // per SM) vs the 32 of two CTAs per SM): 1 x 8k 2.185 vs 2.056 / 2.057, 1 x 16k 2.872 vs 2.706 /
 // 2.708 (24 splits: 1.878, 2.416); 1 x 32k keeps 32 splits of 1024 keys (3.39 in that run; 16
 // splits lost there in the afternoon, 2.68 vs 2.83, 24: 2.89 vs 3.39 at 21:58).
-int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
-                          int tile_n) {
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
+                          bool one_wave) {
   constexpr int64_t kShortSplitKeys = 512;
   const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
   const int64_t max_splits = std::clamp<int64_t>(max_keys / (4 * tile_n), 1, kDecodeMaxSplits);
@@ -131,6 +141,7 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
   double best_fill = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
     const int64_t work = ctas * s;
+    if (one_wave && s > 1 && work > slots) break;
     const int64_t waves = (work + slots - 1) / slots;
     const double fill = static_cast<double>(work) / static_cast<double>(waves * slots);
     if (fill >= 0.95) {
@@ -251,6 +262,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
   params.softcap = static_cast<float>(spec.logit_softcap);
+  if (const char* slack = std::getenv("ATTNKIT_DECODE_RESCALE_SLACK")) {
+    params.rescale_slack = std::strtof(slack, nullptr);
+  }
   if (spec.mask.kind == MaskKind::kSlidingWindow) {
     params.window = spec.mask.window;
     params.sink_tokens = spec.mask.sink_tokens;
@@ -288,7 +302,8 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.num_splits =
         choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count)
             ? 1
-            : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n);
+            : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n,
+                                /*one_wave=*/choice.heads_per_cta == 32 && one_wave_rule());
     // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
     // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
     // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8

@@ -52,9 +52,12 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
 bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count);
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
-// CTA count, resident CTAs per SM, the SM count and the longest key range.
-int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys,
-                          int tile_n);
+// CTA count, resident CTAs per SM, the SM count and the longest key range. one_wave: only counts
+// whose CTAs are resident at once (the two-M-block kernel, whose extra waves of splits cost more
+// than the slots they fill: MQA 32/1 96 x 4k 2.463 TB/s with the fill rule's 8 splits, 2.749
+// with 2; H200, session 15 call 4).
+int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
+                          bool one_wave = false);
 
 // The split merge of a call: by the last CTA of each (row, KV head, head block) inside the decode
 // kernel, or by decode_merge.cu's kernel after it (launch_decode_merge), taken by calls whose items

@@ -17,6 +17,7 @@
 #include "core/numerics.h"
 #include "cuda/common/cp_async_sm80.cuh"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/fast_math.cuh"
 #include "cuda/common/ldmatrix_sm80.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/prefill/prefill_launch.h"
@@ -37,12 +38,6 @@ struct TagOf<DType::kF16> {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // tanh from one exp2 and one fast division (absolute error ~1e-7): a fraction of tanhf's code,
 // which the fully unrolled soft-cap path would otherwise inline 64 times into the main loop.
