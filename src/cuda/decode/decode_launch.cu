@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -111,17 +110,8 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
   return !eight_bit_cache && rows_x_kv_heads * 16 >= sm_count ? 32 : 8;
 }
 
-// w-wave15 experiment: ATTNKIT_DECODE_ONE_WAVE=0 turns the two-M-block kernel's one-wave rule off.
-static bool one_wave_rule() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATTNKIT_DECODE_ONE_WAVE");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
-}
-
 bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
-  return ctas * 100 >= static_cast<int64_t>(sm_count) * 95;
+  return ctas * 100 >= static_cast<int64_t>(sm_count) * 80;
 }
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
@@ -262,9 +252,6 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
   params.softcap = static_cast<float>(spec.logit_softcap);
-  if (const char* slack = std::getenv("ATTNKIT_DECODE_RESCALE_SLACK")) {
-    params.rescale_slack = std::strtof(slack, nullptr);
-  }
   if (spec.mask.kind == MaskKind::kSlidingWindow) {
     params.window = spec.mask.window;
     params.sink_tokens = spec.mask.sink_tokens;
@@ -303,7 +290,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
         choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count)
             ? 1
             : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n,
-                                /*one_wave=*/choice.heads_per_cta == 32 && one_wave_rule());
+                                /*one_wave=*/choice.heads_per_cta == 32);
     // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
     // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
     // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8

@@ -44,18 +44,21 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
                          int sm_count);
 
-// Whether a grid of `ctas` two-M-block CTAs (32 heads, decode_heads_per_cta) covers 95% of the
+// Whether a grid of `ctas` two-M-block CTAs (32 heads, decode_heads_per_cta) covers 80% of the
 // SMs with one CTA each: such a grid takes no split. With its pairs of warps meeting on their own
 // barriers that kernel streams as fast from one CTA an SM as from two, so the split that would fill
-// the second slot only adds a merge. H200, session 15 call 4 (TB/s, 1 split vs the fill rule's 2):
-// MQA 32/1 128 x 2k 2.942 vs 2.490, GQA 64/2 64 x 4k 3.281 vs 3.069.
+// the second slot only adds a merge. One CTA streams ~0.0265 TB/s (MQA 32/1, 1 split: 32, 64, 96
+// CTAs at 0.854, 1.695, 2.519 TB/s) and the kernel tops out near 2.8-3.0, so ~105 CTAs (80% of
+// 132 SMs) need no split. H200, session 16 call 1 (TB/s, 1 split vs 2): 96 x 4k 2.519 vs 2.752,
+// 112 x 2k 2.630 vs 2.342; session 15 call 4: 128 x 2k 2.942 vs 2.490, GQA 64/2 64 x 4k 3.281 vs
+// 3.069.
 bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count);
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range. one_wave: only counts
 // whose CTAs are resident at once (the two-M-block kernel, whose extra waves of splits cost more
-// than the slots they fill: MQA 32/1 96 x 4k 2.463 TB/s with the fill rule's 8 splits, 2.749
-// with 2; H200, session 15 call 4).
+// than the slots they fill. H200, session 16 call 3, MQA 32/1, TB/s, the fill rule's count -> one
+// wave: 96 x 4k 8 -> 2 splits 2.466 -> 2.752, 48 x 8k 11 -> 5 2.734 -> 2.929).
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
                           bool one_wave = false);
 

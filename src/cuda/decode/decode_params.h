@@ -71,10 +71,7 @@ struct DecodeParams {
   int32_t head_dim = 0;
 
   float softmax_scale = 0.0f;
-  float softcap = 0.0f;  // > 0: logit = softcap * tanh(logit / softcap)
-  // The softmax keeps its reference max until a tile's max passes it by more than this (log2
-  // units; decode_update_max). w-lazy15 experiment: ATTNKIT_DECODE_RESCALE_SLACK, default 8.
-  float rescale_slack = 8.0f;
+  float softcap = 0.0f;     // > 0: logit = softcap * tanh(logit / softcap)
   int32_t window = 0;       // sliding window W (0: every key < seq_len)
   int32_t sink_tokens = 0;  // with a window: keys j < sink_tokens are attended as well
   float alibi_slopes[kDecodeMaxAlibiHeads] = {};  // [Hq]; all zero when ALiBi is off
