@@ -23,59 +23,6 @@
 namespace attnkit::test {
 namespace {
 
-// Distance in units of the format: f16 / bf16 ulps at the larger magnitude, fp8 / int8 codes.
-// Identical bit patterns (including NaN poison) are 0 apart.
-double units_apart(DType dtype, const uint8_t* a, const uint8_t* b) {
-  const size_t size = dtype_size(dtype);
-  if (std::memcmp(a, b, size) == 0) return 0.0;
-  switch (dtype) {
-    case DType::kBF16:
-    case DType::kF16: {
-      uint16_t x, y;
-      std::memcpy(&x, a, 2);
-      std::memcpy(&y, b, 2);
-      const float fx =
-          dtype == DType::kBF16 ? numerics::bf16_bits_to_float(x) : numerics::f16_bits_to_float(x);
-      const float fy =
-          dtype == DType::kBF16 ? numerics::bf16_bits_to_float(y) : numerics::f16_bits_to_float(y);
-      if (std::isnan(fx) || std::isnan(fy)) return INFINITY;
-      const double m = std::max(std::fabs(fx), std::fabs(fy));
-      const int mantissa_bits = dtype == DType::kBF16 ? 7 : 10;
-      const double ulp =
-          std::ldexp(1.0, std::max(std::ilogb(m == 0 ? 1e-30 : m), -14) - mantissa_bits);
-      return std::fabs(fx - fy) / ulp;
-    }
-    case DType::kFp8E4M3: {
-      // Sign-magnitude codes in value order.
-      auto order = [](uint8_t c) { return (c & 0x80) ? -int(c & 0x7f) : int(c & 0x7f); };
-      if ((a[0] & 0x7f) == 0x7f || (b[0] & 0x7f) == 0x7f) return INFINITY;  // NaN
-      return std::abs(order(a[0]) - order(b[0]));
-    }
-    case DType::kInt8:
-      return std::abs(int(static_cast<int8_t>(a[0])) - int(static_cast<int8_t>(b[0])));
-    default:
-      return INFINITY;
-  }
-}
-
-struct UnitsReport {
-  double max_units = 0.0;
-  int64_t differing = 0;
-  int64_t total = 0;
-};
-
-UnitsReport compare_bytes(DType dtype, const HostTensor& a, const HostTensor& b) {
-  UnitsReport r;
-  const size_t size = dtype_size(dtype);
-  r.total = a.numel();
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double u = units_apart(dtype, a.bytes().data() + i * size, b.bytes().data() + i * size);
-    if (u > 0) ++r.differing;
-    r.max_units = std::max(r.max_units, u);
-  }
-  return r;
-}
-
 struct AppendCase {
   const char* name;
   DType in_dtype;

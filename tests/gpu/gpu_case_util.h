@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -15,9 +17,67 @@
 
 #include "common/reference_oracle.h"
 #include "common/test_util.h"
+#include "core/numerics.h"
 #include "gpu/gpu_util.h"
 
 namespace attnkit::test {
+
+// Distance in units of the format: f16 / bf16 ulps at the larger magnitude, fp8 / int8 codes.
+// Identical bit patterns (including NaN poison) are 0 apart.
+inline double units_apart(DType dtype, const uint8_t* a, const uint8_t* b) {
+  const size_t size = dtype_size(dtype);
+  if (std::memcmp(a, b, size) == 0) return 0.0;
+  switch (dtype) {
+    case DType::kBF16:
+    case DType::kF16: {
+      uint16_t x, y;
+      std::memcpy(&x, a, 2);
+      std::memcpy(&y, b, 2);
+      const float fx =
+          dtype == DType::kBF16 ? numerics::bf16_bits_to_float(x) : numerics::f16_bits_to_float(x);
+      const float fy =
+          dtype == DType::kBF16 ? numerics::bf16_bits_to_float(y) : numerics::f16_bits_to_float(y);
+      if (std::isnan(fx) || std::isnan(fy)) return INFINITY;
+      const double m = std::max(std::fabs(fx), std::fabs(fy));
+      const int mantissa_bits = dtype == DType::kBF16 ? 7 : 10;
+      const double ulp =
+          std::ldexp(1.0, std::max(std::ilogb(m == 0 ? 1e-30 : m), -14) - mantissa_bits);
+      return std::fabs(fx - fy) / ulp;
+    }
+    case DType::kFp8E4M3: {
+      // Sign-magnitude codes in value order.
+      auto order = [](uint8_t c) { return (c & 0x80) ? -int(c & 0x7f) : int(c & 0x7f); };
+      if ((a[0] & 0x7f) == 0x7f || (b[0] & 0x7f) == 0x7f) return INFINITY;  // NaN
+      return std::abs(order(a[0]) - order(b[0]));
+    }
+    case DType::kInt8:
+      return std::abs(int(static_cast<int8_t>(a[0])) - int(static_cast<int8_t>(b[0])));
+    default:
+      return INFINITY;
+  }
+}
+
+// Elements of two tensors of one dtype compared by units_apart; worst: the index of the farthest
+// pair (-1 when all are identical), its values for the failure message.
+struct UnitsReport {
+  double max_units = 0.0;
+  int64_t differing = 0;
+  int64_t total = 0;
+  int64_t worst = -1;
+  double worst_a = 0.0, worst_b = 0.0;
+};
+
+inline UnitsReport compare_bytes(DType dtype, const HostTensor& a, const HostTensor& b) {
+  UnitsReport r;
+  const size_t size = dtype_size(dtype);
+  r.total = a.numel();
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double u = units_apart(dtype, a.bytes().data() + i * size, b.bytes().data() + i * size);
+    if (u > 0) ++r.differing;
+    if (u > r.max_units) r.max_units = u, r.worst = i, r.worst_a = a.get(i), r.worst_b = b.get(i);
+  }
+  return r;
+}
 
 // The same cache on the device: pool, block table, seq_lens and scales copied; KvCacheView with
 // device pointers.
