@@ -161,21 +161,25 @@ TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   EXPECT_EQ(cuda::decode_num_splits(16, 2, 132, 32768, 64), 16);
   // Kernels of one CTA per SM keep the fill rule.
   EXPECT_EQ(cuda::decode_num_splits(8, 1, 132, 8192, 64), 16);
-  // The two-M-block kernel takes no split from one CTA per SM on 80% of the SMs (106 of 132).
-  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(128, 132));
-  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(112, 132));
-  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(106, 132));
-  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(105, 132));
-  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(96, 132));
+  // The two-M-block kernel takes no split from one CTA per SM on 95% of the SMs (126 of 132), or
+  // on 78% (103) when its CTAs read at most 4096 keys.
+  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(128, 132, 32768));
+  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(126, 132, 8192));
+  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(125, 132, 8192));
+  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(112, 132, 4097));
+  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(112, 132, 4096));
+  EXPECT_TRUE(cuda::decode_two_m_block_covers_sms(103, 132, 2048));
+  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(102, 132, 2048));
+  EXPECT_FALSE(cuda::decode_two_m_block_covers_sms(96, 132, 4096));
   // Its grids below that keep to one wave of 2 CTAs an SM: 96 CTAs take 2 splits (the fill rule:
-  // 8, three waves), 48 take 5 (11) and 104 take 2 (the fill rule: 5); 64 take 4 as the fill rule
-  // does, and 32 and 16 CTAs of short splits one CTA an SM (4 and 8) as well.
+  // 8, three waves), 48 take 5 (11) and 104 of 8k keys take 2 (the fill rule: 5); 64 take 4 as the
+  // fill rule does, and 32 and 16 CTAs of short splits one CTA an SM (4 and 8) as well.
   EXPECT_EQ(cuda::decode_num_splits(96, 2, 132, 4096, 64), 8);
   EXPECT_EQ(cuda::decode_num_splits(96, 2, 132, 4096, 64, true), 2);
   EXPECT_EQ(cuda::decode_num_splits(48, 2, 132, 8192, 64), 11);
   EXPECT_EQ(cuda::decode_num_splits(48, 2, 132, 8192, 64, true), 5);
-  EXPECT_EQ(cuda::decode_num_splits(104, 2, 132, 2048, 64), 5);
-  EXPECT_EQ(cuda::decode_num_splits(104, 2, 132, 2048, 64, true), 2);
+  EXPECT_EQ(cuda::decode_num_splits(104, 2, 132, 8192, 64), 5);
+  EXPECT_EQ(cuda::decode_num_splits(104, 2, 132, 8192, 64, true), 2);
   EXPECT_EQ(cuda::decode_num_splits(64, 2, 132, 4096, 64, true), 4);
   EXPECT_EQ(cuda::decode_num_splits(32, 2, 132, 4096, 64, true), 4);
   EXPECT_EQ(cuda::decode_num_splits(16, 2, 132, 8192, 64, true), 8);

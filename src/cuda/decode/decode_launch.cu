@@ -110,8 +110,9 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
   return !eight_bit_cache && rows_x_kv_heads * 16 >= sm_count ? 32 : 8;
 }
 
-bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count) {
-  return ctas * 100 >= static_cast<int64_t>(sm_count) * 80;
+bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count, int64_t max_keys) {
+  const int64_t percent = max_keys <= 4096 ? 78 : 95;
+  return ctas * 100 >= static_cast<int64_t>(sm_count) * percent;
 }
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
@@ -287,7 +288,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
     params.num_splits =
-        choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count)
+        choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count, max_keys)
             ? 1
             : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n,
                                 /*one_wave=*/choice.heads_per_cta == 32);

@@ -44,15 +44,16 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
                          int sm_count);
 
-// Whether a grid of `ctas` two-M-block CTAs (32 heads, decode_heads_per_cta) covers 80% of the
-// SMs with one CTA each: such a grid takes no split. With its pairs of warps meeting on their own
-// barriers that kernel streams as fast from one CTA an SM as from two, so the split that would fill
-// the second slot only adds a merge. One CTA streams ~0.0265 TB/s (MQA 32/1, 1 split: 32, 64, 96
-// CTAs at 0.854, 1.695, 2.519 TB/s) and the kernel tops out near 2.8-3.0, so ~105 CTAs (80% of
-// 132 SMs) need no split. H200, session 16 call 1 (TB/s, 1 split vs 2): 96 x 4k 2.519 vs 2.752,
-// 112 x 2k 2.630 vs 2.342; session 15 call 4: 128 x 2k 2.942 vs 2.490, GQA 64/2 64 x 4k 3.281 vs
-// 3.069.
-bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count);
+// Whether a grid of `ctas` two-M-block CTAs (32 heads, decode_heads_per_cta) of at most max_keys
+// keys each covers enough SMs with one CTA each to take no split: 95% of them, or 78% when the
+// CTAs read at most 4096 keys. With its pairs of warps meeting on their own barriers that kernel
+// streams as fast from one CTA an SM as from two, so a split only pays where the SMs it fills
+// outweigh its cost (a merge, and a prologue a CTA), which weighs more the shorter the splits.
+// H200, session 16 calls 1 and 4, MQA 32/1, TB/s, 1 split vs 2: 96 x 4k (73% of the SMs) 2.615
+// vs 2.779, 104 x 2k (79%) 2.572 vs 2.334, 120 x 4k (91%) 3.198 vs 3.044, 112 x 2k (85%) 2.742
+// vs 2.356, but 112 x 8k 3.179 vs 3.310 and 104 x 8k 2.975 vs 3.288; session 15 call 4: 128 x 2k
+// 2.942 vs 2.490, GQA 64/2 64 x 4k 3.281 vs 3.069. (GQA 64/2 52 x 4k, 104 CTAs: 2.851 vs 2.895.)
+bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count, int64_t max_keys);
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range. one_wave: only counts
