@@ -261,11 +261,9 @@ enum class DecodeLogits { kPlain, kTransformed };
 // GQA 32/8 rows (one-M-block kernel) within 0.2%.
 constexpr float kDecodeRescaleSlack = 8.0f;
 
-// One row's softmax reference after a tile whose max is m_tile (log2 units): the reference m_run
-// rises only when m_tile passes it by more than kDecodeRescaleSlack, so that once it has settled
-// most tiles skip the rescale of O and l (alpha = 1; the warp-uniform branch around the O
-// multiplies). The probabilities exp2(s - m_use) are then at most 2^8 (f16 MMAs hold 2^15),
-// and l and O accumulate against the same reference, so (m_run, l_run) stay a consistent pair for
+// One row's softmax reference after a tile whose max is m_tile (log2 units), with the slack above;
+// alpha = 1 when it did not rise (the caller skips the O multiplies when the whole warp has alpha
+// 1). l and O accumulate against the same reference, so (m_run, l_run) stay a consistent pair for
 // the merges and the LSE. A row without keys so far (m_run = -inf) takes any finite m_tile; a fully
 // masked row keeps m_use = 0 (probabilities exp2(-inf) = 0).
 __device__ __forceinline__ void decode_update_max(float m_tile, float& m_run, float& l_run,
