@@ -315,6 +315,65 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
   }
 }
 
+// The Hopper warpgroup-MMA kernel (decode_wgmma.cu) on an H100 / H200: groups of 16-80 heads (80:
+// head blocks of 64 and 16), every page size and a contiguous cache, both 16-bit dtypes, V scales
+// per head, split means far from the row's (the partials stay f32), forced and heuristic splits
+// (its partials merged by decode_merge.cu), rows whose keys end inside a tile or a page. Every call
+// must have run that kernel; calls out of its scope (ALiBi, a window, an 8-bit cache) must not.
+TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  int major = 0;
+  ATTNKIT_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major != 9 || !cuda::decode_wgmma_compiled() || !cuda::decode_wgmma_enabled()) {
+    GTEST_SKIP() << "the warpgroup-MMA decode kernel runs on sm_90 builds with sm_90a code";
+  }
+  std::mt19937_64 rng(test_seed());
+  uint64_t salt = 5000;
+  const std::pair<int, int> groups[] = {{32, 2}, {32, 1}, {40, 2}, {64, 1}, {80, 1}};
+  const int pages[] = {8, 16, 32, 64, 128, 0};
+  for (int g = 0; g < 5; ++g) {
+    for (int pi = 0; pi < 6; ++pi) {
+      DecodeCase c;
+      c.hq = groups[g].first;
+      c.hkv = groups[g].second;
+      c.paged = pages[pi] != 0;
+      c.page = c.paged ? pages[pi] : 16;
+      c.dtype = c.kv_dtype = (g + pi) % 2 ? DType::kF16 : DType::kBF16;
+      c.per_head_scale = pi % 3 == 1;
+      c.v_scale_base = pi % 3 == 1 ? 1.0f : 0.0f;
+      c.v_half_offset = pi % 3 == 2 ? 0.5f : 0.0f;
+      // 12 rows (and more KV heads): the grid has SMs / 16 CTAs, the kernel's rule.
+      c.seq_lens = lengths(rng, 12, c.page, 1500);
+      c.seq_lens[4] = 63;
+      c.seq_lens[5] = 64;
+      c.seq_lens[6] = 65;
+      for (int splits : {1, 2, 7, 0}) {
+        c.num_splits = splits;
+        const int64_t before = cuda::decode_wgmma_launches();
+        run_case(c, salt++);
+        EXPECT_EQ(cuda::decode_wgmma_launches(), before + 1) << c.str();
+      }
+    }
+  }
+  DecodeCase outside;
+  outside.hq = 32;
+  outside.hkv = 1;
+  outside.seq_lens = lengths(rng, 12, 16, 700);
+  outside.alibi = true;
+  DecodeCase window = outside;
+  window.alibi = false;
+  window.mask.kind = MaskKind::kSlidingWindow;
+  window.mask.window = 100;
+  DecodeCase fp8 = outside;
+  fp8.alibi = false;
+  fp8.kv_dtype = DType::kFp8E4M3;
+  for (const DecodeCase& c : {outside, window, fp8}) {
+    const int64_t before = cuda::decode_wgmma_launches();
+    run_case(c, salt++);
+    EXPECT_EQ(cuda::decode_wgmma_launches(), before) << c.str();
+  }
+}
+
 // The three split calls that the multi-stream tests keep in flight together: GQA 32/8 bf16 with
 // forced splits, f16 GQA 16/2 split by the heuristic (a batch this small), and MQA 32/1 (two
 // rows: four head blocks of 8 heads a row) with forced splits.

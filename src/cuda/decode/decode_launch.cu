@@ -206,6 +206,7 @@ struct DecodePlan {
   bool transformed = false;
   int sm_count = 0;
   int compute_major = 0;
+  bool wgmma = false;  // the Hopper warpgroup-MMA kernel (decode_wgmma.cu)
 };
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -249,6 +250,15 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   DecodeKernelChoice& choice = plan.choice;
   choice.heads_per_cta = decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
                                               p.num_rows * spec.num_kv_heads, sm_count);
+  // The Hopper warpgroup-MMA kernel takes the grids the two-M-block kernel would (and groups of
+  // 16 on the same grids) when the call is in its scope (decode_wgmma.cu).
+  plan.wgmma = decode_wgmma_enabled() && plan.compute_major == 9 && decode_wgmma_compiled() &&
+               spec.head_dim == 128 && p.kv_dtype == p.dtype && !spec.alibi &&
+               spec.logit_softcap <= 0.0 && spec.mask.kind != MaskKind::kSlidingWindow &&
+               params.kv.window_slots == 0 && !args.cache_indirection.defined() &&
+               params.group_size >= 16 && p.num_rows * spec.num_kv_heads * 16 >= sm_count &&
+               decode_separate_merge(2, params.group_size, spec.head_dim);
+  if (plan.wgmma) choice.heads_per_cta = kDecodeWgmmaHeads;
   params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
@@ -269,7 +279,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.table_cols = static_cast<int32_t>(cache.block_table.shape[1]);
   }
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
-  const DecodeKernelInfo info = kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
+  const DecodeKernelInfo info = plan.wgmma
+                                    ? DecodeKernelInfo{2, 64, 0}
+                                    : kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
   // The call's kernel family has a 4-CTA-per-SM kernel (8-bit caches at head_dim 128, plain
   // logits: launch_traits), taken by grids that fill it (fills_four_ctas_per_sm).
   const bool has_four_cta_kernel = info.wide_ctas_per_sm > 0 && !plan.transformed;
@@ -288,7 +300,8 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
     params.num_splits =
-        choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count, max_keys)
+        plan.wgmma ? decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n)
+        : choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count, max_keys)
             ? 1
             : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n,
                                 /*one_wave=*/choice.heads_per_cta == 32);
@@ -410,8 +423,12 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const bool separate_merge =
       decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
   auto launch = [&] {
-    launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
-                  stream);
+    if (plan.wgmma) {
+      launch_decode_wgmma(params, p.dtype, stream);
+    } else {
+      launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
+                    stream);
+    }
     if (separate_merge) {
       launch_decode_merge(params, p.dtype, plan.compute_major >= 9,
                           decode_merge_warps_per_item(p.num_rows * spec.num_q_heads, plan.sm_count),

@@ -93,6 +93,19 @@ int decode_merge_warps_per_item(int64_t items, int sm_count);
 void launch_decode_merge(const DecodeParams& p, DType q_dtype, bool programmatic,
                          int warps_per_item, cudaStream_t stream);
 
+// The Hopper warpgroup-MMA kernel for groups of 16 or more query heads (decode_wgmma.cu): query
+// heads per CTA (the MMA's M; heads past the group are zero rows).
+constexpr int kDecodeWgmmaHeads = 64;
+// Whether this build holds the kernel's sm_90a code (ATTNKIT_CUDA_ARCHS names 90a).
+bool decode_wgmma_compiled();
+// Experiment switch (ATTNKIT_EXP_WGMMA=0 turns the kernel off), read once.
+bool decode_wgmma_enabled();
+// Launches it for `p` (head_dim 128, a cache of q's dtype, plain logits, no window / beams; split
+// calls write partials for launch_decode_merge) on grid (splits x head blocks, KV heads, rows).
+void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, cudaStream_t stream);
+// Launches of it in this process (tests: which calls it served).
+int64_t decode_wgmma_launches();
+
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
                                                DecodeKernelChoice, cudaStream_t);       \

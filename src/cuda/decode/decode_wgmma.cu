@@ -1,0 +1,452 @@
+// The Hopper (sm_90a) decode kernel for large GQA groups: one warpgroup per CTA serves up to 64
+// query heads of one KV head with warpgroup MMAs (wgmma), the query heads as the MMA's 64 rows.
+//
+// Why: the mma.sync kernels cover a group of 32 heads with two M blocks on 8 warps (the pair
+// kernel), whose per-tile instructions (HMMA, ldmatrix, copies, softmax) bound its stream at ~3.5
+// TB/s on the H200, where the one-M-block kernels read at ~4.5 (docs/decode_design.md, sessions
+// 15-17). A warpgroup MMA reads K and V from shared memory itself: S = Q K^T is eight
+// m64n64k16 MMAs per 64-key tile (Q in registers), O += P V four m64n128k16 (P in registers, as
+// the S accumulator's layout is the A operand's), so the tile costs a few dozen instructions a
+// thread besides the softmax. Heads past the group are zero rows (MQA 32/1: half the rows), which
+// the tensor cores have time for: the kernel is bound by the bytes it streams.
+//
+// Shape: 128 threads, two CTAs an SM. K and V of a 64-key tile are separate 16 KB units of a ring
+// of six (K(t), V(t), K(t+1), ...), copied by cp.async into the 128-byte-swizzled layout the MMA
+// descriptors name (two column blocks of 64 d, 128-byte rows, 16-byte chunk c of row r at chunk c
+// ^ (r % 8)); each unit is waited for with one CTA barrier (the CTA is the warpgroup). Key
+// offsets (block table) are computed four tiles ahead into shared memory.
+//
+// Scope: 16-bit caches of the query's dtype, head_dim 128, plain logits (no ALiBi or soft-cap), no
+// window or cyclic cache, no beams; split calls merge in decode_merge.cu's kernel. Every other call
+// takes the mma.sync kernels (decode_launch.cu decides; decode_wgmma_serves).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "core/check.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/common/fast_math.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/decode/decode_kernel.cuh"
+#include "cuda/decode/decode_launch.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTNKIT_DECODE_WGMMA_DEVICE 1
+#endif
+
+namespace attnkit::cuda {
+namespace {
+
+constexpr int kWgHeadDim = 128;
+constexpr int kWgTileN = 64;                           // keys per ring unit
+constexpr int kWgUnits = 6;                            // ring of K / V units
+constexpr int kWgThreads = 128;                        // one warpgroup
+constexpr int kWgColumnBlockBytes = kWgTileN * 128;    // 64 keys x 64 d x 2 bytes
+constexpr int kWgUnitBytes = 2 * kWgColumnBlockBytes;  // 16 KB
+constexpr int kWgOffsetSlots = 4;                      // tiles of key offsets in flight
+constexpr int kWgSmemBytes = 1024 /* the ring's 1024-byte alignment */ + kWgUnits * kWgUnitBytes +
+                             kWgOffsetSlots * kWgTileN * 8;
+
+#if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
+
+__device__ __forceinline__ uint32_t wg_smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Shared-memory matrix descriptor with 128-byte swizzling (PTX ISA, "matrix descriptor"): start
+// address, leading and stride byte offsets, all in 16-byte units; swizzle mode 1 in bits 62-63.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// After wg_wait_all: the accumulators are read only from here on (the compiler sees the MMA's asm
+// as their writer and could otherwise move a read above the wait).
+template <int kN>
+__device__ __forceinline__ void wg_fence_operands(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define ATTNKIT_WG_D8(b)                                                                      \
+  "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
+      "+f"(d[b + 6]), "+f"(d[b + 7])
+#define ATTNKIT_WG_D32 ATTNKIT_WG_D8(0), ATTNKIT_WG_D8(8), ATTNKIT_WG_D8(16), ATTNKIT_WG_D8(24)
+#define ATTNKIT_WG_D64 \
+  ATTNKIT_WG_D32, ATTNKIT_WG_D8(32), ATTNKIT_WG_D8(40), ATTNKIT_WG_D8(48), ATTNKIT_WG_D8(56)
+
+// d[64 x 64] (+)= a[64 x 16] (registers) * B[16 x 64] (K-major in shared memory): S = Q K^T.
+#define ATTNKIT_WG_S(TYPE)                                                                \
+  asm volatile(                                                                           \
+      "{\n"                                                                               \
+      ".reg .pred p;\n"                                                                   \
+      "setp.ne.b32 p, %37, 0;\n"                                                          \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                         \
+      " "                                                                                 \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"                                          \
+      "}\n"                                                                               \
+      : ATTNKIT_WG_D32                                                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate))
+// d[64 x 128] += a[64 x 16] (registers) * B[16 x 128] (MN-major in shared memory): O += P V.
+#define ATTNKIT_WG_O(TYPE)                                                                \
+  asm volatile(                                                                           \
+      "{\n"                                                                               \
+      ".reg .pred p;\n"                                                                   \
+      "setp.ne.b32 p, %69, 0;\n"                                                          \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                        \
+      " "                                                                                 \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"                                          \
+      "}\n"                                                                               \
+      : ATTNKIT_WG_D64                                                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate))
+
+template <typename QT>
+__device__ __forceinline__ void wg_mma_s(float (&d)[32], const uint32_t (&a)[4], uint64_t desc,
+                                         int accumulate) {
+  if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
+    ATTNKIT_WG_S("bf16");
+  } else {
+    ATTNKIT_WG_S("f16");
+  }
+}
+template <typename QT>
+__device__ __forceinline__ void wg_mma_o(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,
+                                         int accumulate) {
+  if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
+    ATTNKIT_WG_O("bf16");
+  } else {
+    ATTNKIT_WG_O("f16");
+  }
+}
+
+template <typename QT>
+__device__ __forceinline__ uint32_t wg_pack(float lo, float hi) {
+  if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+template <typename QT>
+__device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
+  const uint16_t l = *reinterpret_cast<const uint16_t*>(&lo);
+  const uint16_t h = *reinterpret_cast<const uint16_t*>(&hi);
+  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+}
+
+#endif  // ATTNKIT_DECODE_WGMMA_DEVICE
+
+// kVSwap (experiment): the V descriptor's leading / stride byte offsets exchanged.
+template <typename QT, bool kVSwap>
+__global__ void __launch_bounds__(kWgThreads, 2)
+    decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
+#if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ uint8_t wg_smem_raw[];
+  const uint32_t raw_addr = wg_smem_u32(wg_smem_raw);
+  const uint32_t ring = (raw_addr + 1023u) & ~1023u;
+  int64_t* key_offsets =
+      reinterpret_cast<int64_t*>(wg_smem_raw + (ring - raw_addr) + kWgUnits * kWgUnitBytes);
+
+  const int head_block = blockIdx.x % p.head_blocks;
+  const int split = blockIdx.x / p.head_blocks;
+  if (p.pdl) {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  }
+  const int kv_head = blockIdx.y;
+  const int row = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int first_head = kv_head * p.group_size + head_block * kDecodeWgmmaHeads;
+  const int heads_here = min(kDecodeWgmmaHeads, p.group_size - head_block * kDecodeWgmmaHeads);
+
+  const int32_t seq_len = p.seq_lens[row];
+  // The A fragments of Q (rows r0 and r0 + 8 of the warp's 16, columns qc, qc + 1 and qc + 8,
+  // qc + 9 of each 16-d step); heads past the group are zero rows.
+  const int r0 = warp * 16 + lane / 4;
+  const int qc = 2 * (lane % 4);
+  uint32_t qa[kWgHeadDim / 16][4];
+  {
+    const QT* q = static_cast<const QT*>(p.q) + row * p.q_row_stride;
+    const QT* q0 = q + static_cast<int64_t>(first_head + r0) * p.q_head_stride;
+    const QT* q1 = q0 + 8 * p.q_head_stride;
+    const bool ok0 = r0 < heads_here, ok1 = r0 + 8 < heads_here;
+    const QT zero = QT(0.0f);
+#pragma unroll
+    for (int kk = 0; kk < kWgHeadDim / 16; ++kk) {
+      const int c = 16 * kk + qc;
+      qa[kk][0] = wg_pack_raw<QT>(ok0 ? q0[c] : zero, ok0 ? q0[c + 1] : zero);
+      qa[kk][1] = wg_pack_raw<QT>(ok1 ? q1[c] : zero, ok1 ? q1[c + 1] : zero);
+      qa[kk][2] = wg_pack_raw<QT>(ok0 ? q0[c + 8] : zero, ok0 ? q0[c + 9] : zero);
+      qa[kk][3] = wg_pack_raw<QT>(ok1 ? q1[c + 8] : zero, ok1 ? q1[c + 9] : zero);
+    }
+  }
+
+  const DecodeKeyRange keys(seq_len, 0, 0);
+  const int32_t keys_per_split =
+      ((keys.num_keys + p.num_splits - 1) / p.num_splits + kWgTileN - 1) / kWgTileN * kWgTileN;
+  const int32_t key_begin = split * keys_per_split;
+  const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kWgTileN - 1) / kWgTileN : 0;
+
+  const int32_t* table_row =
+      p.kv.block_table != nullptr ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
+  const int64_t head_bytes = static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * 256;
+  const int32_t page_mask = (1 << p.page_shift) - 1;
+  // Byte offset of key `tid` of a tile (threads 0-63), -1 past the split's keys.
+  auto key_offset = [&](int tile) -> int64_t {
+    const int32_t key = key_begin + tile * kWgTileN + tid;
+    if (tid >= kWgTileN || tile >= num_tiles || key >= key_end) return -1;
+    if (table_row != nullptr) {
+      return static_cast<int64_t>(table_row[key >> p.page_shift]) * p.kv.block_stride_bytes +
+             head_bytes + static_cast<int64_t>(key & page_mask) * 256;
+    }
+    return p.kv.byte_offset_shift(row, key, kv_head, 0, p.page_shift);
+  };
+  // Unit u of the ring: K (u even) or V (u odd) of tile u / 2, into buffer u % kWgUnits. Thread t
+  // copies chunk t % 16 of keys t / 16 + 8 j, so that a warp's copies are two whole key rows.
+  // Keys past the split are zero-filled (their V rows meet probability 0, which must not meet a
+  // NaN). Every thread commits one group per unit, copies or not, so that the wait counts hold.
+  auto issue_unit = [&](int u) {
+    const int tile = u >> 1;
+    if (tile < num_tiles) {
+      const uint8_t* base = (u & 1) ? p.kv.v_base : p.kv.k_base;
+      const int64_t* offs = key_offsets + (tile % kWgOffsetSlots) * kWgTileN;
+      const uint32_t unit = ring + (u % kWgUnits) * kWgUnitBytes;
+      const int c = tid & 15;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int key = 8 * j + (tid >> 4);
+        const int64_t off = offs[key];
+        const uint32_t dst =
+            unit + (c >> 3) * kWgColumnBlockBytes + key * 128 + (((c & 7) ^ (key & 7)) << 4);
+        const uint8_t* src = base + (off >= 0 ? off + c * 16 : 0);
+        const int bytes = off >= 0 ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(bytes));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  auto wait_unit = [] {
+    // Units issued so far, beyond the one needed next: kWgUnits - 2.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWgUnits - 2) : "memory");
+    // cp.async writes through the generic proxy; the MMAs read through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+  };
+
+#pragma unroll
+  for (int t = 0; t < kWgOffsetSlots; ++t) {
+    const int64_t off = key_offset(t);
+    if (tid < kWgTileN) key_offsets[t * kWgTileN + tid] = off;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kWgUnits - 1; ++u) issue_unit(u);
+
+  const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
+  const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
+  const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
+  constexpr uint32_t kVLbo = kVSwap ? 1024 : kWgColumnBlockBytes;
+  constexpr uint32_t kVSbo = kVSwap ? kWgColumnBlockBytes : 1024;
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float s[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    // The offsets of tile t + 4: read now, stored after the tile (its latency under the math).
+    const int64_t ahead = key_offset(t + kWgOffsetSlots);
+    wait_unit();                       // K(t)
+    issue_unit(2 * t + kWgUnits - 1);  // into V(t - 1)'s buffer, read by the last tile's MMAs
+    const uint32_t k_unit = ring + ((2 * t) % kWgUnits) * kWgUnitBytes;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgHeadDim / 16; ++kk) {
+      const uint64_t desc =
+          wg_desc(k_unit + (kk / 4) * kWgColumnBlockBytes + (kk % 4) * 32, 16, 1024);
+      wg_mma_s<QT>(s, qa[kk], desc, kk > 0 ? 1 : 0);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_fence_operands(s);
+
+    // Softmax in log2 units with the lazy reference max (decode_update_max). Accumulator element
+    // 4 j + 2 i + e is row r0 + 8 i, key 8 j + qc + e of the tile.
+    const int valid = key_end - (key_begin + t * kWgTileN);
+    float m_tile[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = s[4 * j + 2 * i + e] * scale_log2;
+          if (8 * j + qc + e >= valid) x = -INFINITY;
+          s[4 * j + 2 * i + e] = x;
+          m_tile[i] = fmaxf(m_tile[i], x);
+        }
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      decode_update_max(warp_max_quad(m_tile[i]), m_run[i], l_run[i], alpha[i], m_use[i]);
+    }
+    uint32_t pa[kWgTileN / 16][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float p0 = fast_exp2(s[4 * j + 2 * i] - m_use[i]);
+        const float p1 = fast_exp2(s[4 * j + 2 * i + 1] - m_use[i]);
+        l_run[i] += p0 + p1;
+        pa[j / 2][(j % 2) * 2 + i] = wg_pack<QT>(p0, p1);
+      }
+    }
+    if (alpha[0] != 1.0f || alpha[1] != 1.0f) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+
+    wait_unit();                   // V(t)
+    issue_unit(2 * t + kWgUnits);  // into K(t)'s buffer, read by this tile's S MMAs
+    const uint32_t v_unit = ring + ((2 * t + 1) % kWgUnits) * kWgUnitBytes;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgTileN / 16; ++kk) {
+      wg_mma_o<QT>(o, pa[kk], wg_desc(v_unit + kk * 16 * 128, kVLbo, kVSbo), 1);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_fence_operands(o);
+    if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+
+  // Epilogue: the quad's row sums, then O / l (times the V scale) and the LSE.
+  float l_all[2], lse[2], scale[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_all[i] = warp_sum_quad(l_run[i]);
+    const bool empty = l_all[i] == 0.0f;
+    scale[i] = empty ? 0.0f : v_scale / l_all[i];
+    lse[i] = empty ? -INFINITY : (m_run[i] + log2f(l_all[i])) * 0.6931471805599453f;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = r0 + 8 * i;
+    if (r >= heads_here) continue;
+    const int head = first_head + r;
+    if (p.num_splits == 1) {
+      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        out[8 * j + qc] = QT(o[4 * j + 2 * i] * scale[i]);
+        out[8 * j + qc + 1] = QT(o[4 * j + 2 * i + 1] * scale[i]);
+      }
+      if (lane % 4 == 0 && p.lse != nullptr) {
+        p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse[i];
+      }
+    } else {
+      const int64_t item = (static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head;
+      float* out = p.partial_out + item * kWgHeadDim;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<float2*>(out + 8 * j + qc) =
+            make_float2(o[4 * j + 2 * i] * scale[i], o[4 * j + 2 * i + 1] * scale[i]);
+      }
+      if (lane % 4 == 0) p.partial_lse[item] = lse[i];
+    }
+  }
+#endif  // ATTNKIT_DECODE_WGMMA_DEVICE
+}
+
+template <typename QT, bool kVSwap>
+void launch_typed(const DecodeParams& p, cudaStream_t stream) {
+  auto kernel = decode_wgmma_kernel<QT, kVSwap>;
+  static std::once_flag flags[16];
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  std::call_once(flags[device & 15], [&] {
+    check_cuda(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgSmemBytes),
+        "decode: cudaFuncSetAttribute(max dynamic shared memory, wgmma kernel)");
+  });
+  const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
+  launch_maybe_programmatic(kernel, grid, dim3(kWgThreads), kWgSmemBytes, stream, p.pdl != 0, p,
+                            "decode_wgmma_kernel");
+}
+
+bool env_flag(const char* name, bool fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0') return fallback;
+  return value[0] != '0';
+}
+
+}  // namespace
+
+bool decode_wgmma_compiled() { return std::strstr(ATTNKIT_CUDA_ARCHS, "90a") != nullptr; }
+
+bool decode_wgmma_enabled() {
+  static const bool enabled = env_flag("ATTNKIT_EXP_WGMMA", true);
+  return enabled;
+}
+
+namespace {
+std::atomic<int64_t> g_wgmma_launches{0};
+}  // namespace
+
+int64_t decode_wgmma_launches() { return g_wgmma_launches.load(std::memory_order_relaxed); }
+
+void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, cudaStream_t stream) {
+  g_wgmma_launches.fetch_add(1, std::memory_order_relaxed);
+  static const bool swap = env_flag("ATTNKIT_EXP_WGMMA_VSWAP", false);
+  ATTNKIT_CHECK(p.head_dim == kWgHeadDim, "decode: the wgmma kernel takes head_dim ", kWgHeadDim,
+                ", got ", p.head_dim);
+  if (q_dtype == DType::kBF16) {
+    swap ? launch_typed<__nv_bfloat16, true>(p, stream)
+         : launch_typed<__nv_bfloat16, false>(p, stream);
+  } else if (q_dtype == DType::kF16) {
+    swap ? launch_typed<__half, true>(p, stream) : launch_typed<__half, false>(p, stream);
+  } else {
+    detail::fail("decode: the wgmma kernel takes bf16 or f16 q, got ", dtype_name(q_dtype));
+  }
+}
+
+}  // namespace attnkit::cuda
