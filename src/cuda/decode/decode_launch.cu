@@ -154,6 +154,16 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
       std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
 }
 
+int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys) {
+  const int64_t slots = static_cast<int64_t>(ctas_per_sm) * sm_count;
+  const int64_t tiles = std::max<int64_t>(1, (max_keys + 63) / 64);
+  const int64_t most = std::clamp<int64_t>(std::min(slots / std::max<int64_t>(ctas, 1), tiles / 4),
+                                           1, kDecodeMaxSplits);
+  // Whole tiles a split: drop the splits that would get none.
+  const int64_t tiles_per_split = (tiles + most - 1) / most;
+  return static_cast<int32_t>((tiles + tiles_per_split - 1) / tiles_per_split);
+}
+
 std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
   if (p.device.is_cuda()) {
     int major = 0;
@@ -280,7 +290,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   }
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
   const DecodeKernelInfo info = plan.wgmma
-                                    ? DecodeKernelInfo{2, 64, 0}
+                                    ? DecodeKernelInfo{decode_wgmma_ctas_per_sm(), 64, 0}
                                     : kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
   // The call's kernel family has a 4-CTA-per-SM kernel (8-bit caches at head_dim 128, plain
   // logits: launch_traits), taken by grids that fill it (fills_four_ctas_per_sm).
@@ -300,7 +310,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
     params.num_splits =
-        plan.wgmma ? decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n)
+        plan.wgmma ? decode_wgmma_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys)
         : choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count, max_keys)
             ? 1
             : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n,

@@ -98,6 +98,11 @@ void launch_decode_merge(const DecodeParams& p, DType q_dtype, bool programmatic
 constexpr int kDecodeWgmmaHeads = 64;
 // Whether this build holds the kernel's sm_90a code (ATTNKIT_CUDA_ARCHS names 90a).
 bool decode_wgmma_compiled();
+// Resident CTAs an SM it is built for (experiment: ATTNKIT_EXP_WGMMA_CTAS=3, else 2).
+int decode_wgmma_ctas_per_sm();
+// The split count of its grids: the most splits that keep ctas x splits within one wave of
+// resident CTAs, at least 4 tiles (256 keys) each.
+int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys);
 // Experiment switch (ATTNKIT_EXP_WGMMA=0 turns the kernel off), read once.
 bool decode_wgmma_enabled();
 // Launches it for `p` (head_dim 128, a cache of q's dtype, plain logits, no window / beams; split

@@ -45,13 +45,20 @@ namespace {
 
 constexpr int kWgHeadDim = 128;
 constexpr int kWgTileN = 64;                           // keys per ring unit
-constexpr int kWgUnits = 6;                            // ring of K / V units
 constexpr int kWgThreads = 128;                        // one warpgroup
 constexpr int kWgColumnBlockBytes = kWgTileN * 128;    // 64 keys x 64 d x 2 bytes
 constexpr int kWgUnitBytes = 2 * kWgColumnBlockBytes;  // 16 KB
 constexpr int kWgOffsetSlots = 4;                      // tiles of key offsets in flight
-constexpr int kWgSmemBytes = 1024 /* the ring's 1024-byte alignment */ + kWgUnits * kWgUnitBytes +
-                             kWgOffsetSlots * kWgTileN * 8;
+// The ring of K / V units that fits kCtasPerSm CTAs an SM (2: 6 units, 3: 4).
+template <int kCtasPerSm>
+constexpr int wg_units() {
+  return kCtasPerSm == 2 ? 6 : 4;
+}
+template <int kCtasPerSm>
+constexpr int wg_smem_bytes() {
+  return 1024 /* the ring's 1024-byte alignment */ + wg_units<kCtasPerSm>() * kWgUnitBytes +
+         kWgOffsetSlots * kWgTileN * 8;
+}
 
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
 
@@ -160,11 +167,11 @@ __device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
 
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 
-// kVSwap (experiment): the V descriptor's leading / stride byte offsets exchanged.
-template <typename QT, bool kVSwap>
-__global__ void __launch_bounds__(kWgThreads, 2)
+template <typename QT, int kCtasPerSm>
+__global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
+  constexpr int kWgUnits = wg_units<kCtasPerSm>();
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t raw_addr = wg_smem_u32(wg_smem_raw);
@@ -273,8 +280,6 @@ __global__ void __launch_bounds__(kWgThreads, 2)
   const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
   const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
-  constexpr uint32_t kVLbo = kVSwap ? 1024 : kWgColumnBlockBytes;
-  constexpr uint32_t kVSbo = kVSwap ? kWgColumnBlockBytes : 1024;
 
   float o[64];
 #pragma unroll
@@ -350,7 +355,7 @@ __global__ void __launch_bounds__(kWgThreads, 2)
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < kWgTileN / 16; ++kk) {
-      wg_mma_o<QT>(o, pa[kk], wg_desc(v_unit + kk * 16 * 128, kVLbo, kVSbo), 1);
+      wg_mma_o<QT>(o, pa[kk], wg_desc(v_unit + kk * 16 * 128, kWgColumnBlockBytes, 1024), 1);
     }
     wg_commit();
     wg_wait_all();
@@ -397,9 +402,10 @@ __global__ void __launch_bounds__(kWgThreads, 2)
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 }
 
-template <typename QT, bool kVSwap>
+template <typename QT, int kCtasPerSm>
 void launch_typed(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = decode_wgmma_kernel<QT, kVSwap>;
+  auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
+  constexpr int kWgSmemBytes = wg_smem_bytes<kCtasPerSm>();
   static std::once_flag flags[16];
   int device = 0;
   check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
@@ -423,6 +429,14 @@ bool env_flag(const char* name, bool fallback) {
 
 bool decode_wgmma_compiled() { return std::strstr(ATTNKIT_CUDA_ARCHS, "90a") != nullptr; }
 
+int decode_wgmma_ctas_per_sm() {
+  static const int ctas = [] {
+    const char* value = std::getenv("ATTNKIT_EXP_WGMMA_CTAS");
+    return value != nullptr && value[0] == '3' ? 3 : 2;
+  }();
+  return ctas;
+}
+
 bool decode_wgmma_enabled() {
   static const bool enabled = env_flag("ATTNKIT_EXP_WGMMA", true);
   return enabled;
@@ -436,14 +450,13 @@ int64_t decode_wgmma_launches() { return g_wgmma_launches.load(std::memory_order
 
 void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, cudaStream_t stream) {
   g_wgmma_launches.fetch_add(1, std::memory_order_relaxed);
-  static const bool swap = env_flag("ATTNKIT_EXP_WGMMA_VSWAP", false);
+  static const bool three = decode_wgmma_ctas_per_sm() == 3;
   ATTNKIT_CHECK(p.head_dim == kWgHeadDim, "decode: the wgmma kernel takes head_dim ", kWgHeadDim,
                 ", got ", p.head_dim);
   if (q_dtype == DType::kBF16) {
-    swap ? launch_typed<__nv_bfloat16, true>(p, stream)
-         : launch_typed<__nv_bfloat16, false>(p, stream);
+    three ? launch_typed<__nv_bfloat16, 3>(p, stream) : launch_typed<__nv_bfloat16, 2>(p, stream);
   } else if (q_dtype == DType::kF16) {
-    swap ? launch_typed<__half, true>(p, stream) : launch_typed<__half, false>(p, stream);
+    three ? launch_typed<__half, 3>(p, stream) : launch_typed<__half, 2>(p, stream);
   } else {
     detail::fail("decode: the wgmma kernel takes bf16 or f16 q, got ", dtype_name(q_dtype));
   }
