@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -318,15 +319,21 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
 // The Hopper warpgroup-MMA kernel (decode_wgmma.cu) on an H100 / H200: groups of 16-80 heads (80:
 // head blocks of 64 and 16), every page size and a contiguous cache, both 16-bit dtypes, V scales
 // per head, split means far from the row's (the partials stay f32), forced and heuristic splits
-// (its partials merged by decode_merge.cu), rows whose keys end inside a tile or a page. Every call
-// must have run that kernel; calls out of its scope (ALiBi, a window, an 8-bit cache) must not.
+// (its partials merged by decode_merge.cu), rows whose keys end inside a tile or a page; then its
+// 3-CTA build (a grid whose splits keep >= 1024 keys). Every call must have run the build the rule
+// names; calls out of its scope (ALiBi, a window, an 8-bit cache) must not run it. Its test in
+// session 17 with the V descriptor's two byte offsets exchanged failed every case (0.54-1.97
+// against bounds of ~0.006-0.012).
 TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   int major = 0;
   ATTNKIT_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-  if (major != 9 || !cuda::decode_wgmma_compiled() || !cuda::decode_wgmma_enabled()) {
+  if (major != 9 || !cuda::decode_wgmma_compiled()) {
     GTEST_SKIP() << "the warpgroup-MMA decode kernel runs on sm_90 builds with sm_90a code";
   }
+  const auto launches = [] {
+    return std::pair{cuda::decode_wgmma_launches(2), cuda::decode_wgmma_launches(3)};
+  };
   std::mt19937_64 rng(test_seed());
   uint64_t salt = 5000;
   const std::pair<int, int> groups[] = {{32, 2}, {32, 1}, {40, 2}, {64, 1}, {80, 1}};
@@ -342,18 +349,41 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
       c.per_head_scale = pi % 3 == 1;
       c.v_scale_base = pi % 3 == 1 ? 1.0f : 0.0f;
       c.v_half_offset = pi % 3 == 2 ? 0.5f : 0.0f;
-      // 12 rows (and more KV heads): the grid has SMs / 16 CTAs, the kernel's rule.
+      // 12 rows (and more KV heads): the grid has SMs / 16 CTAs, the kernel's rule; short rows
+      // keep the 2-CTA build.
       c.seq_lens = lengths(rng, 12, c.page, 1500);
       c.seq_lens[4] = 63;
       c.seq_lens[5] = 64;
       c.seq_lens[6] = 65;
       for (int splits : {1, 2, 7, 0}) {
         c.num_splits = splits;
-        const int64_t before = cuda::decode_wgmma_launches();
+        const auto before = launches();
         run_case(c, salt++);
-        EXPECT_EQ(cuda::decode_wgmma_launches(), before + 1) << c.str();
+        EXPECT_EQ(launches(), std::pair(before.first + 1, before.second)) << c.str();
       }
     }
+  }
+  // GQA 32/2 over 40 rows of up to 4500 keys (80 CTAs): the heuristic's 4 splits and 4 forced
+  // splits keep >= 1024 keys and fill more than 2 CTAs an SM on 132 SMs: the 3-CTA build; 1 split
+  // does not fill them: the 2-CTA build.
+  DecodeCase wide;
+  wide.hq = 32;
+  wide.hkv = 2;
+  wide.page = 32;
+  wide.seq_lens = lengths(rng, 40, 32, 4500);
+  wide.seq_lens[7] = 4500;
+  int sm_count = 0;
+  ATTNKIT_CUDA_OK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  for (int splits : {0, 4, 1}) {
+    wide.num_splits = splits;
+    const cuda::DecodeWgmmaPlan plan = cuda::decode_wgmma_plan(16, 80, 80, sm_count, 4500, splits);
+    ASSERT_TRUE(plan.use);
+    const auto before = launches();
+    run_case(wide, salt++);
+    const auto after = launches();
+    EXPECT_EQ(after.first - before.first, plan.ctas_per_sm == 2 ? 1 : 0) << wide.str();
+    EXPECT_EQ(after.second - before.second, plan.ctas_per_sm == 3 ? 1 : 0) << wide.str();
+    if (sm_count == 132) EXPECT_EQ(plan.ctas_per_sm, splits == 1 ? 2 : 3) << splits;
   }
   DecodeCase outside;
   outside.hq = 32;
@@ -368,10 +398,40 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   fp8.alibi = false;
   fp8.kv_dtype = DType::kFp8E4M3;
   for (const DecodeCase& c : {outside, window, fp8}) {
-    const int64_t before = cuda::decode_wgmma_launches();
+    const auto before = launches();
     run_case(c, salt++);
-    EXPECT_EQ(cuda::decode_wgmma_launches(), before) << c.str();
+    EXPECT_EQ(launches(), before) << c.str();
   }
+}
+
+// Which grids take the warpgroup-MMA kernel and which build (H200, 132 SMs; session 17 call 2's
+// rows): MQA 32/1 (pair_ctas = rows) and GQA 32/2 (group 16: ctas = rows x 2).
+TEST(DecodeSplitHeuristic, WarpgroupKernelGridsAndBuilds) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  const auto plan = [](int group, int64_t ctas, int64_t pair_ctas, int64_t keys, int forced = 0) {
+    const cuda::DecodeWgmmaPlan p =
+        cuda::decode_wgmma_plan(group, ctas, pair_ctas, 132, keys, forced);
+    return std::tuple{p.use, p.use ? p.ctas_per_sm : 0, p.use ? p.num_splits : 0};
+  };
+  EXPECT_EQ(plan(32, 64, 64, 4096), std::tuple(true, 2, 4));     // 64 x 4k: 3 CTAs: 683 keys
+  EXPECT_EQ(plan(32, 96, 96, 4096), std::tuple(true, 3, 4));     // 96 x 4k
+  EXPECT_EQ(plan(32, 48, 48, 8192), std::tuple(true, 3, 8));     // 48 x 8k
+  EXPECT_EQ(plan(32, 16, 16, 8192), std::tuple(true, 2, 16));    // 16 x 8k
+  EXPECT_EQ(plan(32, 32, 32, 32768), std::tuple(true, 3, 12));   // 32 x 32k
+  EXPECT_EQ(plan(32, 256, 256, 2048), std::tuple(true, 3, 1));   // 256 x 2k
+  EXPECT_EQ(plan(32, 128, 128, 8192), std::tuple(true, 3, 3));   // 128 x 8k
+  EXPECT_EQ(plan(32, 128, 128, 2048), std::tuple(false, 0, 0));  // 128 x 2k: the pair kernel
+  EXPECT_EQ(plan(32, 200, 200, 2048), std::tuple(false, 0, 0));  // 200 x 2k
+  EXPECT_EQ(plan(32, 64, 128, 4096), std::tuple(false, 0, 0));   // GQA 64/2 64 x 4k
+  EXPECT_EQ(plan(16, 128, 128, 4096), std::tuple(true, 3, 3));   // GQA 32/2 64 x 4k
+  EXPECT_EQ(plan(16, 16, 16, 8192), std::tuple(true, 2, 16));    // GQA 32/2 8 x 8k
+  // Forced counts: the 3-CTA build only where they fill more than 2 CTAs an SM.
+  EXPECT_EQ(plan(32, 64, 64, 4096, 4), std::tuple(true, 2, 4));
+  EXPECT_EQ(plan(32, 96, 96, 4096, 4), std::tuple(true, 3, 4));
+  // Whole tiles: 128 tiles over at most 24 splits is 6 tiles each, 22 splits.
+  EXPECT_EQ(cuda::decode_wgmma_num_splits(16, 3, 132, 8192), 22);
+  EXPECT_EQ(cuda::decode_wgmma_num_splits(64, 2, 132, 4096), 4);
+  EXPECT_EQ(cuda::decode_wgmma_num_splits(1, 2, 132, 300), 1);
 }
 
 // The three split calls that the multi-stream tests keep in flight together: GQA 32/8 bf16 with

@@ -61,5 +61,15 @@ case "$1" in
         for c in 2 3; do B wg1c${c}s$s "ATTNKIT_EXP_WGMMA_CTAS=$c" $row --splits $s; done
       done
     done ;;
-  *) echo "usage: wg17.sh tests|rows|sweep|tests2|rows2" >&2; exit 2 ;;
+  final)  # call 3: the landed rule (no switches), auto
+    for row in "$Q1 --batch 64 --context 4096" "$Q1 --batch 96 --context 4096" \
+               "$Q1 --batch 48 --context 8192" "$Q1 --batch 16 --context 8192" \
+               "$Q1 --batch 256 --context 2048" "$Q1 --batch 32 --context 32768" \
+               "$Q1 --batch 128 --context 8192" "$Q1 --batch 128 --context 2048" \
+               "$Q1 --batch 200 --context 2048" "$G2 --batch 64 --context 4096" \
+               "$G16 --batch 64 --context 4096" "$G16 --batch 8 --context 8192" \
+               "--batch 64 --context 4096" "--batch 1 --context 32768"; do
+      B auto "" $row
+    done ;;
+  *) echo "usage: wg17.sh tests|rows|sweep|tests2|rows2|final" >&2; exit 2 ;;
 esac

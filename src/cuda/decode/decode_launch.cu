@@ -164,6 +164,39 @@ int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int
   return static_cast<int32_t>((tiles + tiles_per_split - 1) / tiles_per_split);
 }
 
+// H200, session 17 call 2 (TB/s, the mma.sync kernels / this kernel built for 2 / for 3 CTAs an
+// SM, each with its split rule): MQA 32/1 64 x 4k 2.708 / 2.952 / 2.853, 96 x 4k 2.755 / 2.595 /
+// 3.152, 48 x 8k 2.921 / 3.108 / 3.262, 16 x 8k 2.359 / 2.588 / 2.064, 256 x 2k 3.411 / 3.582 /
+// 3.660, 32 x 32k 3.584 / 3.794 / 3.822, 128 x 8k 3.560 / 3.659 / 3.735; GQA 32/2 64 x 4k 3.397 /
+// 3.483 / 3.540, 8 x 8k 2.605 / 2.719 / 2.398. The two-M-block kernel keeps the grids it covers
+// without a split at <= 4096 keys and up to 1.6 CTAs an SM (one CTA of it streams as fast as two,
+// one of this kernel does not): MQA 128 x 2k 3.024 / 2.687 / 2.679 (2.775 with 2 splits), 200 x 2k
+// 3.141 / 2.905 / 2.968, GQA 64/2 64 x 4k 3.385 / 3.275 / 3.285. The 3-CTA build (4 units of 16 KB
+// in flight a CTA against 6) pays where its one-wave split count leaves >= 1024 keys a split.
+DecodeWgmmaPlan decode_wgmma_plan(int32_t group_size, int64_t ctas, int64_t pair_ctas, int sm_count,
+                                  int64_t max_keys, int32_t forced_splits) {
+  DecodeWgmmaPlan plan;
+  if (group_size > 16 && decode_two_m_block_covers_sms(pair_ctas, sm_count, max_keys) &&
+      pair_ctas * 10 <= static_cast<int64_t>(sm_count) * 16 && max_keys <= 4096) {
+    return plan;
+  }
+  plan.use = true;
+  const auto splits = [&](int ctas_per_sm) {
+    return forced_splits > 0 ? forced_splits
+                             : decode_wgmma_num_splits(ctas, ctas_per_sm, sm_count, max_keys);
+  };
+  const int32_t three = splits(3);
+  const bool fills_two = forced_splits == 0 || ctas * three > 2 * static_cast<int64_t>(sm_count);
+  if (max_keys / three >= 1024 && fills_two) {
+    plan.ctas_per_sm = 3;
+    plan.num_splits = three;
+  } else {
+    plan.ctas_per_sm = 2;
+    plan.num_splits = splits(2);
+  }
+  return plan;
+}
+
 std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::DecodeProblem& p) {
   if (p.device.is_cuda()) {
     int major = 0;
@@ -216,7 +249,7 @@ struct DecodePlan {
   bool transformed = false;
   int sm_count = 0;
   int compute_major = 0;
-  bool wgmma = false;  // the Hopper warpgroup-MMA kernel (decode_wgmma.cu)
+  DecodeWgmmaPlan wgmma;  // the Hopper warpgroup-MMA kernel (decode_wgmma.cu) when .use
 };
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -260,15 +293,21 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   DecodeKernelChoice& choice = plan.choice;
   choice.heads_per_cta = decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
                                               p.num_rows * spec.num_kv_heads, sm_count);
-  // The Hopper warpgroup-MMA kernel takes the grids the two-M-block kernel would (and groups of
-  // 16 on the same grids) when the call is in its scope (decode_wgmma.cu).
-  plan.wgmma = decode_wgmma_enabled() && plan.compute_major == 9 && decode_wgmma_compiled() &&
-               spec.head_dim == 128 && p.kv_dtype == p.dtype && !spec.alibi &&
-               spec.logit_softcap <= 0.0 && spec.mask.kind != MaskKind::kSlidingWindow &&
-               params.kv.window_slots == 0 && !args.cache_indirection.defined() &&
-               params.group_size >= 16 && p.num_rows * spec.num_kv_heads * 16 >= sm_count &&
-               decode_separate_merge(2, params.group_size, spec.head_dim);
-  if (plan.wgmma) choice.heads_per_cta = kDecodeWgmmaHeads;
+  // The Hopper warpgroup-MMA kernel for calls in its scope (decode_wgmma.cu) on the grids where it
+  // beats the mma.sync kernels (decode_wgmma_plan).
+  if (plan.compute_major == 9 && decode_wgmma_compiled() && spec.head_dim == 128 &&
+      p.kv_dtype == p.dtype && !spec.alibi && spec.logit_softcap <= 0.0 &&
+      spec.mask.kind != MaskKind::kSlidingWindow && params.kv.window_slots == 0 &&
+      !args.cache_indirection.defined() && params.group_size >= 16 &&
+      p.num_rows * spec.num_kv_heads * 16 >= sm_count &&
+      decode_separate_merge(2, params.group_size, spec.head_dim)) {
+    const int64_t rows_x_kv = p.num_rows * spec.num_kv_heads;
+    const auto blocks = [&](int heads) { return (params.group_size + heads - 1) / heads; };
+    plan.wgmma = decode_wgmma_plan(params.group_size, rows_x_kv * blocks(kDecodeWgmmaHeads),
+                                   rows_x_kv * blocks(32), sm_count, p.max_seq_len,
+                                   std::min(args.num_splits, kDecodeMaxSplits));
+    if (plan.wgmma.use) choice.heads_per_cta = kDecodeWgmmaHeads;
+  }
   params.head_blocks = (params.group_size + choice.heads_per_cta - 1) / choice.heads_per_cta;
   params.head_dim = spec.head_dim;
   params.softmax_scale = static_cast<float>(spec.effective_scale());
@@ -289,8 +328,8 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.table_cols = static_cast<int32_t>(cache.block_table.shape[1]);
   }
   const int64_t ctas = p.num_rows * spec.num_kv_heads * params.head_blocks;
-  const DecodeKernelInfo info = plan.wgmma
-                                    ? DecodeKernelInfo{decode_wgmma_ctas_per_sm(), 64, 0}
+  const DecodeKernelInfo info = plan.wgmma.use
+                                    ? DecodeKernelInfo{plan.wgmma.ctas_per_sm, 64, 0}
                                     : kernel_info(spec.head_dim, p.dtype, p.kv_dtype, choice);
   // The call's kernel family has a 4-CTA-per-SM kernel (8-bit caches at head_dim 128, plain
   // logits: launch_traits), taken by grids that fill it (fills_four_ctas_per_sm).
@@ -299,7 +338,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const auto fills_four_ctas_per_sm = [&](int64_t grid_ctas) {
     return grid_ctas * 100 >= static_cast<int64_t>(sm_count) * 380;
   };
-  if (args.num_splits > 0) {
+  if (plan.wgmma.use) {
+    params.num_splits = plan.wgmma.num_splits;
+  } else if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
   } else {
     // The heuristic counts the resident CTAs of the 2-CTA-per-SM kernels (8-bit caches included:
@@ -310,8 +351,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
           std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
     }
     params.num_splits =
-        plan.wgmma ? decode_wgmma_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys)
-        : choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count, max_keys)
+        choice.heads_per_cta == 32 && decode_two_m_block_covers_sms(ctas, sm_count, max_keys)
             ? 1
             : decode_num_splits(ctas, info.ctas_per_sm, sm_count, max_keys, info.tile_n,
                                 /*one_wave=*/choice.heads_per_cta == 32);
@@ -433,8 +473,8 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   const bool separate_merge =
       decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
   auto launch = [&] {
-    if (plan.wgmma) {
-      launch_decode_wgmma(params, p.dtype, stream);
+    if (plan.wgmma.use) {
+      launch_decode_wgmma(params, p.dtype, plan.wgmma.ctas_per_sm, stream);
     } else {
       launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                     stream);

@@ -98,18 +98,27 @@ void launch_decode_merge(const DecodeParams& p, DType q_dtype, bool programmatic
 constexpr int kDecodeWgmmaHeads = 64;
 // Whether this build holds the kernel's sm_90a code (ATTNKIT_CUDA_ARCHS names 90a).
 bool decode_wgmma_compiled();
-// Resident CTAs an SM it is built for (experiment: ATTNKIT_EXP_WGMMA_CTAS=3, else 2).
-int decode_wgmma_ctas_per_sm();
-// The split count of its grids: the most splits that keep ctas x splits within one wave of
-// resident CTAs, at least 4 tiles (256 keys) each.
+
+// Which grids take it, and how (decode_launch.cu). A grid of `ctas` (rows x KV heads x head blocks
+// of 64) CTAs of at most max_keys keys, for a group of group_size heads whose mma.sync kernel
+// would run pair_ctas two-M-block CTAs (rows x KV heads x head blocks of 32).
+struct DecodeWgmmaPlan {
+  bool use = false;
+  int ctas_per_sm = 2;  // the build taken: 2 CTAs an SM (6 units of 16 KB) or 3 (4 units)
+  int32_t num_splits = 1;
+};
+DecodeWgmmaPlan decode_wgmma_plan(int32_t group_size, int64_t ctas, int64_t pair_ctas, int sm_count,
+                                  int64_t max_keys, int32_t forced_splits);
+// The most splits that keep ctas x splits within one wave of ctas_per_sm CTAs an SM, at least 4
+// tiles (256 keys) each, in whole tiles.
 int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys);
-// Experiment switch (ATTNKIT_EXP_WGMMA=0 turns the kernel off), read once.
-bool decode_wgmma_enabled();
+
 // Launches it for `p` (head_dim 128, a cache of q's dtype, plain logits, no window / beams; split
 // calls write partials for launch_decode_merge) on grid (splits x head blocks, KV heads, rows).
-void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, cudaStream_t stream);
-// Launches of it in this process (tests: which calls it served).
-int64_t decode_wgmma_launches();
+void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm,
+                         cudaStream_t stream);
+// Launches of its 2- or 3-CTA build in this process (tests: which calls it served).
+int64_t decode_wgmma_launches(int ctas_per_sm);
 
 #define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
   extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \

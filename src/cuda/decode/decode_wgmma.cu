@@ -25,7 +25,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -419,40 +418,25 @@ void launch_typed(const DecodeParams& p, cudaStream_t stream) {
                             "decode_wgmma_kernel");
 }
 
-bool env_flag(const char* name, bool fallback) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || value[0] == '\0') return fallback;
-  return value[0] != '0';
-}
-
 }  // namespace
 
 bool decode_wgmma_compiled() { return std::strstr(ATTNKIT_CUDA_ARCHS, "90a") != nullptr; }
 
-int decode_wgmma_ctas_per_sm() {
-  static const int ctas = [] {
-    const char* value = std::getenv("ATTNKIT_EXP_WGMMA_CTAS");
-    return value != nullptr && value[0] == '3' ? 3 : 2;
-  }();
-  return ctas;
-}
-
-bool decode_wgmma_enabled() {
-  static const bool enabled = env_flag("ATTNKIT_EXP_WGMMA", true);
-  return enabled;
-}
-
 namespace {
-std::atomic<int64_t> g_wgmma_launches{0};
+std::atomic<int64_t> g_wgmma_launches[2] = {};  // 2 and 3 CTAs an SM
 }  // namespace
 
-int64_t decode_wgmma_launches() { return g_wgmma_launches.load(std::memory_order_relaxed); }
+int64_t decode_wgmma_launches(int ctas_per_sm) {
+  return g_wgmma_launches[ctas_per_sm == 3 ? 1 : 0].load(std::memory_order_relaxed);
+}
 
-void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, cudaStream_t stream) {
-  g_wgmma_launches.fetch_add(1, std::memory_order_relaxed);
-  static const bool three = decode_wgmma_ctas_per_sm() == 3;
+void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm,
+                         cudaStream_t stream) {
   ATTNKIT_CHECK(p.head_dim == kWgHeadDim, "decode: the wgmma kernel takes head_dim ", kWgHeadDim,
                 ", got ", p.head_dim);
+  ATTNKIT_CHECK(ctas_per_sm == 2 || ctas_per_sm == 3,
+                "decode: the wgmma kernel is built for 2 or 3 CTAs an SM, got ", ctas_per_sm);
+  const bool three = ctas_per_sm == 3;
   if (q_dtype == DType::kBF16) {
     three ? launch_typed<__nv_bfloat16, 3>(p, stream) : launch_typed<__nv_bfloat16, 2>(p, stream);
   } else if (q_dtype == DType::kF16) {
@@ -460,6 +444,7 @@ void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, cudaStream_t stre
   } else {
     detail::fail("decode: the wgmma kernel takes bf16 or f16 q, got ", dtype_name(q_dtype));
   }
+  g_wgmma_launches[three ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace attnkit::cuda
