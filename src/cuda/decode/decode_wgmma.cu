@@ -2,23 +2,29 @@
 // query heads of one KV head with warpgroup MMAs (wgmma), the query heads as the MMA's 64 rows.
 //
 // Why: the mma.sync kernels cover a group of 32 heads with two M blocks on 8 warps (the pair
-// kernel), whose per-tile instructions (HMMA, ldmatrix, copies, softmax) bound its stream at ~3.5
-// TB/s on the H200, where the one-M-block kernels read at ~4.5 (docs/decode_design.md, sessions
-// 15-17). A warpgroup MMA reads K and V from shared memory itself: S = Q K^T is eight
-// m64n64k16 MMAs per 64-key tile (Q in registers), O += P V four m64n128k16 (P in registers, as
-// the S accumulator's layout is the A operand's), so the tile costs a few dozen instructions a
-// thread besides the softmax. Heads past the group are zero rows (MQA 32/1: half the rows), which
-// the tensor cores have time for: the kernel is bound by the bytes it streams.
+// kernel), whose per-tile instructions (HMMA, ldmatrix, copies, softmax) bound its stream at
+// ~3.5 TB/s on the H200 where the one-M-block kernels read at ~4.5 (docs/decode_design.md,
+// sessions 15-17). A warpgroup MMA reads K and V from shared memory itself: S = Q K^T is eight
+// m64n64k16 MMAs per 64-key tile (Q in registers), O += P V four m64n128k16 (P in registers: the
+// S accumulator's layout is the A operand's), so a tile costs a few dozen instructions a thread
+// besides the softmax. Heads past the group are zero rows (MQA 32/1: half the rows), which the
+// tensor cores have time for. H200, session 17 (TB/s, mma.sync kernels -> this one): MQA 32/1
+// 64 x 4k 2.71 -> 2.95, 96 x 4k 2.76 -> 3.15, 256 x 2k 3.41 -> 3.66, 32 x 32k 3.58 -> 3.82; GQA
+// 32/2 64 x 4k 3.40 -> 3.54. One CTA of it streams slower than one pair-kernel CTA, so grids that
+// kernel covers with one CTA an SM keep it (decode_wgmma_plan, decode_launch.cu).
 //
-// Shape: 128 threads, two CTAs an SM. K and V of a 64-key tile are separate 16 KB units of a ring
-// of six (K(t), V(t), K(t+1), ...), copied by cp.async into the 128-byte-swizzled layout the MMA
-// descriptors name (two column blocks of 64 d, 128-byte rows, 16-byte chunk c of row r at chunk c
-// ^ (r % 8)); each unit is waited for with one CTA barrier (the CTA is the warpgroup). Key
-// offsets (block table) are computed four tiles ahead into shared memory.
+// Shape: 128 threads, two or three CTAs an SM (kCtasPerSm: a ring of six or four units). K and V
+// of a 64-key tile are separate 16 KB units of the ring (K(t), V(t), K(t+1), ...), copied by
+// cp.async into the 128-byte-swizzled layout the MMA descriptors name (two column blocks of 64 d,
+// 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8)); each unit is waited for with one
+// CTA barrier (the CTA is the warpgroup). Key offsets (block table) are computed four tiles ahead
+// into shared memory. The softmax is the mma.sync kernels' (log2 units, ex2.approx, the lazy
+// reference max of decode_update_max); P is rounded to the query's 16-bit type for the MMA, as
+// there.
 //
 // Scope: 16-bit caches of the query's dtype, head_dim 128, plain logits (no ALiBi or soft-cap), no
-// window or cyclic cache, no beams; split calls merge in decode_merge.cu's kernel. Every other call
-// takes the mma.sync kernels (decode_launch.cu decides; decode_wgmma_serves).
+// window or cyclic cache, no beams; split calls write f32 partials that decode_merge.cu's kernel
+// merges. Every other call takes the mma.sync kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
