@@ -71,5 +71,16 @@ case "$1" in
                "--batch 64 --context 4096" "--batch 1 --context 32768"; do
       B auto "" $row
     done ;;
-  *) echo "usage: wg17.sh tests|rows|sweep|tests2|rows2|final" >&2; exit 2 ;;
+  variants)  # call 4: ATTNKIT_EXP_WGMMA_VARIANT 0 (landed) / 1 (overlap) / 2 (lean copies) / 3
+    echo "== wgmma tests, variant 3"
+    ATTNKIT_EXP_WGMMA_VARIANT=3 timeout 150 "$TESTS" \
+      --gtest_filter='DecodeFused.HopperWarpgroup*:DecodeFused.MqaAndGroups*:DecodeFused.SplitKvAcross*' \
+      2>&1 | grep -E 'Failure|Expected|Which is|FAILED|PASSED|OK \]' | head -20
+    for row in "$Q1 --batch 64 --context 4096" "$Q1 --batch 96 --context 4096" \
+               "$Q1 --batch 256 --context 2048" "$Q1 --batch 32 --context 32768" \
+               "$Q1 --batch 16 --context 8192" "$G16 --batch 64 --context 4096" \
+               "$Q1 --batch 48 --context 8192"; do
+      for v in 0 1 2 3 0; do B v$v "ATTNKIT_EXP_WGMMA_VARIANT=$v" $row; done
+    done ;;
+  *) echo "usage: wg17.sh tests|rows|sweep|tests2|rows2|final|variants" >&2; exit 2 ;;
 esac

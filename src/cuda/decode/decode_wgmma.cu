@@ -31,6 +31,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -172,11 +173,16 @@ __device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
 
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 
-template <typename QT, int kCtasPerSm>
+// kVariant (experiment) bit 0, overlap: a tile's O MMAs are left in flight until the next tile's
+// S MMAs are waited for, and both refills of a tile wait for its V barrier; bit 1, lean copies:
+// the copy addresses' per-thread parts hoisted out of the unit loop.
+template <typename QT, int kCtasPerSm, int kVariant>
 __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
   constexpr int kWgUnits = wg_units<kCtasPerSm>();
+  constexpr bool kOverlap = (kVariant & 1) != 0;
+  constexpr bool kLeanCopy = (kVariant & 2) != 0;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t raw_addr = wg_smem_u32(wg_smem_raw);
@@ -244,9 +250,35 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   // copies chunk t % 16 of keys t / 16 + 8 j, so that a warp's copies are two whole key rows.
   // Keys past the split are zero-filled (their V rows meet probability 0, which must not meet a
   // NaN). Every thread commits one group per unit, copies or not, so that the wait counts hold.
+  // Lean copies: thread t's keys are t / 16 + 8 j, so (key % 8) and with it the swizzled chunk are
+  // the thread's own; its destinations are one base plus 1024 j.
+  const int copy_key = tid >> 4;
+  const int copy_chunk = tid & 15;
+  const uint32_t copy_dst = (copy_chunk >> 3) * kWgColumnBlockBytes + copy_key * 128 +
+                            (((copy_chunk & 7) ^ copy_key) << 4);
+  const uint8_t* copy_k_src = p.kv.k_base + copy_chunk * 16;
+  const uint8_t* copy_v_src = p.kv.v_base + copy_chunk * 16;
   auto issue_unit = [&](int u) {
     const int tile = u >> 1;
-    if (tile < num_tiles) {
+    if (kLeanCopy && tile < num_tiles) {
+      const uint8_t* base = (u & 1) ? copy_v_src : copy_k_src;
+      const int64_t* offs = key_offsets + (tile % kWgOffsetSlots) * kWgTileN + copy_key;
+      const uint32_t dst = ring + (u % kWgUnits) * kWgUnitBytes + copy_dst;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int64_t off = offs[8 * j];
+        // Past the split (off -1): the copy ignores its source and writes zeros.
+        const int skip = static_cast<int>(off >> 32) < 0;
+        const uint8_t* src = base + (skip ? 0 : off);
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %2, 0;\n"
+            "cp.async.cg.shared.global [%0], [%1], 16, p;\n"
+            "}\n" ::"r"(dst + j * 1024),
+            "l"(src), "r"(skip));
+      }
+    } else if (!kLeanCopy && tile < num_tiles) {
       const uint8_t* base = (u & 1) ? p.kv.v_base : p.kv.k_base;
       const int64_t* offs = key_offsets + (tile % kWgOffsetSlots) * kWgTileN;
       const uint32_t unit = ring + (u % kWgUnits) * kWgUnitBytes;
@@ -265,9 +297,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
-  auto wait_unit = [] {
-    // Units issued so far, beyond the one needed next: kWgUnits - 2.
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWgUnits - 2) : "memory");
+  auto wait_unit = [](auto pending) {
+    // Units issued after the one needed next.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(decltype(pending)::value) : "memory");
     // cp.async writes through the generic proxy; the MMAs read through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
@@ -297,8 +329,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   for (int t = 0; t < num_tiles; ++t) {
     // The offsets of tile t + 4: read now, stored after the tile (its latency under the math).
     const int64_t ahead = key_offset(t + kWgOffsetSlots);
-    wait_unit();                       // K(t)
-    issue_unit(2 * t + kWgUnits - 1);  // into V(t - 1)'s buffer, read by the last tile's MMAs
+    wait_unit(std::integral_constant<int, kWgUnits - 2>());  // K(t)
+    // Into V(t - 1)'s buffer, read by the last tile's MMAs.
+    if constexpr (!kOverlap) issue_unit(2 * t + kWgUnits - 1);
     const uint32_t k_unit = ring + ((2 * t) % kWgUnits) * kWgUnitBytes;
     wg_fence();
 #pragma unroll
@@ -310,6 +343,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     wg_commit();
     wg_wait_all();
     wg_fence_operands(s);
+    if constexpr (kOverlap) wg_fence_operands(o);
 
     // Softmax in log2 units with the lazy reference max (decode_update_max). Accumulator element
     // 4 j + 2 i + e is row r0 + 8 i, key 8 j + qc + e of the tile.
@@ -354,7 +388,8 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
       }
     }
 
-    wait_unit();                   // V(t)
+    wait_unit(std::integral_constant < int, kOverlap ? kWgUnits - 3 : kWgUnits - 2 > ());  // V(t)
+    if constexpr (kOverlap) issue_unit(2 * t + kWgUnits - 1);
     issue_unit(2 * t + kWgUnits);  // into K(t)'s buffer, read by this tile's S MMAs
     const uint32_t v_unit = ring + ((2 * t + 1) % kWgUnits) * kWgUnitBytes;
     wg_fence();
@@ -363,9 +398,15 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
       wg_mma_o<QT>(o, pa[kk], wg_desc(v_unit + kk * 16 * 128, kWgColumnBlockBytes, 1024), 1);
     }
     wg_commit();
+    if constexpr (!kOverlap) {
+      wg_wait_all();
+      wg_fence_operands(o);
+    }
+    if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
+  }
+  if constexpr (kOverlap) {
     wg_wait_all();
     wg_fence_operands(o);
-    if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 
@@ -409,7 +450,14 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
 
 template <typename QT, int kCtasPerSm>
 void launch_typed(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
+  static const int variant = [] {
+    const char* value = std::getenv("ATTNKIT_EXP_WGMMA_VARIANT");
+    return value != nullptr && value[0] >= '0' && value[0] <= '3' ? value[0] - '0' : 0;
+  }();
+  auto kernel = variant == 1   ? decode_wgmma_kernel<QT, kCtasPerSm, 1>
+                : variant == 2 ? decode_wgmma_kernel<QT, kCtasPerSm, 2>
+                : variant == 3 ? decode_wgmma_kernel<QT, kCtasPerSm, 3>
+                               : decode_wgmma_kernel<QT, kCtasPerSm, 0>;
   constexpr int kWgSmemBytes = wg_smem_bytes<kCtasPerSm>();
   static std::once_flag flags[16];
   int device = 0;
