@@ -31,7 +31,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -173,16 +172,11 @@ __device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
 
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 
-// kVariant (experiment) bit 0, overlap: a tile's O MMAs are left in flight until the next tile's
-// S MMAs are waited for, and both refills of a tile wait for its V barrier; bit 1, lean copies:
-// the copy addresses' per-thread parts hoisted out of the unit loop.
-template <typename QT, int kCtasPerSm, int kVariant>
+template <typename QT, int kCtasPerSm>
 __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
   constexpr int kWgUnits = wg_units<kCtasPerSm>();
-  constexpr bool kOverlap = (kVariant & 1) != 0;
-  constexpr bool kLeanCopy = (kVariant & 2) != 0;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t raw_addr = wg_smem_u32(wg_smem_raw);
@@ -247,11 +241,15 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     return p.kv.byte_offset_shift(row, key, kv_head, 0, p.page_shift);
   };
   // Unit u of the ring: K (u even) or V (u odd) of tile u / 2, into buffer u % kWgUnits. Thread t
-  // copies chunk t % 16 of keys t / 16 + 8 j, so that a warp's copies are two whole key rows.
-  // Keys past the split are zero-filled (their V rows meet probability 0, which must not meet a
-  // NaN). Every thread commits one group per unit, copies or not, so that the wait counts hold.
-  // Lean copies: thread t's keys are t / 16 + 8 j, so (key % 8) and with it the swizzled chunk are
-  // the thread's own; its destinations are one base plus 1024 j.
+  // copies chunk t % 16 of keys t / 16 + 8 j, so that a warp's copies are two whole key rows, and
+  // (key % 8), with it the swizzled chunk, is the thread's own: its destinations are one base plus
+  // 1024 j. Keys past the split are zero-filled by the copy's ignore-src operand (their V rows meet
+  // probability 0, which must not meet a NaN). Every thread commits one group per unit, copies or
+  // not, so that the wait counts hold. This form (12 instructions a copy) against the address
+  // computed per key with a src-size operand (~20), H200, same build (session 17 call 4, TB/s): MQA
+  // 32/1 64 x 4k 2.955 -> 3.040, 256 x 2k 3.663 -> 3.761, 16 x 8k 2.596 -> 2.679, 32 x 32k 3.817
+  // -> 3.863, GQA 32/2 64 x 4k 3.529 -> 3.602. (Leaving a tile's O MMAs in flight until the next
+  // tile's S MMAs, both refills after the V barrier, lost: 256 x 2k 3.663 -> 3.417.)
   const int copy_key = tid >> 4;
   const int copy_chunk = tid & 15;
   const uint32_t copy_dst = (copy_chunk >> 3) * kWgColumnBlockBytes + copy_key * 128 +
@@ -260,7 +258,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   const uint8_t* copy_v_src = p.kv.v_base + copy_chunk * 16;
   auto issue_unit = [&](int u) {
     const int tile = u >> 1;
-    if (kLeanCopy && tile < num_tiles) {
+    if (tile < num_tiles) {
       const uint8_t* base = (u & 1) ? copy_v_src : copy_k_src;
       const int64_t* offs = key_offsets + (tile % kWgOffsetSlots) * kWgTileN + copy_key;
       const uint32_t dst = ring + (u % kWgUnits) * kWgUnitBytes + copy_dst;
@@ -278,28 +276,12 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
             "}\n" ::"r"(dst + j * 1024),
             "l"(src), "r"(skip));
       }
-    } else if (!kLeanCopy && tile < num_tiles) {
-      const uint8_t* base = (u & 1) ? p.kv.v_base : p.kv.k_base;
-      const int64_t* offs = key_offsets + (tile % kWgOffsetSlots) * kWgTileN;
-      const uint32_t unit = ring + (u % kWgUnits) * kWgUnitBytes;
-      const int c = tid & 15;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int key = 8 * j + (tid >> 4);
-        const int64_t off = offs[key];
-        const uint32_t dst =
-            unit + (c >> 3) * kWgColumnBlockBytes + key * 128 + (((c & 7) ^ (key & 7)) << 4);
-        const uint8_t* src = base + (off >= 0 ? off + c * 16 : 0);
-        const int bytes = off >= 0 ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(bytes));
-      }
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
-  auto wait_unit = [](auto pending) {
-    // Units issued after the one needed next.
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(decltype(pending)::value) : "memory");
+  auto wait_unit = [] {
+    // Units issued after the one needed next: kWgUnits - 2.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWgUnits - 2) : "memory");
     // cp.async writes through the generic proxy; the MMAs read through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
@@ -329,9 +311,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   for (int t = 0; t < num_tiles; ++t) {
     // The offsets of tile t + 4: read now, stored after the tile (its latency under the math).
     const int64_t ahead = key_offset(t + kWgOffsetSlots);
-    wait_unit(std::integral_constant<int, kWgUnits - 2>());  // K(t)
+    wait_unit();  // K(t)
     // Into V(t - 1)'s buffer, read by the last tile's MMAs.
-    if constexpr (!kOverlap) issue_unit(2 * t + kWgUnits - 1);
+    issue_unit(2 * t + kWgUnits - 1);
     const uint32_t k_unit = ring + ((2 * t) % kWgUnits) * kWgUnitBytes;
     wg_fence();
 #pragma unroll
@@ -343,7 +325,6 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     wg_commit();
     wg_wait_all();
     wg_fence_operands(s);
-    if constexpr (kOverlap) wg_fence_operands(o);
 
     // Softmax in log2 units with the lazy reference max (decode_update_max). Accumulator element
     // 4 j + 2 i + e is row r0 + 8 i, key 8 j + qc + e of the tile.
@@ -388,8 +369,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
       }
     }
 
-    wait_unit(std::integral_constant < int, kOverlap ? kWgUnits - 3 : kWgUnits - 2 > ());  // V(t)
-    if constexpr (kOverlap) issue_unit(2 * t + kWgUnits - 1);
+    wait_unit();                   // V(t)
     issue_unit(2 * t + kWgUnits);  // into K(t)'s buffer, read by this tile's S MMAs
     const uint32_t v_unit = ring + ((2 * t + 1) % kWgUnits) * kWgUnitBytes;
     wg_fence();
@@ -398,15 +378,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
       wg_mma_o<QT>(o, pa[kk], wg_desc(v_unit + kk * 16 * 128, kWgColumnBlockBytes, 1024), 1);
     }
     wg_commit();
-    if constexpr (!kOverlap) {
-      wg_wait_all();
-      wg_fence_operands(o);
-    }
-    if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
-  }
-  if constexpr (kOverlap) {
     wg_wait_all();
     wg_fence_operands(o);
+    if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 
@@ -450,14 +424,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
 
 template <typename QT, int kCtasPerSm>
 void launch_typed(const DecodeParams& p, cudaStream_t stream) {
-  static const int variant = [] {
-    const char* value = std::getenv("ATTNKIT_EXP_WGMMA_VARIANT");
-    return value != nullptr && value[0] >= '0' && value[0] <= '3' ? value[0] - '0' : 0;
-  }();
-  auto kernel = variant == 1   ? decode_wgmma_kernel<QT, kCtasPerSm, 1>
-                : variant == 2 ? decode_wgmma_kernel<QT, kCtasPerSm, 2>
-                : variant == 3 ? decode_wgmma_kernel<QT, kCtasPerSm, 3>
-                               : decode_wgmma_kernel<QT, kCtasPerSm, 0>;
+  auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
   constexpr int kWgSmemBytes = wg_smem_bytes<kCtasPerSm>();
   static std::once_flag flags[16];
   int device = 0;
