@@ -317,7 +317,8 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
 }
 
 // The Hopper warpgroup-MMA kernel (decode_wgmma.cu) on an H100 / H200: groups of 16-80 heads (80:
-// head blocks of 64 and 16), every page size and a contiguous cache, both 16-bit dtypes, V scales
+// head blocks of 64 and 16), every page size and a contiguous cache (each group with half of
+// them), both 16-bit dtypes, V scales
 // per head, split means far from the row's (the partials stay f32), forced and heuristic splits
 // (its partials merged by decode_merge.cu), rows whose keys end inside a tile or a page; then its
 // 3-CTA build (a grid whose splits keep >= 1024 keys). Every call must have run the build the rule
@@ -340,12 +341,15 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   const int pages[] = {8, 16, 32, 64, 128, 0};
   for (int g = 0; g < 5; ++g) {
     for (int pi = 0; pi < 6; ++pi) {
+      // Half of the (group, page) pairs, every group and every page among them: the fp64 oracle
+      // on the host is most of the test's time (~50 s on the H200 machine with all 30 pairs).
+      if ((g + pi) % 2 != 0) continue;
       DecodeCase c;
       c.hq = groups[g].first;
       c.hkv = groups[g].second;
       c.paged = pages[pi] != 0;
       c.page = c.paged ? pages[pi] : 16;
-      c.dtype = c.kv_dtype = (g + pi) % 2 ? DType::kF16 : DType::kBF16;
+      c.dtype = c.kv_dtype = (g + pi / 2) % 2 ? DType::kF16 : DType::kBF16;
       c.per_head_scale = pi % 3 == 1;
       c.v_scale_base = pi % 3 == 1 ? 1.0f : 0.0f;
       c.v_half_offset = pi % 3 == 2 ? 0.5f : 0.0f;
