@@ -296,10 +296,11 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   uint64_t salt = 800;
   // Groups beyond 16 heads (decode_heads_per_cta): with 12 rows (12 or 24 rows x KV heads, at
-  // least SMs / 16 on GPUs of up to 192 SMs) two M blocks per CTA (K/V read once); 64 heads two
-  // head blocks of 32; 40 / 2 = 20 and 48 / 2 = 24 leave the second M block partly empty. With 3
-  // rows, head blocks of 8 heads on the keys-as-rows kernel (the last one partly empty for 20
-  // heads). 12 heads a group: one 16-row block either way.
+  // least SMs / 16 on GPUs of up to 192 SMs) two M blocks per CTA (K/V read once), or on sm_90
+  // with sm_90a code the warpgroup-MMA kernel (decode_wgmma_plan); 64 heads two head blocks of 32;
+  // 40 / 2 = 20 and 48 / 2 = 24 leave the second M block partly empty. With 3 rows, head blocks of
+  // 8 heads on the keys-as-rows kernel (the last one partly empty for 20 heads). 12 heads a group:
+  // one 16-row block either way.
   for (auto [hq, hkv] :
        {std::pair{32, 1}, std::pair{12, 2}, std::pair{40, 2}, std::pair{48, 2}, std::pair{64, 1}}) {
     for (bool large_grid : {false, true}) {

@@ -14,6 +14,20 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* src,
                "r"(src_bytes));
 }
 
+// The same with the ignore-src operand: one predicate where the src-size form makes ptxas adjust
+// the address and compare (12 instructions a copy against ~20 in the wgmma decode kernel's copy
+// loop, session 17). Zero bytes when !valid; `src` is not read then.
+__device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const void* src,
+                                                     bool valid) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %2, 0;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, p;\n"
+      "}\n" ::"r"(smem_addr),
+      "l"(src), "r"(static_cast<int>(!valid)));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `kPending` committed groups are still in flight.

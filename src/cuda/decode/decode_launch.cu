@@ -115,6 +115,16 @@ bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count, int64_t max_keys)
   return ctas * 100 >= static_cast<int64_t>(sm_count) * percent;
 }
 
+namespace {
+// Splits are whole tiles: `splits` splits of `tiles` tiles, less those that would get none (the
+// same work per split, fewer CTAs; e.g. 512 tiles over 33 splits is 16 tiles each, so 32 splits).
+int32_t whole_tile_splits(int64_t tiles, int64_t splits) {
+  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
+  return static_cast<int32_t>(
+      std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
+}
+}  // namespace
+
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
 // tiles of keys per split (the prologue and the combine are not free). Splits that short (at most
@@ -146,12 +156,7 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
       (max_keys + best - 1) / best <= kShortSplitKeys) {
     best = one_per_sm;
   }
-  // Splits are whole tiles: drop the splits that would get none (the same work per split, fewer
-  // CTAs; e.g. 512 tiles over 33 splits is 16 tiles each, so 32 splits).
-  const int64_t tiles = (max_keys + tile_n - 1) / tile_n;
-  const int64_t tiles_per_split = (tiles + best - 1) / best;
-  return static_cast<int32_t>(
-      std::max<int64_t>(1, (tiles + tiles_per_split - 1) / tiles_per_split));
+  return whole_tile_splits((max_keys + tile_n - 1) / tile_n, best);
 }
 
 int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys) {
@@ -159,9 +164,7 @@ int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int
   const int64_t tiles = std::max<int64_t>(1, (max_keys + 63) / 64);
   const int64_t most = std::clamp<int64_t>(std::min(slots / std::max<int64_t>(ctas, 1), tiles / 4),
                                            1, kDecodeMaxSplits);
-  // Whole tiles a split: drop the splits that would get none.
-  const int64_t tiles_per_split = (tiles + most - 1) / most;
-  return static_cast<int32_t>((tiles + tiles_per_split - 1) / tiles_per_split);
+  return whole_tile_splits(tiles, most);
 }
 
 // H200, session 17 call 2 (TB/s, the mma.sync kernels / this kernel built for 2 / for 3 CTAs an

@@ -31,8 +31,8 @@ struct DecodeParams {
   int64_t lse_head_stride = 0;
 
   // Split-KV workspace (num_splits > 1): each split's normalized output (already multiplied by
-  // the V scale, rounded to the dtype of q) and its LSE; the last CTA of each (row, KV head, head
-  // block) merges them.
+  // the V scale, kept in f32) and its LSE; the last CTA of each (row, KV head, head block) merges
+  // them, or decode_merge.cu's kernel after the grid (decode_separate_merge).
   float* partial_out = nullptr;  // [num_splits, num_rows, Hq, D]
   float* partial_lse = nullptr;  // [num_splits, num_rows, Hq]
   // One arrival counter per (row, KV head, head block), zero at the launch (a caller's

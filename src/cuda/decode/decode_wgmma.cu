@@ -67,10 +67,6 @@ constexpr int wg_smem_bytes() {
 
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
 
-__device__ __forceinline__ uint32_t wg_smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
 // Shared-memory matrix descriptor with 128-byte swizzling (PTX ISA, "matrix descriptor"): start
 // address, leading and stride byte offsets, all in 16-byte units; swizzle mode 1 in bits 62-63.
 __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
@@ -154,16 +150,6 @@ __device__ __forceinline__ void wg_mma_o(float (&d)[64], const uint32_t (&a)[4],
 }
 
 template <typename QT>
-__device__ __forceinline__ uint32_t wg_pack(float lo, float hi) {
-  if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-}
-template <typename QT>
 __device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
   const uint16_t l = *reinterpret_cast<const uint16_t*>(&lo);
   const uint16_t h = *reinterpret_cast<const uint16_t*>(&hi);
@@ -177,9 +163,10 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
   constexpr int kWgUnits = wg_units<kCtasPerSm>();
+  using Tag = std::conditional_t<std::is_same_v<QT, __nv_bfloat16>, Bf16Tag, F16Tag>;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ uint8_t wg_smem_raw[];
-  const uint32_t raw_addr = wg_smem_u32(wg_smem_raw);
+  const uint32_t raw_addr = smem_u32(wg_smem_raw);
   const uint32_t ring = (raw_addr + 1023u) & ~1023u;
   int64_t* key_offsets =
       reinterpret_cast<int64_t*>(wg_smem_raw + (ring - raw_addr) + kWgUnits * kWgUnitBytes);
@@ -267,21 +254,14 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
         const int64_t off = offs[8 * j];
         // Past the split (off -1): the copy ignores its source and writes zeros.
         const int skip = static_cast<int>(off >> 32) < 0;
-        const uint8_t* src = base + (skip ? 0 : off);
-        asm volatile(
-            "{\n"
-            ".reg .pred p;\n"
-            "setp.ne.b32 p, %2, 0;\n"
-            "cp.async.cg.shared.global [%0], [%1], 16, p;\n"
-            "}\n" ::"r"(dst + j * 1024),
-            "l"(src), "r"(skip));
+        cp_async_16_or_zeros(dst + j * 1024, base + (skip ? 0 : off), !skip);
       }
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
   };
   auto wait_unit = [] {
     // Units issued after the one needed next: kWgUnits - 2.
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWgUnits - 2) : "memory");
+    cp_async_wait<kWgUnits - 2>();
     // cp.async writes through the generic proxy; the MMAs read through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
@@ -356,7 +336,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
         const float p0 = fast_exp2(s[4 * j + 2 * i] - m_use[i]);
         const float p1 = fast_exp2(s[4 * j + 2 * i + 1] - m_use[i]);
         l_run[i] += p0 + p1;
-        pa[j / 2][(j % 2) * 2 + i] = wg_pack<QT>(p0, p1);
+        pa[j / 2][(j % 2) * 2 + i] = pack_pair<Tag>(p0, p1);
       }
     }
     if (alpha[0] != 1.0f || alpha[1] != 1.0f) {
