@@ -1,10 +1,5 @@
 # Session 18 call 4: is the wgmma kernel's MQA gap the page pattern (8 KB scattered blocks at page 32)?
-T0=$SECONDS
-B() { local e=$1; shift
-  [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-150} ] || { echo "skip $e $*"; return; }
-  timeout 10 "$CLI" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$e $* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'; }
+. "$(dirname "${BASH_SOURCE[0]}")/rows.sh"  # B (ran inline)
 Q1="--q-heads 32 --kv-heads 1"
 for pg in 16 32 64 128; do
   B wg $Q1 --batch 32 --context 32768 --page $pg
