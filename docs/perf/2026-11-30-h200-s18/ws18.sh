@@ -8,16 +8,11 @@ for w in 2 1; do
     --gtest_filter='DecodeFused.HopperWarpgroup*:DecodeFused.MqaAndGroups*:DecodeFused.SplitKvAcross*:DecodeWorkspace.CapturedGraph*' \
     2>&1 | grep -E 'Failure|Expected|Which is|max|FAILED|PASSED|OK \]' | sort | uniq -c | head -30
 done
-T0=$SECONDS
-B() { local e=$1 env=$2; shift 2
-  [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-150} ] || { echo "skip $e $*"; return; }
-  env $env timeout 10 "$CLI" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$e $* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'; }
+. "$(dirname "${BASH_SOURCE[0]}")/rows.sh"  # BE, called B when they ran (inline)
 Q1="--q-heads 32 --kv-heads 1" G16="--q-heads 32 --kv-heads 2"
 for row in "$Q1 --batch 64 --context 4096" "$Q1 --batch 32 --context 32768" \
            "$Q1 --batch 256 --context 2048" "$G16 --batch 64 --context 4096" \
            "$Q1 --batch 128 --context 8192" "$Q1 --batch 96 --context 4096" \
            "$Q1 --batch 16 --context 8192" "$Q1 --batch 128 --context 2048"; do
-  for v in 0 1 2 0; do B ws$v "ATTNKIT_EXP_WGMMA_WS=$v" $row; done
+  for v in 0 1 2 0; do BE ws$v "ATTNKIT_EXP_WGMMA_WS=$v" $row; done
 done
