@@ -3,11 +3,27 @@
 
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <string>
 
 #include "cuda/common/cuda_status.h"
 
 namespace attnkit::cuda {
+
+// Opts kKernel into smem_bytes of dynamic shared memory (beyond the default 48 KB), once per
+// device: the attribute is per device, and 16 devices is plenty for one process. `what` names the
+// call in the error a failure throws.
+template <auto kKernel>
+void opt_in_dynamic_smem_once(int smem_bytes, const char* what) {
+  static std::once_flag flags[16];
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(flags[device & 15], [&] {
+    check_cuda(
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+        what);
+  });
+}
 
 // kernel<<<grid, block, smem_bytes, stream>>>(params), or, when `programmatic` (sm_90+), the same
 // launch as a programmatic dependent of the stream's previous kernel: it may start before that

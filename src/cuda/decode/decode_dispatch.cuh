@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <mutex>
 
 #include "attnkit/types.h"
 #include "core/check.h"
@@ -21,16 +20,8 @@ namespace decode_detail {
 
 template <typename Traits, DecodeLogits kLogits>
 void prepare_kernel() {
-  // The shared-memory opt-in is per device; 16 devices is plenty for one process.
-  static std::once_flag flags[16];
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
-  std::call_once(flags[device & 15], [] {
-    check_cuda(
-        cudaFuncSetAttribute(decode_kernel<Traits, kLogits>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
-        "decode: cudaFuncSetAttribute(max dynamic shared memory)");
-  });
+  opt_in_dynamic_smem_once<decode_kernel<Traits, kLogits>>(
+      Traits::kSmemBytes, "decode: cudaFuncSetAttribute(max dynamic shared memory)");
 }
 
 template <typename Traits, DecodeLogits kLogits>

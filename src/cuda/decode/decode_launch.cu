@@ -373,13 +373,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     }
   }
   choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
-  {
-    // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
-    const int64_t tile_n = info.tile_n;
-    const int64_t per_split =
-        (static_cast<int64_t>(p.max_seq_len) + params.num_splits - 1) / params.num_splits;
-    params.split_keys_guess = static_cast<int32_t>((per_split + tile_n - 1) / tile_n * tile_n);
-  }
+  // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
+  params.split_keys_guess = static_cast<int32_t>(
+      decode_split_keys<int64_t>(p.max_seq_len, params.num_splits, info.tile_n));
 
   // Programmatic dependent launch on sm_90+ (decode_programmatic_launch): the next kernel's CTAs
   // become resident while this one's tail runs. H200, same run (dec10, 21:20 UTC, two

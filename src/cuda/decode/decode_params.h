@@ -19,6 +19,16 @@ constexpr int kDecodeHeadsPerCta = 16;
 // DecodeArgs::num_splits is clamped to it.
 constexpr int kDecodeMaxSplits = 128;
 
+// The keys of each split of a row of num_keys keys, in whole tiles of tile_n: split s reads
+// [s x that, (s + 1) x that) clipped to the row (an empty split runs no tile). The wgmma kernel's
+// split ranges and the host's early-ramp guess (DecodeParams::split_keys_guess) come from here;
+// decode_kernel.cuh writes the same expression inline (calling this there changed the register
+// allocation of six of its kernels, sm_90a SASS compared, so that move waits for a GPU run).
+template <typename Int>
+ATTNKIT_HD Int decode_split_keys(Int num_keys, Int num_splits, Int tile_n) {
+  return ((num_keys + num_splits - 1) / num_splits + tile_n - 1) / tile_n * tile_n;
+}
+
 struct DecodeParams {
   const void* q = nullptr;  // [num_rows, Hq, D] bf16/f16
   int64_t q_row_stride = 0;

@@ -32,7 +32,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
@@ -207,8 +206,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   }
 
   const DecodeKeyRange keys(seq_len, 0, 0);
-  const int32_t keys_per_split =
-      ((keys.num_keys + p.num_splits - 1) / p.num_splits + kWgTileN - 1) / kWgTileN * kWgTileN;
+  const int32_t keys_per_split = decode_split_keys<int32_t>(keys.num_keys, p.num_splits, kWgTileN);
   const int32_t key_begin = split * keys_per_split;
   const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + kWgTileN - 1) / kWgTileN : 0;
@@ -404,16 +402,10 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
 
 template <typename QT, int kCtasPerSm>
 void launch_typed(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
+  constexpr auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
   constexpr int kWgSmemBytes = wg_smem_bytes<kCtasPerSm>();
-  static std::once_flag flags[16];
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
-  std::call_once(flags[device & 15], [&] {
-    check_cuda(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgSmemBytes),
-        "decode: cudaFuncSetAttribute(max dynamic shared memory, wgmma kernel)");
-  });
+  opt_in_dynamic_smem_once<decode_wgmma_kernel<QT, kCtasPerSm>>(
+      kWgSmemBytes, "decode: cudaFuncSetAttribute(max dynamic shared memory, wgmma kernel)");
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
   launch_maybe_programmatic(kernel, grid, dim3(kWgThreads), kWgSmemBytes, stream, p.pdl != 0, p,
                             "decode_wgmma_kernel");
