@@ -42,7 +42,8 @@ struct DecodeCase {
   // mean near 0, the means of splits within one half near +-v_half_offset. Non-cyclic caches.
   float v_half_offset = 0.0f;
   int32_t num_splits = 0;
-  int32_t max_seq_len = 0;  // DecodeArgs::max_seq_len (0: the longest row)
+  int32_t max_seq_len = 0;    // DecodeArgs::max_seq_len (0: the longest row)
+  int32_t unused_entry = -1;  // what block-table entries past a row's end hold (any value)
   bool with_lse = true;
   Backend backend = Backend::kFused;
 
@@ -135,7 +136,8 @@ inline HostCache build_cache(const DecodeCase& c, std::mt19937_64& rng) {
     const int64_t used_slots = std::min<int64_t>(c.seq_lens[r], slots);
     for (int32_t b = 0; b < h.max_blocks; ++b) {
       const bool used = b * static_cast<int64_t>(h.tokens_per_block) < used_slots;
-      h.block_table.data<int32_t>()[r * h.max_blocks + b] = used ? order[r * h.max_blocks + b] : -1;
+      h.block_table.data<int32_t>()[r * h.max_blocks + b] =
+          used ? order[r * h.max_blocks + b] : c.unused_entry;
     }
     for (int64_t s = 0; s < used_slots; ++s) {
       const int64_t block =

@@ -30,6 +30,25 @@ TEST(DecodeLaunch, ProgrammaticLaunchRule) {
   EXPECT_FALSE(cuda::decode_programmatic_launch(8, 1, 2048, 264));
 }
 
+// Which programmatic launches prefetch their first tiles to L2 before griddepcontrol.wait: grids
+// resident in one wave with 32 or more splits of groups of at most 8 heads, 32 KB of K and V a
+// CTA.
+TEST(DecodeLaunch, PrefetchBeforeTheWaitRule) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  // bf16 / fp8 batch 1 x 32k at head_dim 128 (32 splits of 4 heads, 256 CTAs in 264 slots): 64 /
+  // 128 keys; GQA 32/4 (64 splits of 8 heads); bf16 at head_dim 256.
+  EXPECT_EQ(cuda::decode_prefetch_keys(32, 256, 264, 4, 256), 64);
+  EXPECT_EQ(cuda::decode_prefetch_keys(32, 256, 264, 4, 128), 128);
+  EXPECT_EQ(cuda::decode_prefetch_keys(64, 256, 264, 8, 256), 64);
+  EXPECT_EQ(cuda::decode_prefetch_keys(128, 256, 264, 1, 512), 32);
+  // Fewer splits (batch 1 x 8k / 16k, 2 x 32k), more than one wave, groups of 16 and 32: none.
+  EXPECT_EQ(cuda::decode_prefetch_keys(16, 128, 132, 4, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(31, 248, 264, 4, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(32, 265, 264, 4, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(128, 256, 264, 16, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(64, 256, 264, 32, 256), 0);
+}
+
 // Which split calls merge in a kernel of their own: groups of 16 or more heads, or KV heads of
 // more than 64 KB of f32 partials; the batch-1 target's (32 splits of 4 heads at head_dim 128:
 // 64 KB) keep the in-kernel merge, and calls without splits never merge.

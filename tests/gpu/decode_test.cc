@@ -800,6 +800,36 @@ TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
   }
 }
 
+// Calls of 32 or more splits resident in one wave (decode_prefetch_keys) prefetch their first
+// tiles to L2 before griddepcontrol.wait, from the row's length and block-table entries read
+// before the previous kernel (here the outputs' poison) has finished: the prefetch is a hint, so
+// the results are the reference's whatever the entries hold. Rows shorter than the max_seq_len
+// hint (the early ramp's guess points past them), table entries past the rows' ends that lie
+// outside the pool, groups of 4 and 8 heads, bf16 and fp8 caches, pages 16 to 64.
+TEST(DecodeFused, PrefetchBeforeTheWaitOfManySplitCalls) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  uint64_t salt = 1450;
+  for (DType kv : {DType::kBF16, DType::kFp8E4M3}) {
+    for (int32_t page : {16, 32, 64}) {
+      DecodeCase c;
+      c.kv_dtype = kv;
+      c.hq = 32;
+      c.page = page;
+      c.unused_entry = page == 32 ? -1 : std::numeric_limits<int32_t>::max() - page;
+      // One row x 8 KV heads x 32 splits, two rows x 4 KV heads x 32 splits: 256 CTAs.
+      for (int32_t hkv : {8, 4}) {
+        c.hkv = hkv;
+        c.seq_lens = hkv == 8 ? std::vector<int32_t>{4001} : std::vector<int32_t>{3001, 4096};
+        for (int32_t max_seq : {0, 8191}) {
+          c.max_seq_len = max_seq;
+          c.num_splits = 32;
+          run_case(c, salt++);
+        }
+      }
+    }
+  }
+}
+
 // Reads a DecodeWorkspace's arrival counters back (after the caller synchronized) and expects
 // them all zero: the merging CTA of every split call resets its own.
 // Cases that change rows, heads (groups of 4 / 8 / 32, f16), lengths and forced split counts

@@ -530,6 +530,46 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   }
 }
 
+// Before griddepcontrol.wait (a programmatic launch), the previous kernel may still be writing
+// anything this one reads (seq_lens, the block table, the cache), so nothing read here is used
+// after the wait: the row's length and its first block-table entries (relaxed loads) only aim
+// bulk L2 prefetches (cp.async.bulk.prefetch.L2, a hint: L2 is the coherence point, so a line the
+// previous kernel writes afterwards is not stale) of the K and V the CTA's first tiles read at
+// its early-ramp guess (split * split_keys_guess). DRAM then streams them while the previous
+// kernel's tail (its last CTAs, a split merge) runs, and the CTA's first copies after the wait
+// hit L2. Block ids outside the pool (stale or unwritten entries) are skipped. One thread a (page,
+// K or V) run of tokens.
+template <typename Traits>
+__device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& p, int row,
+                                                            int kv_head, int split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kTokenBytes = Traits::kChunksPerToken * 16;
+  const int32_t begin = split * p.split_keys_guess;
+  const int32_t want_end = begin + min(p.prefetch_keys, p.split_keys_guess);
+  const int32_t first_page = begin >> p.page_shift;
+  const int32_t page = first_page + static_cast<int32_t>(threadIdx.x / 2);
+  if (page > (want_end - 1) >> p.page_shift) return;
+  const int32_t* table_row = p.kv.block_table + row * p.kv.block_table_row_stride;
+  int32_t seq_len, block;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(seq_len) : "l"(p.seq_lens + row));
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n"
+               : "=r"(block)
+               : "l"(table_row + min(page, p.table_cols - 1)));
+  const int32_t lo = max(begin, page << p.page_shift);
+  const int32_t hi = min(min(want_end, seq_len), (page + 1) << p.page_shift);
+  if (lo >= hi || block < 0 || block >= p.pool_blocks) return;
+  const uint8_t* base = (threadIdx.x & 1) ? p.kv.v_base : p.kv.k_base;
+  const uint8_t* src =
+      base + static_cast<int64_t>(block) * p.kv.block_stride_bytes +
+      (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + (lo & ((1 << p.page_shift) - 1))) *
+          kTokenBytes;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n"
+               :
+               : "l"(src), "r"((hi - lo) * kTokenBytes)
+               : "memory");
+#endif
+}
+
 template <typename Traits, DecodeLogits kLogits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     decode_kernel(const __grid_constant__ DecodeParams p) {
@@ -568,6 +608,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     // Launched as a programmatic dependent of the previous kernel on the stream: wait for it to
     // complete (and its writes to be visible) before the first read, then let the next kernel
     // launch, so that its CTAs become resident while this one's tail runs.
+    if (p.prefetch_keys > 0) {
+      decode_prefetch_before_wait<Traits>(p, blockIdx.z, blockIdx.y, split);
+    }
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }

@@ -28,6 +28,14 @@ struct DecodeKernelChoice {
 // Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
 // stream (decode_launch.cu): on sm_90+, for grids of more than one wave of resident CTAs and for
 // calls of more than two splits; not for a grid resident at once with one or two splits.
+// The keys of its first tiles (at the early ramp's guess) that each CTA of a programmatic launch
+// prefetches to L2 before griddepcontrol.wait, while the previous kernel's tail runs: 32 KB of K
+// and V (token_bytes: one key's K) for grids resident in one wave with 32 or more splits of
+// groups of at most 8 heads (their merge tail leaves DRAM idle), else 0. Multi-wave grids, calls
+// of fewer splits and groups of 16 and 32 heads (splits of 256 keys, head blocks re-reading a KV
+// head) lost with it (docs/decode_design.md, session 19).
+int32_t decode_prefetch_keys(int32_t num_splits, int64_t grid_ctas, int64_t resident_ctas,
+                             int32_t group_size, int32_t token_bytes);
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas);
 

@@ -52,6 +52,11 @@ struct DecodeParams {
   // Launched with programmatic stream serialization (sm_90+): the kernel waits for the previous
   // grid (griddepcontrol.wait) before its first read and lets the next grid launch at once.
   int32_t pdl = 0;
+  // With pdl on a plain paged cache without a window: the keys of its first tiles a CTA asks L2
+  // to prefetch before griddepcontrol.wait (0: none), so that DRAM streams them while the previous
+  // kernel's tail runs (decode_prefetch_before_wait). pool_blocks bounds the block ids it trusts.
+  int32_t prefetch_keys = 0;
+  int32_t pool_blocks = 0;
 
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
