@@ -31,22 +31,28 @@ TEST(DecodeLaunch, ProgrammaticLaunchRule) {
 }
 
 // Which programmatic launches prefetch their first tiles to L2 before griddepcontrol.wait: grids
-// resident in one wave with 32 or more splits of groups of at most 8 heads, 32 KB of K and V a
-// CTA.
+// resident in one wave, of the mma.sync kernels with 32 or more splits of groups of at most 8
+// heads or of the wgmma kernel with groups of 32 or more heads; 32 KB of K and V a CTA.
 TEST(DecodeLaunch, PrefetchBeforeTheWaitRule) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   // bf16 / fp8 batch 1 x 32k at head_dim 128 (32 splits of 4 heads, 256 CTAs in 264 slots): 64 /
   // 128 keys; GQA 32/4 (64 splits of 8 heads); bf16 at head_dim 256.
-  EXPECT_EQ(cuda::decode_prefetch_keys(32, 256, 264, 4, 256), 64);
-  EXPECT_EQ(cuda::decode_prefetch_keys(32, 256, 264, 4, 128), 128);
-  EXPECT_EQ(cuda::decode_prefetch_keys(64, 256, 264, 8, 256), 64);
-  EXPECT_EQ(cuda::decode_prefetch_keys(128, 256, 264, 1, 512), 32);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 32, 256, 264, 4, 256), 64);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 32, 256, 264, 4, 128), 128);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 64, 256, 264, 8, 256), 64);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 128, 256, 264, 1, 512), 32);
   // Fewer splits (batch 1 x 8k / 16k, 2 x 32k), more than one wave, groups of 16 and 32: none.
-  EXPECT_EQ(cuda::decode_prefetch_keys(16, 128, 132, 4, 256), 0);
-  EXPECT_EQ(cuda::decode_prefetch_keys(31, 248, 264, 4, 256), 0);
-  EXPECT_EQ(cuda::decode_prefetch_keys(32, 265, 264, 4, 256), 0);
-  EXPECT_EQ(cuda::decode_prefetch_keys(128, 256, 264, 16, 256), 0);
-  EXPECT_EQ(cuda::decode_prefetch_keys(64, 256, 264, 32, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 16, 128, 132, 4, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 31, 248, 264, 4, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 32, 265, 264, 4, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 128, 256, 264, 16, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(false, 64, 256, 264, 32, 256), 0);
+  // The wgmma kernel: MQA 32/1 64 x 4k (4 splits, 256 CTAs) and 64-head groups; not groups of
+  // 16 (GQA 32/2) or grids of more than one wave.
+  EXPECT_EQ(cuda::decode_prefetch_keys(true, 4, 256, 264, 32, 256), 64);
+  EXPECT_EQ(cuda::decode_prefetch_keys(true, 3, 384, 396, 64, 256), 64);
+  EXPECT_EQ(cuda::decode_prefetch_keys(true, 4, 256, 264, 16, 256), 0);
+  EXPECT_EQ(cuda::decode_prefetch_keys(true, 4, 512, 264, 32, 256), 0);
 }
 
 // Which split calls merge in a kernel of their own: groups of 16 or more heads, or KV heads of

@@ -539,11 +539,10 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
 // kernel's tail (its last CTAs, a split merge) runs, and the CTA's first copies after the wait
 // hit L2. Block ids outside the pool (stale or unwritten entries) are skipped. One thread a (page,
 // K or V) run of tokens.
-template <typename Traits>
+template <int kTokenBytes>
 __device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& p, int row,
                                                             int kv_head, int split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kTokenBytes = Traits::kChunksPerToken * 16;
   const int32_t begin = split * p.split_keys_guess;
   const int32_t want_end = begin + min(p.prefetch_keys, p.split_keys_guess);
   const int32_t first_page = begin >> p.page_shift;
@@ -609,7 +608,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     // complete (and its writes to be visible) before the first read, then let the next kernel
     // launch, so that its CTAs become resident while this one's tail runs.
     if (p.prefetch_keys > 0) {
-      decode_prefetch_before_wait<Traits>(p, blockIdx.z, blockIdx.y, split);
+      decode_prefetch_before_wait<Traits::kChunksPerToken * 16>(p, blockIdx.z, blockIdx.y, split);
     }
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

@@ -390,14 +390,14 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
                                           ctas * params.num_splits, resident)
                    ? 1
                    : 0;
-  // Programmatic launches of the mma.sync kernels over a plain paged cache without a window (whose
-  // first tiles the early ramp's guess locates) prefetch those tiles to L2 before
-  // griddepcontrol.wait where the rule says it pays (decode_prefetch_keys).
+  // Programmatic launches over a plain paged cache without a window (whose first tiles the early
+  // ramp's guess locates) prefetch those tiles to L2 before griddepcontrol.wait where the rule
+  // says it pays (decode_prefetch_keys).
   const bool plain_paged = cache.paged && !args.cache_indirection.defined() &&
                            params.kv.window_slots == 0 && params.window == 0;
-  if (params.pdl && plain_paged && !plan.wgmma.use && cache.num_blocks > 0) {
+  if (params.pdl && plain_paged && cache.num_blocks > 0) {
     params.prefetch_keys = decode_prefetch_keys(
-        params.num_splits, ctas * params.num_splits, resident, params.group_size,
+        plan.wgmma.use, params.num_splits, ctas * params.num_splits, resident, params.group_size,
         spec.head_dim * static_cast<int32_t>(dtype_size(p.kv_dtype)));
     params.pool_blocks = cache.num_blocks;
   }
@@ -458,11 +458,12 @@ void set_decode_merge_mode(DecodeMergeMode mode) {
   g_merge_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
 }
 
-int32_t decode_prefetch_keys(int32_t num_splits, int64_t grid_ctas, int64_t resident_ctas,
-                             int32_t group_size, int32_t token_bytes) {
+int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
+                             int64_t resident_ctas, int32_t group_size, int32_t token_bytes) {
   constexpr int32_t kPrefetchBytes = 32 * 1024;  // K and V of a CTA's first keys
-  if (num_splits < 32 || grid_ctas > resident_ctas || group_size > 8 || token_bytes <= 0) return 0;
-  return kPrefetchBytes / (2 * token_bytes);
+  if (grid_ctas > resident_ctas || token_bytes <= 0) return 0;
+  const bool pays = wgmma_kernel ? group_size >= 32 : num_splits >= 32 && group_size <= 8;
+  return pays ? kPrefetchBytes / (2 * token_bytes) : 0;
 }
 
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,

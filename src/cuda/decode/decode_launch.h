@@ -30,12 +30,13 @@ struct DecodeKernelChoice {
 // calls of more than two splits; not for a grid resident at once with one or two splits.
 // The keys of its first tiles (at the early ramp's guess) that each CTA of a programmatic launch
 // prefetches to L2 before griddepcontrol.wait, while the previous kernel's tail runs: 32 KB of K
-// and V (token_bytes: one key's K) for grids resident in one wave with 32 or more splits of
-// groups of at most 8 heads (their merge tail leaves DRAM idle), else 0. Multi-wave grids, calls
-// of fewer splits and groups of 16 and 32 heads (splits of 256 keys, head blocks re-reading a KV
-// head) lost with it (docs/decode_design.md, session 19).
-int32_t decode_prefetch_keys(int32_t num_splits, int64_t grid_ctas, int64_t resident_ctas,
-                             int32_t group_size, int32_t token_bytes);
+// and V (token_bytes: one key's K) for grids resident in one wave, of the mma.sync kernels with 32
+// or more splits of groups of at most 8 heads (their merge tail leaves DRAM idle) or of the wgmma
+// kernel (wgmma_kernel) with groups of 32 or more heads (the previous call's merge kernel runs
+// meanwhile); else 0. Multi-wave grids, mma.sync calls of fewer splits or of groups of 16 and 32
+// heads, and wgmma calls of groups of 16 lost or tied with it (docs/decode_design.md, session 19).
+int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
+                             int64_t resident_ctas, int32_t group_size, int32_t token_bytes);
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas);
 

@@ -173,6 +173,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
   if (p.pdl) {
+    if (p.prefetch_keys > 0) decode_prefetch_before_wait<256>(p, blockIdx.z, blockIdx.y, split);
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
