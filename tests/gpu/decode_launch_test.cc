@@ -1,16 +1,15 @@
 // How the fused decode is launched (src/cuda/decode/decode_launch.cu): which grids are
-// programmatic dependents of the previous kernel on the stream (PDL, sm_90+).
+// programmatic dependents of the previous kernel on the stream (PDL, sm_90+), which prefetch before
+// their wait, which merge in a kernel of their own. Host logic only (no device call): these run
+// without a GPU, so CI checks the rules too.
 #include "cuda/decode/decode_launch.h"
 
 #include <gtest/gtest.h>
-
-#include "gpu/gpu_util.h"
 
 namespace attnkit::test {
 namespace {
 
 TEST(DecodeLaunch, ProgrammaticLaunchRule) {
-  ATTNKIT_SKIP_WITHOUT_GPU();
   // sm_90+: a grid resident at once with one or two splits is an ordinary launch (bf16 32 x 32k:
   // 256 CTAs in 264 slots; fp8 64 x 4k: 512 in 528; fp8 32 x 32k: 2 splits, 512 in 528).
   EXPECT_FALSE(cuda::decode_programmatic_launch(9, 1, 256, 264));
@@ -34,7 +33,6 @@ TEST(DecodeLaunch, ProgrammaticLaunchRule) {
 // resident in one wave, of the mma.sync kernels with 32 or more splits of groups of at most 8
 // heads or of the wgmma kernel with groups of 32 or more heads; 32 KB of K and V a CTA.
 TEST(DecodeLaunch, PrefetchBeforeTheWaitRule) {
-  ATTNKIT_SKIP_WITHOUT_GPU();
   // bf16 / fp8 batch 1 x 32k at head_dim 128 (32 splits of 4 heads, 256 CTAs in 264 slots): 64 /
   // 128 keys; GQA 32/4 (64 splits of 8 heads); bf16 at head_dim 256.
   EXPECT_EQ(cuda::decode_prefetch_keys(false, 32, 256, 264, 4, 256), 64);
@@ -59,7 +57,6 @@ TEST(DecodeLaunch, PrefetchBeforeTheWaitRule) {
 // more than 64 KB of f32 partials; the batch-1 target's (32 splits of 4 heads at head_dim 128:
 // 64 KB) keep the in-kernel merge, and calls without splits never merge.
 TEST(DecodeLaunch, SeparateMergeRule) {
-  ATTNKIT_SKIP_WITHOUT_GPU();
   cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
   EXPECT_FALSE(cuda::decode_separate_merge(32, 4, 128));   // 64 KB: not more
   EXPECT_FALSE(cuda::decode_separate_merge(8, 8, 128));    // 32 KB
