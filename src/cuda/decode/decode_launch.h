@@ -25,9 +25,6 @@ struct DecodeKernelChoice {
   bool wide_grid = true;
 };
 
-// Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
-// stream (decode_launch.cu): on sm_90+, for grids of more than one wave of resident CTAs and for
-// calls of more than two splits; not for a grid resident at once with one or two splits.
 // The keys of its first tiles (at the early ramp's guess) that each CTA of a programmatic launch
 // prefetches to L2 before griddepcontrol.wait, while the previous kernel's tail runs: 32 KB of K
 // and V (token_bytes: one key's K) for grids resident in one wave, of the mma.sync kernels with 32
@@ -37,6 +34,10 @@ struct DecodeKernelChoice {
 // heads, and wgmma calls of groups of 16 lost or tied with it (docs/decode_design.md, session 19).
 int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
                              int64_t resident_ctas, int32_t group_size, int32_t token_bytes);
+
+// Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
+// stream (decode_launch.cu): on sm_90+, for grids of more than one wave of resident CTAs and for
+// calls of more than two splits; not for a grid resident at once with one or two splits.
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas);
 

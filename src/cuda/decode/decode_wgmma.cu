@@ -405,7 +405,7 @@ template <typename QT, int kCtasPerSm>
 void launch_typed(const DecodeParams& p, cudaStream_t stream) {
   constexpr auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
   constexpr int kWgSmemBytes = wg_smem_bytes<kCtasPerSm>();
-  opt_in_dynamic_smem_once<decode_wgmma_kernel<QT, kCtasPerSm>>(
+  opt_in_dynamic_smem_once<kernel>(
       kWgSmemBytes, "decode: cudaFuncSetAttribute(max dynamic shared memory, wgmma kernel)");
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
   launch_maybe_programmatic(kernel, grid, dim3(kWgThreads), kWgSmemBytes, stream, p.pdl != 0, p,
