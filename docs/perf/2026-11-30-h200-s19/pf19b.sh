@@ -1,11 +1,7 @@
 # Session 19 call 2: the prefetch rule (one resident wave, >= 32 splits) on the rows it takes,
 # keys 0 (off: main's path) / 64 / 32 / 96 / 64 / 0; then a control row it leaves alone.
-T0=$SECONDS
-BE() { local e=$1 env=$2; shift 2
-  [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-150} ] || { echo "skip $e $*"; return; }
-  env $env timeout 10 "$CLI" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$e $* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'; }
+# Row helpers B / BE (they ran inline, as session 18's): ../2026-11-30-h200-s18/rows.sh.
+. "$(dirname "$0")/../2026-11-30-h200-s18/rows.sh"
 for row in "--batch 1 --context 32768" "--kv-dtype fp8_e4m3 --batch 1 --context 32768"; do
   for k in 0 64 32 96 64 0; do BE pf$k "ATTNKIT_EXP_PREFETCH_KEYS=$k" $row; done
 done

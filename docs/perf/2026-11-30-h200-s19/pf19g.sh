@@ -1,11 +1,7 @@
 # Session 19 call 5: the prefetch before the wait in the wgmma kernel (branch w-pf19g):
 # ATTNKIT_EXP_WG_PF = keys a CTA (0: main), one-wave programmatic wgmma calls.
-T0=$SECONDS
-BE() { local e=$1 env=$2; shift 2
-  [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-150} ] || { echo "skip $e $*"; return; }
-  env $env timeout 10 "$CLI" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$e $* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'; }
+# Row helpers B / BE (they ran inline, as session 18's): ../2026-11-30-h200-s18/rows.sh.
+. "$(dirname "$0")/../2026-11-30-h200-s18/rows.sh"
 Q1="--q-heads 32 --kv-heads 1" G16="--q-heads 32 --kv-heads 2"
 for row in "$Q1 --batch 64 --context 4096" "$Q1 --batch 32 --context 32768" "$G16 --batch 64 --context 4096"; do
   for k in 0 64 128 64 0; do BE wgpf$k "ATTNKIT_EXP_WG_PF=$k" $row; done

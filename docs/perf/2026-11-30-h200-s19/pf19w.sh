@@ -1,11 +1,7 @@
 # Session 19 call 4: the prefetch before the wait in the first wave of multi-wave grids (branch
 # w-pf19w): ATTNKIT_EXP_PF_WAVE=0 main's rule, 1 first wave only, 2 every CTA; 32 KB a CTA.
-T0=$SECONDS
-BE() { local e=$1 env=$2; shift 2
-  [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-150} ] || { echo "skip $e $*"; return; }
-  env $env timeout 10 "$CLI" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$e $* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'; }
+# Row helpers B / BE (they ran inline, as session 18's): ../2026-11-30-h200-s18/rows.sh.
+. "$(dirname "$0")/../2026-11-30-h200-s18/rows.sh"
 for row in "--batch 64 --context 4096" "--batch 128 --context 2048" "--batch 256 --context 1024" \
            "--kv-dtype fp8_e4m3 --batch 256 --context 1024" "--kv-dtype fp8_e4m3 --batch 128 --context 2048" \
            "--page 16 --batch 64 --context 4096" "--head-dim 64 --batch 128 --context 4096"; do

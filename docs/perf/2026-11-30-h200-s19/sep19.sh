@@ -1,11 +1,8 @@
 # Session 19 call 7: batch-1 split calls with the separate merge kernel now that the next call's
 # CTAs prefetch while it runs (main, no switch: `--merge separate` against auto, A B A).
-T0=$SECONDS
-B() { [ $((SECONDS - T0)) -lt ${ROW_BUDGET:-60} ] || { echo "skip $*"; return; }
-  timeout 10 "$CLI" bench decode --no-ceilings --iters 20 "$@" 2>&1 |
-    grep -E '^\| [a-z0-9]|rror' | grep -v '^| label' | sed "s/^/$* /" |
-    awk -F'|' '{print $1 "|" $(NF-5) "|" $(NF-4) "|"}'; }
+# Row helpers B / BE (they ran inline, as session 18's): ../2026-11-30-h200-s18/rows.sh.
+. "$(dirname "$0")/../2026-11-30-h200-s18/rows.sh"
 for row in "--batch 1 --context 32768" "--kv-dtype fp8_e4m3 --batch 1 --context 32768" \
            "--kv-dtype int8 --batch 1 --context 32768"; do
-  for m in auto separate auto; do B --merge $m $row; done
+  for m in auto separate auto; do B "" --merge $m $row; done
 done
