@@ -38,7 +38,7 @@ struct DecodeShape {
   std::string kv_dtype = "bf16";
   int splits = 0;                // 0: heuristic
   bool caller_workspace = true;  // DecodeArgs::workspace (false: the per-call workspace)
-  std::string merge = "auto";    // where split calls merge: auto (the rule), in-kernel, separate
+  std::string merge = "auto";    // where split calls merge: auto (the rule), in-kernel, accumulate, separate
 };
 
 struct DecodeBenchOptions {
@@ -94,7 +94,7 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
   check_at_least(kCommand, "--splits", o.splits, 0);
   check_iters(kCommand, o.common.iters);
   check_names(kCommand, "--split-workspace", {o.split_workspace}, {"caller", "per-call"});
-  check_names(kCommand, "--merge", {o.merge}, {"auto", "in-kernel", "separate"});
+  check_names(kCommand, "--merge", {o.merge}, {"auto", "in-kernel", "separate", "accumulate"});
   const bool caller_workspace = o.split_workspace == "caller";
   if (!o.custom) {
     std::vector<DecodeShape> grid = default_grid(o.common.quick);
@@ -198,8 +198,9 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
       ATTNKIT_CHECK(backend == Backend::kFused, "bench decode: --merge ", merge,
                     " needs the fused backend (this row runs ", backend_name(backend), ")");
 #if defined(ATTNKIT_WITH_CUDA)
-      cuda::set_decode_merge_mode(merge == "separate" ? cuda::DecodeMergeMode::kSeparate
-                                                      : cuda::DecodeMergeMode::kInKernel);
+      cuda::set_decode_merge_mode(merge == "separate"     ? cuda::DecodeMergeMode::kSeparate
+                                  : merge == "accumulate" ? cuda::DecodeMergeMode::kAccumulate
+                                                          : cuda::DecodeMergeMode::kInKernel);
       forced = true;
 #endif
     }
@@ -259,8 +260,9 @@ void register_bench_decode(CLI::App& bench) {
                   "split-KV count (0 = heuristic; also applies to the grid)");
   cmd->add_option("--merge", o->merge,
                   "where split calls merge their partials: 'auto' (the library's rule, the "
-                  "default), 'in-kernel' (the last CTA of each KV head) or 'separate' (a merge "
-                  "kernel after the decode grid); a measurement knob");
+                  "default), 'in-kernel' (the last CTA of each KV head), 'accumulate' (the "
+                  "last CTA over sums the splits add in L2) or 'separate' (a merge kernel after "
+                  "the decode grid); a measurement knob");
   cmd->add_option("--split-workspace", o->split_workspace,
                   "split calls through one caller-owned DecodeWorkspace ('caller', the default, "
                   "as a serving engine) or a per-call allocation + counter memset ('per-call')");

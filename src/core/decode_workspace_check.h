@@ -31,7 +31,9 @@ inline DecodeWorkspaceSize decode_workspace_size(const AttentionSpec& spec, int6
                 "] (calls with one split use no workspace), got ", max_splits);
   DecodeWorkspaceSize size;
   // Head blocks per row (KV heads x head blocks of a group) never exceed the query heads.
-  size.counters = max_rows * spec.num_q_heads;
+  // (experiment) with the accumulating merge's sums and outlier words after the counters: a
+  // counter, D sums, a denominator and kDecodeMaxSplits / 32 words a (row, query head).
+  size.counters = max_rows * spec.num_q_heads * (spec.head_dim + 6);
   size.partial_words =
       max_rows * max_splits * spec.num_q_heads * decode_partial_words(spec.head_dim);
   return size;

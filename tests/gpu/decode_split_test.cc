@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -86,17 +87,28 @@ void capture_and_replay(std::vector<std::unique_ptr<PreparedCase>>& prepared,
   cudaStreamDestroy(stream);
 }
 
-// Runs body() with each split merge forced in turn (the separate kernel, then the last CTA's),
-// and puts the merge back under its rule afterwards, also when body fails.
+// Puts the split merge back under its rule (and the accumulating merge's range back to its
+// default) when it goes out of scope, also when a test fails.
+struct RestoreMergeRule {
+  ~RestoreMergeRule() {
+    cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
+    cuda::set_decode_accumulate_range(cuda::kDecodeAccumulateMinLse2,
+                                      cuda::kDecodeAccumulateMaxLse2);
+  }
+};
+
+// Runs body() with each split merge forced in turn (the separate kernel, the last CTA's, the last
+// CTA's over sums accumulated in L2) and puts the merge back under its rule afterwards.
 template <typename Body>
 void with_each_merge_forced(Body body) {
-  struct RestoreMergeRule {
-    ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
-  } restore_rule;
+  RestoreMergeRule restore_rule;
   for (cuda::DecodeMergeMode mode :
-       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel}) {
+       {cuda::DecodeMergeMode::kSeparate, cuda::DecodeMergeMode::kInKernel,
+        cuda::DecodeMergeMode::kAccumulate}) {
     cuda::set_decode_merge_mode(mode);
-    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate ? "separate merge" : "in-kernel merge");
+    SCOPED_TRACE(mode == cuda::DecodeMergeMode::kSeparate   ? "separate merge"
+                 : mode == cuda::DecodeMergeMode::kInKernel ? "in-kernel merge"
+                                                            : "accumulating merge");
     body();
   }
 }
@@ -238,6 +250,40 @@ TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
   for (int32_t splits : {5, 16, 0}) {
     DecodeCase c = gqa4_case({2049, 700}, splits);
     c.v_scale_base = 1.0e6f;
+    run_both_workspaces(c, salt++, ws.get());
+  }
+}
+
+// The accumulating merge with outliers: splits whose LSE (log2) lies outside the range write
+// their partials, which the last CTA merges with the sums of the others. Narrow ranges put some
+// splits of a row on each side (a split of ~128 random keys has an LSE near 7), none or all
+// outside, next to empty splits (a 1-key row) and rows of different lengths, forced and
+// heuristic counts, both workspaces, the outputs and LSEs checked; then queries sharp enough
+// (|q| up to 200) that the default range leaves splits out.
+TEST(DecodeSplit, AccumulatingMergeWithOutliers) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 3);
+  RestoreMergeRule restore_rule;
+  cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAccumulate);
+  uint64_t salt = 3800;
+  const std::pair<float, float> ranges[] = {
+      {cuda::kDecodeAccumulateMinLse2, cuda::kDecodeAccumulateMaxLse2},
+      {1000.0f, 1001.0f},
+      {-60.0f, 6.0f},
+      {-60.0f, 7.5f},
+      {7.0f, 100.0f}};
+  for (const auto& [lo, hi] : ranges) {
+    cuda::set_decode_accumulate_range(lo, hi);
+    SCOPED_TRACE(detail::concat("lse2 range [", lo, ", ", hi, "]"));
+    for (int32_t splits : {7, 16, 0}) {
+      run_both_workspaces(gqa4_case({2049, 700, 1}, splits), salt++, ws.get());
+    }
+  }
+  cuda::set_decode_accumulate_range(cuda::kDecodeAccumulateMinLse2,
+                                    cuda::kDecodeAccumulateMaxLse2);
+  for (int32_t splits : {7, 16, 0}) {
+    DecodeCase c = gqa4_case({2049, 700, 1}, splits);
+    c.q_range = 200.0f;
     run_both_workspaces(c, salt++, ws.get());
   }
 }

@@ -318,18 +318,12 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
-// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
-// output and LSE (both f32): out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s'
-// exp(lse_s' - m), lse = m + log(sum). The splits' writes are made visible by the fence before
-// the arrival count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a
-// stale L1 line.
-template <typename Traits>
-__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
-                                                           int kv_head, int head_block,
-                                                           int first_head, int heads_here,
-                                                           float* scratch) {
-  using QT = typename Traits::QTag::Storage;
-  constexpr int kD = Traits::kHeadDim;
+// Counts this split CTA's arrival for its (row, KV head, head block); true (in every thread) in the
+// last CTA to arrive, which merges. The splits' writes are made visible by the release / acquire
+// count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1
+// line.
+__device__ __forceinline__ bool decode_split_arrival_is_last(const DecodeParams& p, int row,
+                                                             int kv_head, int head_block) {
   __shared__ int is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -354,7 +348,114 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
     if (is_last) *counter = 0;
   }
   __syncthreads();
-  if (!is_last) return;
+  return is_last != 0;
+}
+
+// The accumulating merge's last CTA (DecodeParams::merge_accumulate): out = acc / den and lse =
+// log(den) from the sums the in-range splits added in L2, combined with the outliers' partials
+// (LSE weights, as in decode_combine_in_last_cta) when there are any. Every sum and outlier word
+// it reads it sets back to zero for the next call.
+template <typename Traits>
+__device__ __forceinline__ void decode_combine_accumulated(const DecodeParams& p, int row,
+                                                           int kv_head, int head_block,
+                                                           int first_head, int heads_here,
+                                                           float* scratch) {
+  using QT = typename Traits::QTag::Storage;
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kMaskWords = kDecodeMaxSplits / 32;
+  if (!decode_split_arrival_is_last(p, row, kv_head, head_block)) return;
+  const int out_items = heads_here * kD;
+  const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
+  float* acc_src = p.merge_acc + first_item * kD;
+  float* den_src = p.merge_den + first_item;
+  uint32_t* mask_src =
+      p.merge_outliers +
+      ((static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks + head_block) *
+          kMaskWords;
+  // One L2 round trip: every load first, each zeroed by the thread that loaded it, the sums,
+  // denominators and outlier words shared through shared memory.
+  float* acc = scratch;                                             // [kM * kD]
+  float* den = acc + Traits::kM * kD;                               // [kM]
+  uint32_t* mask = reinterpret_cast<uint32_t*>(den + Traits::kM);  // [kMaskWords]
+  for (int i = threadIdx.x; i < out_items; i += Traits::kThreads) {
+    acc[i] = __ldcg(acc_src + i);
+    __stcg(acc_src + i, 0.0f);
+  }
+  if (threadIdx.x < heads_here) {
+    den[threadIdx.x] = __ldcg(den_src + threadIdx.x);
+    __stcg(den_src + threadIdx.x, 0.0f);
+  }
+  const int mask_thread = static_cast<int>(threadIdx.x) - (Traits::kThreads - kMaskWords);
+  if (mask_thread >= 0) {
+    mask[mask_thread] = __ldcg(mask_src + mask_thread);
+    __stcg(mask_src + mask_thread, 0u);
+  }
+  __syncthreads();
+  bool any_outlier = false;
+#pragma unroll
+  for (int w = 0; w < kMaskWords; ++w) any_outlier = any_outlier || mask[w] != 0u;
+  if (p.lse != nullptr && !any_outlier && threadIdx.x < heads_here) {
+    const float d = den[threadIdx.x];
+    p.lse[row * p.lse_row_stride + (first_head + threadIdx.x) * p.lse_head_stride] =
+        d > 0.0f ? logf(d) : -INFINITY;
+  }
+  const int64_t split_stride = static_cast<int64_t>(p.num_rows) * p.num_q_heads;
+  constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll 1
+  for (int i = threadIdx.x; i < out_items; i += Traits::kThreads) {
+    const int r = i / kD;
+    const float d = den[r];
+    QT* out =
+        static_cast<QT*>(p.out) + row * p.out_row_stride + (first_head + r) * p.out_head_stride;
+    if (!any_outlier) {
+      // The common case: no split out of range.
+      out[i % kD] = QT(d > 0.0f ? acc[i] / d : 0.0f);
+      continue;
+    }
+    // Outliers: the sums are one more partial with lse2 = log2(den) and output acc / den, merged
+    // with the outliers' partials by their LSEs. Rare (scores far from 0 in log2 units, or huge
+    // values), so plain loads a (split, item).
+    float m = d > 0.0f ? log2f(d) : -INFINITY;
+    for (int w = 0; w < kMaskWords; ++w) {
+      for (uint32_t bits = mask[w]; bits != 0u; bits &= bits - 1u) {
+        const int s = 32 * w + __ffs(bits) - 1;
+        m = fmaxf(m, __ldcg(p.partial_lse + s * split_stride + first_item + r) * kLog2e);
+      }
+    }
+    // Every contribution empty (no keys anywhere): zeros, LSE -inf.
+    const float m_ref = m == -INFINITY ? 0.0f : m;
+    // The sums' weight 2^(log2(den) - m) times their output acc / den.
+    float sum = d > 0.0f ? exp2f(log2f(d) - m_ref) : 0.0f;
+    float o = d > 0.0f ? acc[i] * exp2f(-m_ref) : 0.0f;
+    for (int w = 0; w < kMaskWords; ++w) {
+      for (uint32_t bits = mask[w]; bits != 0u; bits &= bits - 1u) {
+        const int s = 32 * w + __ffs(bits) - 1;
+        const float lse = __ldcg(p.partial_lse + s * split_stride + first_item + r);
+        if (lse == -INFINITY) continue;  // a head without keys in an outlier split
+        const float weight = exp2f(lse * kLog2e - m_ref);
+        sum += weight;
+        o += weight * __ldcg(p.partial_out + (s * split_stride + first_item) * kD + i);
+      }
+    }
+    out[i % kD] = QT(sum > 0.0f ? o / sum : 0.0f);
+    if (p.lse != nullptr && i % kD == 0) {
+      p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
+          sum > 0.0f ? (m_ref + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    }
+  }
+}
+
+// The last split CTA of a (row, KV head, head block) to arrive merges every split's normalized
+// output and LSE (both f32): out = sum_s w_s out_s with w_s = exp(lse_s - m) / sum_s'
+// exp(lse_s' - m), lse = m + log(sum).
+template <typename Traits>
+__device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p, int row,
+                                                           int kv_head, int head_block,
+                                                           int first_head, int heads_here,
+                                                           float* scratch) {
+  using QT = typename Traits::QTag::Storage;
+  constexpr int kD = Traits::kHeadDim;
+  if (!decode_split_arrival_is_last(p, row, kv_head, head_block)) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int num_splits = p.num_splits;
@@ -1308,6 +1409,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     merge_ml[r] = make_float2(m_all, l_all);
   }
   __syncthreads();
+  // The 4-CTA kernels (<= 128 registers) merge without accumulation: its code spilled there.
+  const bool accumulate =
+      Traits::kTargetCtasPerSm == 2 && p.num_splits > 1 && p.merge_accumulate != 0;
   // The heads' LSEs (a log polynomial and a global store each) are written by the last warp after
   // the barrier, beside its items, not by warp 0 on its way to the barrier after the weights.
   if (const int r = static_cast<int>(threadIdx.x) - (Traits::kThreads - 32);
@@ -1317,7 +1421,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     const int head = first_head + r;
     if (p.num_splits == 1) {
       if (p.lse != nullptr) p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
-    } else {
+    } else if (!accumulate) {
       p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] = lse;
     }
   }
@@ -1347,7 +1451,49 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         const int i = threadIdx.x + j * Traits::kThreads;
         if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
       }
-    } else {
+      return false;
+    }
+    if (accumulate) {
+      // 2^lse x the normalized output = 2^m x the unnormalized one (x v_scale); a head without keys
+      // adds nothing. Any head out of range or any product out of range (or NaN) makes the whole
+      // split an outlier that writes its partial instead.
+      bool in_range = true;
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const int i = threadIdx.x + j * Traits::kThreads;
+        const float2 ml = merge_ml[min(i, kM * kD - 1) / kD];
+        const float lse2 = ml.x + __log2f(ml.y);
+        const bool head_in_range = ml.y == 0.0f || (lse2 >= p.accumulate_min_lse2 &&
+                                                    lse2 <= p.accumulate_max_lse2);
+        const float scaled = ml.y == 0.0f ? 0.0f : value[j] * (exp2f(ml.x) * ml.y);
+        // Products past 2^120 could overflow 128 splits' sums; nonzero ones below 2^-100 could
+        // lose bits to the reductions' flush of subnormals.
+        const float magnitude = fabsf(scaled);
+        if (i < out_items) {
+          in_range = in_range && head_in_range && magnitude <= 0x1p120f &&
+                     (magnitude >= 0x1p-100f || value[j] == 0.0f);
+        }
+        value[j] = scaled;
+      }
+      if (!__syncthreads_or(!in_range)) {
+        float* acc = p.merge_acc + (static_cast<int64_t>(row) * p.num_q_heads + first_head) * kD;
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+          const int i = threadIdx.x + j * Traits::kThreads;
+          if (i < out_items && value[j] != 0.0f) atomicAdd(acc + i, value[j]);
+        }
+        return false;
+      }
+      // An outlier writes its partial as without accumulation: the normalized outputs back (one
+      // more f32 rounding), so that no second array of items holds registers.
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const int i = threadIdx.x + j * Traits::kThreads;
+        const float2 ml = merge_ml[min(i, kM * kD - 1) / kD];
+        value[j] = ml.y == 0.0f ? 0.0f : value[j] / (exp2f(ml.x) * ml.y);
+      }
+    }
+    {
       // The split's output stays f32: rounding it to the query's type (as FlashInfer's tmp_v in
       // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%, session 8) but
       // rounded every output twice, and that extra rounding, relative to the split's mean (larger
@@ -1362,22 +1508,51 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         if (i < out_items) out[i] = value[j];
       }
     }
+    return true;
   };
   constexpr int kOutItems = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
   constexpr int kHalfItems = kOutItems / 2 > 0 ? kOutItems / 2 : 1;
   constexpr int kQuarterItems = kOutItems / 4 > 0 ? kOutItems / 4 : 1;
+  bool outlier;
   if (out_items <= kQuarterItems * Traits::kThreads) {
-    write_items(std::integral_constant<int, kQuarterItems>());
+    outlier = write_items(std::integral_constant<int, kQuarterItems>());
   } else if (out_items <= kHalfItems * Traits::kThreads) {
-    write_items(std::integral_constant<int, kHalfItems>());
+    outlier = write_items(std::integral_constant<int, kHalfItems>());
   } else {
-    write_items(std::integral_constant<int, kOutItems>());
+    outlier = write_items(std::integral_constant<int, kOutItems>());
+  }
+  if (accumulate) {
+    // Each head's 2^lse joins the denominators, or an outlier's LSEs go where the merge reads them
+    // and its bit marks it.
+    if (const int r = static_cast<int>(threadIdx.x) - (Traits::kThreads - 32);
+        r >= 0 && r < heads_here) {
+      const float2 ml = merge_ml[r];
+      const int head = first_head + r;
+      if (outlier) {
+        p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] =
+            ml.y == 0.0f ? -INFINITY : (ml.x + log2f(ml.y)) * 0.6931471805599453f;
+      } else if (ml.y != 0.0f) {
+        atomicAdd(p.merge_den + static_cast<int64_t>(row) * p.num_q_heads + head,
+                  exp2f(ml.x) * ml.y);
+      }
+    }
+    if (outlier && threadIdx.x == 0) {
+      atomicOr(p.merge_outliers +
+                   ((static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
+                    head_block) * (kDecodeMaxSplits / 32) + split / 32,
+               1u << (split % 32));
+    }
   }
   if (p.num_splits > 1 && p.split_counters != nullptr) {
     // The merge buffers are dead after this barrier: the combine reuses them.
     __syncthreads();
-    decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
-                                       reinterpret_cast<float*>(pipe_smem));
+    if (accumulate) {
+      decode_combine_accumulated<Traits>(p, row, kv_head, head_block, first_head, heads_here,
+                                         reinterpret_cast<float*>(pipe_smem));
+    } else {
+      decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
+                                         reinterpret_cast<float*>(pipe_smem));
+    }
   }
 }
 

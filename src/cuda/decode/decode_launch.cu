@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "core/check.h"
+
 #include "core/decode_workspace_check.h"
 #include "core/kv_access.h"
 #include "cuda/common/cuda_status.h"
@@ -444,6 +446,7 @@ bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim) {
   if (num_splits <= 1) return false;
   switch (static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed))) {
     case DecodeMergeMode::kInKernel:
+    case DecodeMergeMode::kAccumulate:
       return false;
     case DecodeMergeMode::kSeparate:
       return true;
@@ -456,6 +459,26 @@ bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim) {
 
 void set_decode_merge_mode(DecodeMergeMode mode) {
   g_merge_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
+}
+
+namespace {
+std::atomic<float> g_accumulate_min_lse2{kDecodeAccumulateMinLse2};
+std::atomic<float> g_accumulate_max_lse2{kDecodeAccumulateMaxLse2};
+}  // namespace
+
+bool decode_accumulate_merge() {
+  // (experiment) ATTNKIT_EXP_ACCUM=1 makes the rule's in-kernel merges accumulate.
+  static const bool accumulate_env = [] {
+    const char* v = std::getenv("ATTNKIT_EXP_ACCUM");
+    return v != nullptr && v[0] == '1';
+  }();
+  const auto mode = static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed));
+  return mode == DecodeMergeMode::kAccumulate || (mode == DecodeMergeMode::kAuto && accumulate_env);
+}
+
+void set_decode_accumulate_range(float min_lse2, float max_lse2) {
+  g_accumulate_min_lse2.store(min_lse2, std::memory_order_relaxed);
+  g_accumulate_max_lse2.store(max_lse2, std::memory_order_relaxed);
 }
 
 int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
@@ -516,19 +539,38 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.partial_out = base;
     params.partial_lse = base + partial_values * output_words;
   };
+  // The accumulating merge: its sums and outlier words follow the counters in the zeroed region.
+  const bool accumulate = decode_accumulate_merge() && !separate_merge && !plan.wgmma.use;
+  const int64_t row_heads = static_cast<int64_t>(p.num_rows) * spec.num_q_heads;
+  const size_t zeroed_words =
+      separate_merge ? 0
+                     : static_cast<size_t>(row_heads * (1 + spec.head_dim + 1) +
+                                           counters_of(params) * (kDecodeMaxSplits / 32));
+  auto place_accumulators = [&](int32_t* counters) {
+    params.split_counters = counters;
+    if (!accumulate) return;
+    params.merge_accumulate = 1;
+    params.accumulate_min_lse2 = g_accumulate_min_lse2.load(std::memory_order_relaxed);
+    params.accumulate_max_lse2 = g_accumulate_max_lse2.load(std::memory_order_relaxed);
+    params.merge_acc = reinterpret_cast<float*>(counters + row_heads);
+    params.merge_den = params.merge_acc + row_heads * spec.head_dim;
+    params.merge_outliers = reinterpret_cast<uint32_t*>(params.merge_den + row_heads);
+  };
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node (two with a separate merge, which uses no counters).
     check_workspace(*args.workspace, params, "decode: workspace");
     place_partials(args.workspace->partials());
-    params.split_counters = separate_merge ? nullptr : args.workspace->counters();
+    ATTNKIT_CHECK(static_cast<int64_t>(zeroed_words) <= args.workspace->counter_capacity(),
+                  "decode: workspace: too small for the accumulating merge");
+    if (!separate_merge) place_accumulators(args.workspace->counters());
     launch();
     return;
   }
   // Per-call stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a
   // memory node and a memset node). Layout: partial outputs (f32), partial LSEs, then the
   // arrival counters of the last-CTA merge, zeroed by the memset.
-  const size_t counters = separate_merge ? 0 : static_cast<size_t>(counters_of(params));
+  const size_t counters = zeroed_words;
   void* workspace = nullptr;
   check_cuda(
       cudaMallocAsync(
@@ -538,7 +580,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   place_partials(static_cast<float*>(workspace));
   try {
     if (!separate_merge) {
-      params.split_counters = reinterpret_cast<int32_t*>(params.partial_lse + partial_values);
+      place_accumulators(reinterpret_cast<int32_t*>(params.partial_lse + partial_values));
       check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
                  "decode: cudaMemsetAsync(split counters)");
     }

@@ -76,7 +76,9 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
 // The split merge of a call: by the last CTA of each (row, KV head, head block) inside the decode
 // kernel, or by decode_merge.cu's kernel after it (launch_decode_merge), taken by calls whose items
 // hold many partials (decode_separate_merge).
-enum class DecodeMergeMode { kAuto, kInKernel, kSeparate };
+// kAccumulate: in the kernel, the in-range splits adding their outputs in L2
+// (DecodeParams::merge_accumulate).
+enum class DecodeMergeMode { kAuto, kInKernel, kSeparate, kAccumulate };
 
 // Whether a call of num_splits > 1 splits over KV heads of group_size query heads of head_dim
 // merges in a kernel of its own: groups of 16 or more heads (one CTA merging a 32-head item was
@@ -89,6 +91,13 @@ bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim);
 
 // Tests: forces the merge path of the split calls that follow (process-wide; kAuto: the rule).
 void set_decode_merge_mode(DecodeMergeMode mode);
+
+// Whether the in-kernel merges of the calls that follow accumulate (DecodeParams::merge_accumulate).
+bool decode_accumulate_merge();
+
+// Tests: the LSE range (log2 units) of the splits the accumulating merge adds in L2; the others
+// go through their partials (process-wide; defaults kDecodeAccumulateMinLse2 / MaxLse2).
+void set_decode_accumulate_range(float min_lse2, float max_lse2);
 
 // Warps of the separate merge per (row, query head) for `items` of them: one, or a CTA of four
 // for fewer items than SMs (batch 1 of MQA or GQA-16: 32 items, 64-128 partials each). H200,

@@ -18,6 +18,10 @@ constexpr int kDecodeHeadsPerCta = 16;
 // Split-KV count limit (the merging CTA keeps one weight per split in shared memory); a larger
 // DecodeArgs::num_splits is clamped to it.
 constexpr int kDecodeMaxSplits = 128;
+// The LSE range (log2 units) of a split whose output the accumulating merge adds in L2: 2^lse
+// stays a normal f32 with room for 128 splits' sums.
+constexpr float kDecodeAccumulateMinLse2 = -60.0f;
+constexpr float kDecodeAccumulateMaxLse2 = 100.0f;
 
 // The keys of each split of a row of num_keys keys, in whole tiles of tile_n: split s reads
 // [s x that, (s + 1) x that) clipped to the row (an empty split runs no tile). The wgmma kernel's
@@ -49,6 +53,19 @@ struct DecodeParams {
   // DecodeWorkspace, or the per-call memset): the last split CTA to finish merges the splits and
   // sets the counter back to zero.
   int32_t* split_counters = nullptr;  // [num_rows, Hkv, head_blocks]
+  // Accumulating merge (merge_accumulate != 0, in-kernel merges only): a split whose LSE (log2)
+  // lies in [accumulate_min_lse2, accumulate_max_lse2] and whose scaled outputs stay
+  // below 2^120 adds 2^lse x its output to merge_acc and 2^lse to merge_den with f32 reductions
+  // in L2 instead of writing its partial; a split outside that range (an "outlier") writes its
+  // partial and LSE as usual and sets its bit in merge_outliers. The last CTA reads the sums (and
+  // the outliers' partials), writes the output and zeroes what it read. All three are zero at the
+  // launch, like the counters (the same zeroed region).
+  int32_t merge_accumulate = 0;
+  float accumulate_min_lse2 = kDecodeAccumulateMinLse2;
+  float accumulate_max_lse2 = kDecodeAccumulateMaxLse2;
+  float* merge_acc = nullptr;          // [num_rows, Hq, D]
+  float* merge_den = nullptr;          // [num_rows, Hq]
+  uint32_t* merge_outliers = nullptr;  // [num_rows, Hkv, head_blocks, kDecodeMaxSplits / 32]
   // Launched with programmatic stream serialization (sm_90+): the kernel waits for the previous
   // grid (griddepcontrol.wait) before its first read and lets the next grid launch at once.
   int32_t pdl = 0;
