@@ -1409,9 +1409,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     merge_ml[r] = make_float2(m_all, l_all);
   }
   __syncthreads();
-  // The 4-CTA kernels (<= 128 registers) merge without accumulation: its code spilled there.
+  // The 4-CTA and the two-M-block kernels (<= 128 registers) merge without accumulation: its code
+  // spilled there.
   const bool accumulate =
-      Traits::kTargetCtasPerSm == 2 && p.num_splits > 1 && p.merge_accumulate != 0;
+      Traits::kTargetCtasPerSm == 2 && Traits::kM <= 16 && p.num_splits > 1 &&
+      p.merge_accumulate != 0;
   // The heads' LSEs (a log polynomial and a global store each) are written by the last warp after
   // the barrier, beside its items, not by warp 0 on its way to the barrier after the weights.
   if (const int r = static_cast<int>(threadIdx.x) - (Traits::kThreads - 32);
@@ -1451,49 +1453,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         const int i = threadIdx.x + j * Traits::kThreads;
         if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
       }
-      return false;
-    }
-    if (accumulate) {
-      // 2^lse x the normalized output = 2^m x the unnormalized one (x v_scale); a head without keys
-      // adds nothing. Any head out of range or any product out of range (or NaN) makes the whole
-      // split an outlier that writes its partial instead.
-      bool in_range = true;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const int i = threadIdx.x + j * Traits::kThreads;
-        const float2 ml = merge_ml[min(i, kM * kD - 1) / kD];
-        const float lse2 = ml.x + __log2f(ml.y);
-        const bool head_in_range = ml.y == 0.0f || (lse2 >= p.accumulate_min_lse2 &&
-                                                    lse2 <= p.accumulate_max_lse2);
-        const float scaled = ml.y == 0.0f ? 0.0f : value[j] * (exp2f(ml.x) * ml.y);
-        // Products past 2^120 could overflow 128 splits' sums; nonzero ones below 2^-100 could
-        // lose bits to the reductions' flush of subnormals.
-        const float magnitude = fabsf(scaled);
-        if (i < out_items) {
-          in_range = in_range && head_in_range && magnitude <= 0x1p120f &&
-                     (magnitude >= 0x1p-100f || value[j] == 0.0f);
-        }
-        value[j] = scaled;
-      }
-      if (!__syncthreads_or(!in_range)) {
-        float* acc = p.merge_acc + (static_cast<int64_t>(row) * p.num_q_heads + first_head) * kD;
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-          const int i = threadIdx.x + j * Traits::kThreads;
-          if (i < out_items && value[j] != 0.0f) atomicAdd(acc + i, value[j]);
-        }
-        return false;
-      }
-      // An outlier writes its partial as without accumulation: the normalized outputs back (one
-      // more f32 rounding), so that no second array of items holds registers.
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const int i = threadIdx.x + j * Traits::kThreads;
-        const float2 ml = merge_ml[min(i, kM * kD - 1) / kD];
-        value[j] = ml.y == 0.0f ? 0.0f : value[j] / (exp2f(ml.x) * ml.y);
-      }
-    }
-    {
+    } else {
       // The split's output stays f32: rounding it to the query's type (as FlashInfer's tmp_v in
       // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%, session 8) but
       // rounded every output twice, and that extra rounding, relative to the split's mean (larger
@@ -1508,18 +1468,77 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         if (i < out_items) out[i] = value[j];
       }
     }
-    return true;
   };
   constexpr int kOutItems = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
   constexpr int kHalfItems = kOutItems / 2 > 0 ? kOutItems / 2 : 1;
   constexpr int kQuarterItems = kOutItems / 4 > 0 ? kOutItems / 4 : 1;
-  bool outlier;
-  if (out_items <= kQuarterItems * Traits::kThreads) {
-    outlier = write_items(std::integral_constant<int, kQuarterItems>());
+  // The accumulating merge (DecodeParams::merge_accumulate): 2^lse x the normalized output = 2^m x
+  // the unnormalized one (x v_scale) goes to the sums in L2 by vector reductions of four
+  // consecutive d's (a quarter of the scalar reductions, which queued at L2 when 16 splits of a
+  // KV head arrived together). A head without keys adds nothing. Any head whose LSE or any product
+  // out of range (or NaN) makes the whole split an outlier that writes its partial instead:
+  // products past 2^120 could overflow 128 splits' sums, nonzero ones below 2^-100 lose bits to the
+  // reductions' flush of subnormals.
+  bool outlier = false;
+  if (accumulate) {
+    constexpr int kVecs = kM * kD / 4;
+    constexpr int kVecItems = (kVecs + Traits::kThreads - 1) / Traits::kThreads;
+    const int out_vecs = out_items / 4;
+    float4 vec[kVecItems];
+    bool in_range = true;
+#pragma unroll
+    for (int j = 0; j < kVecItems; ++j) {
+      const int i = 4 * min(static_cast<int>(threadIdx.x) + j * Traits::kThreads, kVecs - 1);
+      const int r = i / kD, d = i % kD;
+      const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
+      const float4 w = merge_w[r];
+      const float* o_w = merge_o + (w0 * kMB + rr) * kMergeStride + d;
+      float x[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        x[k] = w.x * o_w[k] + w.y * o_w[kMB * kMergeStride + k] +
+               w.z * o_w[2 * kMB * kMergeStride + k] + w.w * o_w[3 * kMB * kMergeStride + k];
+      }
+      vec[j] = make_float4(x[0], x[1], x[2], x[3]);
+      const float2 ml = merge_ml[r];
+      const float lse2 = ml.x + __log2f(ml.y);
+      const float scale = ml.y == 0.0f ? 0.0f : exp2f(ml.x) * ml.y;
+      bool ok = ml.y == 0.0f || (lse2 >= p.accumulate_min_lse2 && lse2 <= p.accumulate_max_lse2);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float magnitude = fabsf(x[k] * scale);
+        ok = ok && magnitude <= 0x1p120f && (magnitude >= 0x1p-100f || x[k] == 0.0f);
+      }
+      if (static_cast<int>(threadIdx.x) + j * Traits::kThreads < out_vecs) in_range &= ok;
+    }
+    outlier = __syncthreads_or(!in_range);
+    const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
+    float4* dst = reinterpret_cast<float4*>(
+        outlier ? p.partial_out + (static_cast<int64_t>(split) * p.num_rows * p.num_q_heads +
+                                   first_item) * kD
+                : p.merge_acc + first_item * kD);
+#pragma unroll
+    for (int j = 0; j < kVecItems; ++j) {
+      const int v = threadIdx.x + j * Traits::kThreads;
+      if (v >= out_vecs) continue;
+      if (outlier) {
+        dst[v] = vec[j];
+        continue;
+      }
+      const float2 ml = merge_ml[(4 * v) / kD];
+      if (ml.y == 0.0f) continue;
+      const float scale = exp2f(ml.x) * ml.y;
+      asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + v),
+                   "f"(vec[j].x * scale), "f"(vec[j].y * scale), "f"(vec[j].z * scale),
+                   "f"(vec[j].w * scale)
+                   : "memory");
+    }
+  } else if (out_items <= kQuarterItems * Traits::kThreads) {
+    write_items(std::integral_constant<int, kQuarterItems>());
   } else if (out_items <= kHalfItems * Traits::kThreads) {
-    outlier = write_items(std::integral_constant<int, kHalfItems>());
+    write_items(std::integral_constant<int, kHalfItems>());
   } else {
-    outlier = write_items(std::integral_constant<int, kOutItems>());
+    write_items(std::integral_constant<int, kOutItems>());
   }
   if (accumulate) {
     // Each head's 2^lse joins the denominators, or an outlier's LSEs go where the merge reads them

@@ -539,22 +539,27 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.partial_out = base;
     params.partial_lse = base + partial_values * output_words;
   };
-  // The accumulating merge: its sums and outlier words follow the counters in the zeroed region.
+  // The accumulating merge keeps its sums and outlier words in the counters' zeroed region.
   const bool accumulate = decode_accumulate_merge() && !separate_merge && !plan.wgmma.use;
   const int64_t row_heads = static_cast<int64_t>(p.num_rows) * spec.num_q_heads;
-  const size_t zeroed_words =
+  const size_t zeroed_words = static_cast<size_t>(
       separate_merge ? 0
-                     : static_cast<size_t>(row_heads * (1 + spec.head_dim + 1) +
-                                           counters_of(params) * (kDecodeMaxSplits / 32));
-  auto place_accumulators = [&](int32_t* counters) {
-    params.split_counters = counters;
+      : accumulate   ? row_heads * (spec.head_dim + 1) +
+                         counters_of(params) * (1 + kDecodeMaxSplits / 32)
+                     : counters_of(params));
+  // The zeroed region: the sums first (16-byte aligned for the kernel's vector reductions), the
+  // denominators, the outlier words, then the counters.
+  auto place_accumulators = [&](int32_t* zeroed) {
+    params.split_counters = zeroed;
     if (!accumulate) return;
+    params.merge_acc = reinterpret_cast<float*>(zeroed);
+    params.merge_den = params.merge_acc + row_heads * spec.head_dim;
+    params.merge_outliers = reinterpret_cast<uint32_t*>(params.merge_den + row_heads);
+    params.split_counters = reinterpret_cast<int32_t*>(params.merge_outliers +
+                                                       counters_of(params) * (kDecodeMaxSplits / 32));
     params.merge_accumulate = 1;
     params.accumulate_min_lse2 = g_accumulate_min_lse2.load(std::memory_order_relaxed);
     params.accumulate_max_lse2 = g_accumulate_max_lse2.load(std::memory_order_relaxed);
-    params.merge_acc = reinterpret_cast<float*>(counters + row_heads);
-    params.merge_den = params.merge_acc + row_heads * spec.head_dim;
-    params.merge_outliers = reinterpret_cast<uint32_t*>(params.merge_den + row_heads);
   };
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
@@ -571,17 +576,17 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   // memory node and a memset node). Layout: partial outputs (f32), partial LSEs, then the
   // arrival counters of the last-CTA merge, zeroed by the memset.
   const size_t counters = zeroed_words;
+  // The zeroed region starts 16-byte aligned after the partials.
+  const size_t partial_words = (partial_values * (output_words + 1) + 3) / 4 * 4;
   void* workspace = nullptr;
-  check_cuda(
-      cudaMallocAsync(
-          &workspace,
-          partial_values * (output_words + 1) * sizeof(float) + counters * sizeof(int32_t), stream),
-      "decode: cudaMallocAsync(split-KV workspace)");
+  check_cuda(cudaMallocAsync(&workspace, (partial_words + counters) * sizeof(float), stream),
+             "decode: cudaMallocAsync(split-KV workspace)");
   place_partials(static_cast<float*>(workspace));
   try {
     if (!separate_merge) {
-      place_accumulators(reinterpret_cast<int32_t*>(params.partial_lse + partial_values));
-      check_cuda(cudaMemsetAsync(params.split_counters, 0, counters * sizeof(int32_t), stream),
+      int32_t* zeroed = static_cast<int32_t*>(workspace) + partial_words;
+      place_accumulators(zeroed);
+      check_cuda(cudaMemsetAsync(zeroed, 0, counters * sizeof(int32_t), stream),
                  "decode: cudaMemsetAsync(split counters)");
     }
     launch();
