@@ -55,8 +55,9 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream =
 // - Not shared by calls that may run at the same time (other streams, graphs replayed on other
 //   streams): use one workspace per stream or per concurrently running call. Calls on one stream
 //   (eager or replayed graphs) may all use the same one.
-// - A split call fits when rows x KV heads x head blocks <= counter_capacity() and splits x rows x
-//   Hq x (D + 1) <= partial_capacity() (each split's output and LSE are kept in f32); for the spec
+// - A split call fits when its zeroed words (rows x KV heads x head blocks counters; with
+//   deterministic = false also rows x Hq x (D + 1) sums and 4 outlier words a counter) fit
+//   counter_capacity() and splits x rows x Hq x (D + 1) <= partial_capacity() (each split's output and LSE are kept in f32); for the spec
 //   it was sized for, every call of <= max_rows rows and <= max_splits splits fits (max_splits =
 //   128, the kernel's limit, fits any split count). A call that does not fit throws naming
 //   `workspace` (decode) or `decode_workspace` (forward) before anything is enqueued. Calls that do
@@ -69,9 +70,9 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream =
 class DecodeWorkspace {
  public:
   static constexpr int32_t kMaxSplits = 128;
-  // Capacity for decode calls of spec's heads (Hq query heads, head_dim D): counters for
-  // max_rows x Hq (head blocks) and max_rows x max_splits x Hq x (D + 1) 4-byte words of
-  // partials (f32 outputs and LSEs).
+  // Capacity for decode calls of spec's heads (Hq query heads, head_dim D): max_rows x Hq x
+  // (D + 6) zeroed words (counters and the accumulating merge's sums) and max_rows x max_splits x
+  // Hq x (D + 1) 4-byte words of partials (f32 outputs and LSEs).
   DecodeWorkspace(const AttentionSpec& spec, int64_t max_rows, int32_t max_splits, Device device);
   ~DecodeWorkspace();
   DecodeWorkspace(const DecodeWorkspace&) = delete;
@@ -79,9 +80,10 @@ class DecodeWorkspace {
 
   const Device& device() const { return device_; }
   int64_t bytes() const { return bytes_; }
-  int64_t counter_capacity() const { return counters_; }       // int32 arrival counters
+  int64_t counter_capacity() const { return counters_; }       // zeroed words (counters, sums)
   int64_t partial_capacity() const { return partial_words_; }  // 4-byte words of (O, LSE)
-  // Enqueues a zeroing of the counters on `stream` (cudaStream_t as void*).
+  // Enqueues a zeroing of the counters (the whole zeroed region) on `stream` (cudaStream_t as
+  // void*).
   void reset(Stream stream = nullptr);
 
   // Device pointers (for the backend): the counters, then the partials.
@@ -117,6 +119,11 @@ struct DecodeArgs {
   // Optional (CUDA): the split-KV workspace of this call's stream (see DecodeWorkspace); on the
   // device of q. nullptr: a per-call workspace (allocation and counter memset on the stream).
   DecodeWorkspace* workspace = nullptr;
+  // true: the same inputs give the same output bits on every run. false lets split calls merge
+  // over f32 sums that the splits add in L2 in the order they finish (1-3% faster at batch 1 on
+  // long contexts, docs/decode_design.md); outputs then vary in their last bits from run to run,
+  // within the same error bound.
+  bool deterministic = true;
 };
 void decode(const AttentionSpec& spec, const DecodeArgs& args, Stream stream = nullptr);
 
@@ -163,6 +170,7 @@ struct ForwardArgs {
   TensorView workspace;          // CUDA only, optional: int8 bytes for the rotated Q and metadata
   int32_t num_splits = 0;        // decode split-KV override (see DecodeArgs)
   DecodeWorkspace* decode_workspace = nullptr;  // optional, for the decode rows (see DecodeArgs)
+  bool deterministic = true;                    // for the decode rows (see DecodeArgs)
 };
 void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream = nullptr);
 

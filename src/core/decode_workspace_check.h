@@ -7,7 +7,7 @@
 namespace attnkit::detail {
 
 struct DecodeWorkspaceSize {
-  int64_t counters = 0;       // int32 arrival counters
+  int64_t counters = 0;       // zeroed 4-byte words: arrival counters, accumulated sums
   int64_t partial_words = 0;  // 4-byte words of the partial outputs and LSEs
 };
 
@@ -31,8 +31,8 @@ inline DecodeWorkspaceSize decode_workspace_size(const AttentionSpec& spec, int6
                 "] (calls with one split use no workspace), got ", max_splits);
   DecodeWorkspaceSize size;
   // Head blocks per row (KV heads x head blocks of a group) never exceed the query heads.
-  // (experiment) with the accumulating merge's sums and outlier words after the counters: a
-  // counter, D sums, a denominator and kDecodeMaxSplits / 32 words a (row, query head).
+  // The zeroed region: per (row, query head) at most a counter and 4 outlier words (head blocks
+  // never exceed the query heads), D sums and a denominator of the accumulating merge.
   size.counters = max_rows * spec.num_q_heads * (spec.head_dim + 6);
   size.partial_words =
       max_rows * max_splits * spec.num_q_heads * decode_partial_words(spec.head_dim);

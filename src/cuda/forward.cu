@@ -136,6 +136,7 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     decode.num_splits = args.num_splits;
     decode.max_seq_len = p.max_kv_len;
     decode.workspace = args.decode_workspace;
+    decode.deterministic = args.deterministic;
     dp.device = p.device;
     dp.dtype = p.dtype;
     dp.kv_dtype = p.kv_dtype;

@@ -368,7 +368,7 @@ TEST(BenchCommand, RejectsInvalidOptionsBeforeTouchingTheGpu) {
       {"bench decode --split-workspace none",
        "bench decode: --split-workspace: accepted caller, per-call; got 'none'"},
       {"bench decode --merge last",
-       "bench decode: --merge: accepted auto, in-kernel, separate; got 'last'"},
+       "bench decode: --merge: accepted auto, in-kernel, separate, accumulate; got 'last'"},
       {"bench prefill --head-dim 100", "--head-dim: accepted 64, 80, 96, 128, 256; got 100"},
       {"bench prefill --seqlen 1024 --kv-dtype int8", "--kv-dtype int8: accepted only with --page"},
       {"bench prefill --page 3", "bench prefill: --page: accepted 0, 8, 16, 32, 64, 128; got 3"},
@@ -459,7 +459,7 @@ TEST(BenchCommand, SelfTestRunsEverySubcommandOnTheReference) {
 
 // A forced split merge is a knob of the fused kernels: a row on the reference says so and fails.
 TEST(BenchCommand, ForcedMergeNeedsTheFusedBackend) {
-  for (const char* merge : {"in-kernel", "separate"}) {
+  for (const char* merge : {"in-kernel", "separate", "accumulate"}) {
     const RunResult r = run_program(
         std::string("bench decode --batch 1 --context 40 --q-heads 4 --kv-heads 2 --head-dim 64 "
                     "--merge ") +

@@ -288,6 +288,51 @@ TEST(DecodeSplit, AccumulatingMergeWithOutliers) {
   }
 }
 
+// The public switch: deterministic calls (the default) give the same output bits on every run,
+// split or not; a call with deterministic = false on a grid the rule accumulates (2 KV heads x 100
+// forced splits: 200 CTAs, more than the SMs of the GPUs we run on) matches the oracle through
+// both workspaces, leaves the workspace zeroed, and matches the deterministic call's output
+// within the bound.
+TEST(DecodeSplit, DeterministicByDefaultAndAccumulatingWhenAllowed) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  auto ws = make_workspace(8, 2);
+  for (int32_t splits : {1, 16, 100}) {
+    SCOPED_TRACE(detail::concat("splits ", splits));
+    PreparedCase pc(gqa4_case({8192, 3000}, splits), 3900 + splits);
+    pc.args.workspace = ws.get();
+    std::vector<uint8_t> first;
+    for (int run = 0; run < 3; ++run) {
+      pc.poison(nullptr);
+      ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
+      ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint8_t> bytes(static_cast<size_t>(pc.d_out.bytes()));
+      ATTNKIT_CUDA_OK(
+          cudaMemcpy(bytes.data(), pc.d_out.data(), bytes.size(), cudaMemcpyDeviceToHost));
+      if (run == 0) {
+        pc.check();
+        first = bytes;
+      } else {
+        EXPECT_EQ(bytes, first) << "a deterministic call's output bits changed in run " << run;
+      }
+    }
+  }
+  int sm_count = 0;
+  ATTNKIT_CUDA_OK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  ASSERT_LT(sm_count, 200) << "this GPU's SMs hold the 200-CTA grid in one CTA each";
+  DecodeCase c = gqa4_case({8192, 3000}, 100);
+  PreparedCase pc(c, 3999);
+  pc.args.deterministic = false;
+  for (DecodeWorkspace* w : {ws.get(), static_cast<DecodeWorkspace*>(nullptr)}) {
+    SCOPED_TRACE(w != nullptr ? "caller workspace" : "per-call workspace");
+    pc.args.workspace = w;
+    pc.poison(nullptr);
+    ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
+    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+    pc.check();
+  }
+  expect_counters_zero(*ws);
+}
+
 // Splits whose means are far from the row's: V shifted by +0.5 over the first half of each row's
 // keys and by -0.5 over the rest, so that a split's output is ~+-0.5 while the row's is ~0 and the
 // error of any rounding of the partials, relative to the splits' means, dwarfs the naive

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -255,6 +254,11 @@ struct DecodePlan {
   int sm_count = 0;
   int compute_major = 0;
   DecodeWgmmaPlan wgmma;  // the Hopper warpgroup-MMA kernel (decode_wgmma.cu) when .use
+  // Where a split call merges (decode_accumulate_merge, decode_separate_merge); the words of the
+  // zeroed workspace region it needs (counters, and the accumulating merge's sums).
+  bool separate_merge = false;
+  bool accumulate = false;
+  int64_t zeroed_words = 0;
 };
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -403,6 +407,19 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
         spec.head_dim * static_cast<int32_t>(dtype_size(p.kv_dtype)));
     params.pool_blocks = cache.num_blocks;
   }
+  if (params.num_splits > 1) {
+    plan.accumulate = decode_accumulate_merge(
+        args.deterministic, params.num_splits, params.group_size, spec.head_dim,
+        choice.heads_per_cta, plan.wgmma.use || four_ctas, ctas * params.num_splits, sm_count);
+    plan.separate_merge = !plan.accumulate &&
+                          decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
+    const int64_t counters = ctas;  // rows x KV heads x head blocks
+    const int64_t row_heads = p.num_rows * spec.num_q_heads;
+    plan.zeroed_words =
+        plan.separate_merge ? 0
+        : plan.accumulate   ? row_heads * (spec.head_dim + 1) + counters * (1 + kDecodeMaxSplits / 32)
+                            : counters;
+  }
   return plan;
 }
 
@@ -415,11 +432,13 @@ int64_t partial_words_of(const DecodeParams& params) {
 }
 
 // A split call through a caller's workspace must fit it (checked before anything is enqueued).
-void check_workspace(const DecodeWorkspace& ws, const DecodeParams& params, const char* what) {
-  ATTNKIT_CHECK(counters_of(params) <= ws.counter_capacity(), what,
-                ": too small for this call: it has ", params.num_rows,
-                " rows (counters for rows x KV heads x head blocks = ", counters_of(params),
-                "), the workspace holds ", ws.counter_capacity(), " counters (max_rows x Hq)");
+void check_workspace(const DecodeWorkspace& ws, const DecodePlan& plan, const char* what) {
+  const DecodeParams& params = plan.params;
+  ATTNKIT_CHECK(plan.zeroed_words <= ws.counter_capacity(), what,
+                ": too small for this call: it has ", params.num_rows, " rows (",
+                plan.zeroed_words, " zeroed words: counters for rows x KV heads x head blocks",
+                plan.accumulate ? " and the accumulating merge's sums" : "",
+                "), the workspace holds ", ws.counter_capacity(), " (max_rows x Hq x (D + 6))");
   ATTNKIT_CHECK(partial_words_of(params) <= ws.partial_capacity(), what,
                 ": too small for this call: ", params.num_splits, " splits x ", params.num_rows,
                 " rows x Hq ", params.num_q_heads, " x (ceil(D / 2) + 1) ",
@@ -466,14 +485,22 @@ std::atomic<float> g_accumulate_min_lse2{kDecodeAccumulateMinLse2};
 std::atomic<float> g_accumulate_max_lse2{kDecodeAccumulateMaxLse2};
 }  // namespace
 
-bool decode_accumulate_merge() {
-  // (experiment) ATTNKIT_EXP_ACCUM=1 makes the rule's in-kernel merges accumulate.
-  static const bool accumulate_env = [] {
-    const char* v = std::getenv("ATTNKIT_EXP_ACCUM");
-    return v != nullptr && v[0] == '1';
-  }();
-  const auto mode = static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed));
-  return mode == DecodeMergeMode::kAccumulate || (mode == DecodeMergeMode::kAuto && accumulate_env);
+bool decode_accumulate_merge(bool deterministic, int32_t num_splits, int group_size, int head_dim,
+                             int heads_per_cta, bool other_kernel, int64_t grid_ctas,
+                             int sm_count) {
+  // The mma.sync kernels of up to 16 heads a CTA at two CTAs an SM accumulate (decode_kernel.cuh).
+  if (num_splits <= 1 || other_kernel || heads_per_cta > 16) return false;
+  switch (static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed))) {
+    case DecodeMergeMode::kAccumulate:
+      return true;
+    case DecodeMergeMode::kInKernel:
+    case DecodeMergeMode::kSeparate:
+      return false;
+    case DecodeMergeMode::kAuto:
+      break;
+  }
+  return !deterministic && grid_ctas > sm_count &&
+         !decode_separate_merge(num_splits, group_size, head_dim);
 }
 
 void set_decode_accumulate_range(float min_lse2, float max_lse2) {
@@ -499,7 +526,7 @@ void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& a
                                   const detail::DecodeProblem& p, const char* what) {
   if (args.workspace == nullptr) return;
   const DecodePlan plan = plan_decode(spec, args, p);
-  if (plan.params.num_splits > 1) check_workspace(*args.workspace, plan.params, what);
+  if (plan.params.num_splits > 1) check_workspace(*args.workspace, plan, what);
 }
 
 void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
@@ -511,8 +538,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   DecodeParams& params = plan.params;
   // Large groups and KV heads of many partials are merged by a kernel of their own after the
   // decode grid, which then needs no counters (decode_separate_merge).
-  const bool separate_merge =
-      decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
+  const bool separate_merge = plan.separate_merge;
   auto launch = [&] {
     if (plan.wgmma.use) {
       launch_decode_wgmma(params, p.dtype, plan.wgmma.ctas_per_sm, stream);
@@ -539,14 +565,9 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.partial_out = base;
     params.partial_lse = base + partial_values * output_words;
   };
-  // The accumulating merge keeps its sums and outlier words in the counters' zeroed region.
-  const bool accumulate = decode_accumulate_merge() && !separate_merge && !plan.wgmma.use;
+  const bool accumulate = plan.accumulate;
   const int64_t row_heads = static_cast<int64_t>(p.num_rows) * spec.num_q_heads;
-  const size_t zeroed_words = static_cast<size_t>(
-      separate_merge ? 0
-      : accumulate   ? row_heads * (spec.head_dim + 1) +
-                         counters_of(params) * (1 + kDecodeMaxSplits / 32)
-                     : counters_of(params));
+  const size_t zeroed_words = static_cast<size_t>(plan.zeroed_words);
   // The zeroed region: the sums first (16-byte aligned for the kernel's vector reductions), the
   // denominators, the outlier words, then the counters.
   auto place_accumulators = [&](int32_t* zeroed) {
@@ -564,29 +585,25 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
     // so the call is one kernel node (two with a separate merge, which uses no counters).
-    check_workspace(*args.workspace, params, "decode: workspace");
+    check_workspace(*args.workspace, plan, "decode: workspace");
     place_partials(args.workspace->partials());
-    ATTNKIT_CHECK(static_cast<int64_t>(zeroed_words) <= args.workspace->counter_capacity(),
-                  "decode: workspace: too small for the accumulating merge");
     if (!separate_merge) place_accumulators(args.workspace->counters());
     launch();
     return;
   }
   // Per-call stream-ordered workspace: no host synchronization, and capturable in a CUDA graph (a
-  // memory node and a memset node). Layout: partial outputs (f32), partial LSEs, then the
-  // arrival counters of the last-CTA merge, zeroed by the memset.
-  const size_t counters = zeroed_words;
-  // The zeroed region starts 16-byte aligned after the partials.
+  // memory node and a memset node). Layout: partial outputs (f32), partial LSEs, then (16-byte
+  // aligned) the zeroed region of the last-CTA merge, zeroed by the memset.
   const size_t partial_words = (partial_values * (output_words + 1) + 3) / 4 * 4;
   void* workspace = nullptr;
-  check_cuda(cudaMallocAsync(&workspace, (partial_words + counters) * sizeof(float), stream),
+  check_cuda(cudaMallocAsync(&workspace, (partial_words + zeroed_words) * sizeof(float), stream),
              "decode: cudaMallocAsync(split-KV workspace)");
   place_partials(static_cast<float*>(workspace));
   try {
     if (!separate_merge) {
       int32_t* zeroed = static_cast<int32_t*>(workspace) + partial_words;
       place_accumulators(zeroed);
-      check_cuda(cudaMemsetAsync(zeroed, 0, counters * sizeof(int32_t), stream),
+      check_cuda(cudaMemsetAsync(zeroed, 0, zeroed_words * sizeof(int32_t), stream),
                  "decode: cudaMemsetAsync(split counters)");
     }
     launch();
