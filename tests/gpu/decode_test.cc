@@ -1002,8 +1002,18 @@ TEST(DecodeWorkspace, RejectsTooSmallOrForeignWorkspace) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
+  // Zeroed words: few_rows holds 2 rows x 1 head x (128 + 6) = 268, enough for this call's 24
+  // counters (3 rows x 8 KV heads) but not for the accumulating merge's sums (3 rows x 32 heads x
+  // 129 + 24 x 5 = 12504 words); its partials do not fit either.
   pc.args.workspace = &few_rows;
-  expect_rejected(pc.args, pc.spec, "counters for rows x KV heads x head blocks = 24");
+  {
+    struct RestoreMergeRule {
+      ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
+    } restore;
+    cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAccumulate);
+    expect_rejected(pc.args, pc.spec, "12504 zeroed words");
+  }
+  expect_rejected(pc.args, pc.spec, "9 splits");
   pc.args.workspace = &few_splits;
   expect_rejected(pc.args, pc.spec, "9 splits");
   // CPU tensors (the reference backend) with a workspace on cuda:0.

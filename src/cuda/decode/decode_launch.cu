@@ -441,10 +441,10 @@ void check_workspace(const DecodeWorkspace& ws, const DecodePlan& plan, const ch
                 "), the workspace holds ", ws.counter_capacity(), " (max_rows x Hq x (D + 6))");
   ATTNKIT_CHECK(partial_words_of(params) <= ws.partial_capacity(), what,
                 ": too small for this call: ", params.num_splits, " splits x ", params.num_rows,
-                " rows x Hq ", params.num_q_heads, " x (ceil(D / 2) + 1) ",
+                " rows x Hq ", params.num_q_heads, " x (D + 1) ",
                 detail::decode_partial_words(params.head_dim), " = ", partial_words_of(params),
                 " partial words, the workspace holds ", ws.partial_capacity(),
-                " (max_rows x max_splits x Hq x (ceil(D / 2) + 1))");
+                " (max_rows x max_splits x Hq x (D + 1))");
 }
 
 }  // namespace
