@@ -38,7 +38,8 @@ struct DecodeShape {
   std::string kv_dtype = "bf16";
   int splits = 0;                // 0: heuristic
   bool caller_workspace = true;  // DecodeArgs::workspace (false: the per-call workspace)
-  std::string merge = "auto";    // where split calls merge: auto (the rule), in-kernel, accumulate, separate
+  std::string merge =
+      "auto";  // where split calls merge: auto (the rule), in-kernel, accumulate, separate
 };
 
 struct DecodeBenchOptions {

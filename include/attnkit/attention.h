@@ -57,11 +57,11 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream =
 //   (eager or replayed graphs) may all use the same one.
 // - A split call fits when its zeroed words (rows x KV heads x head blocks counters; with
 //   deterministic = false also rows x Hq x (D + 1) sums and 4 outlier words a counter) fit
-//   counter_capacity() and splits x rows x Hq x (D + 1) <= partial_capacity() (each split's output and LSE are kept in f32); for the spec
-//   it was sized for, every call of <= max_rows rows and <= max_splits splits fits (max_splits =
-//   128, the kernel's limit, fits any split count). A call that does not fit throws naming
-//   `workspace` (decode) or `decode_workspace` (forward) before anything is enqueued. Calls that do
-//   not split do not use it.
+//   counter_capacity() and splits x rows x Hq x (D + 1) <= partial_capacity() (each split's output
+//   and LSE are kept in f32); for the spec it was sized for, every call of <= max_rows rows and <=
+//   max_splits splits fits (max_splits = 128, the kernel's limit, fits any split count). A call
+//   that does not fit throws naming `workspace` (decode) or `decode_workspace` (forward) before
+//   anything is enqueued. Calls that do not split do not use it.
 // - A call that throws leaves the counters zero (nothing was enqueued, or the kernel did not
 //   start). A kernel that faults on the device loses the CUDA context and the workspace with it;
 //   reset() re-zeroes the counters (stream ordered) for a caller who wants to be certain.

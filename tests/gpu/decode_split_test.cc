@@ -279,8 +279,7 @@ TEST(DecodeSplit, AccumulatingMergeWithOutliers) {
       run_both_workspaces(gqa4_case({2049, 700, 1}, splits), salt++, ws.get());
     }
   }
-  cuda::set_decode_accumulate_range(cuda::kDecodeAccumulateMinLse2,
-                                    cuda::kDecodeAccumulateMaxLse2);
+  cuda::set_decode_accumulate_range(cuda::kDecodeAccumulateMinLse2, cuda::kDecodeAccumulateMaxLse2);
   for (int32_t splits : {7, 16, 0}) {
     DecodeCase c = gqa4_case({2049, 700, 1}, splits);
     c.q_range = 200.0f;

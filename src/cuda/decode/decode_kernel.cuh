@@ -374,8 +374,8 @@ __device__ __forceinline__ void decode_combine_accumulated(const DecodeParams& p
           kMaskWords;
   // One L2 round trip: every load first, each zeroed by the thread that loaded it, the sums,
   // denominators and outlier words shared through shared memory.
-  float* acc = scratch;                                             // [kM * kD]
-  float* den = acc + Traits::kM * kD;                               // [kM]
+  float* acc = scratch;                                            // [kM * kD]
+  float* den = acc + Traits::kM * kD;                              // [kM]
   uint32_t* mask = reinterpret_cast<uint32_t*>(den + Traits::kM);  // [kMaskWords]
   for (int i = threadIdx.x; i < out_items; i += Traits::kThreads) {
     acc[i] = __ldcg(acc_src + i);
@@ -1411,9 +1411,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   __syncthreads();
   // The 4-CTA and the two-M-block kernels (<= 128 registers) merge without accumulation: its code
   // spilled there.
-  const bool accumulate =
-      Traits::kTargetCtasPerSm == 2 && Traits::kM <= 16 && p.num_splits > 1 &&
-      p.merge_accumulate != 0;
+  const bool accumulate = Traits::kTargetCtasPerSm == 2 && Traits::kM <= 16 && p.num_splits > 1 &&
+                          p.merge_accumulate != 0;
   // The heads' LSEs (a log polynomial and a global store each) are written by the last warp after
   // the barrier, beside its items, not by warp 0 on its way to the barrier after the weights.
   if (const int r = static_cast<int>(threadIdx.x) - (Traits::kThreads - 32);
@@ -1514,8 +1513,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     outlier = __syncthreads_or(!in_range);
     const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
     float4* dst = reinterpret_cast<float4*>(
-        outlier ? p.partial_out + (static_cast<int64_t>(split) * p.num_rows * p.num_q_heads +
-                                   first_item) * kD
+        outlier ? p.partial_out +
+                      (static_cast<int64_t>(split) * p.num_rows * p.num_q_heads + first_item) * kD
                 : p.merge_acc + first_item * kD);
 #pragma unroll
     for (int j = 0; j < kVecItems; ++j) {
@@ -1556,10 +1555,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     }
     if (outlier && threadIdx.x == 0) {
-      atomicOr(p.merge_outliers +
-                   ((static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks +
-                    head_block) * (kDecodeMaxSplits / 32) + split / 32,
-               1u << (split % 32));
+      const int64_t item =
+          (static_cast<int64_t>(row) * p.num_kv_heads + kv_head) * p.head_blocks + head_block;
+      atomicOr(p.merge_outliers + item * (kDecodeMaxSplits / 32) + split / 32, 1u << (split % 32));
     }
   }
   if (p.num_splits > 1 && p.split_counters != nullptr) {

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "core/check.h"
-
 #include "core/decode_workspace_check.h"
 #include "core/kv_access.h"
 #include "cuda/common/cuda_status.h"
@@ -411,14 +410,15 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
     plan.accumulate = decode_accumulate_merge(
         args.deterministic, params.num_splits, params.group_size, spec.head_dim,
         choice.heads_per_cta, plan.wgmma.use || four_ctas, ctas * params.num_splits, sm_count);
-    plan.separate_merge = !plan.accumulate &&
-                          decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
+    plan.separate_merge =
+        !plan.accumulate &&
+        decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
     const int64_t counters = ctas;  // rows x KV heads x head blocks
     const int64_t row_heads = p.num_rows * spec.num_q_heads;
     plan.zeroed_words =
         plan.separate_merge ? 0
-        : plan.accumulate   ? row_heads * (spec.head_dim + 1) + counters * (1 + kDecodeMaxSplits / 32)
-                            : counters;
+        : plan.accumulate ? row_heads * (spec.head_dim + 1) + counters * (1 + kDecodeMaxSplits / 32)
+                          : counters;
   }
   return plan;
 }
@@ -435,8 +435,8 @@ int64_t partial_words_of(const DecodeParams& params) {
 void check_workspace(const DecodeWorkspace& ws, const DecodePlan& plan, const char* what) {
   const DecodeParams& params = plan.params;
   ATTNKIT_CHECK(plan.zeroed_words <= ws.counter_capacity(), what,
-                ": too small for this call: it has ", params.num_rows, " rows (",
-                plan.zeroed_words, " zeroed words: counters for rows x KV heads x head blocks",
+                ": too small for this call: it has ", params.num_rows, " rows (", plan.zeroed_words,
+                " zeroed words: counters for rows x KV heads x head blocks",
                 plan.accumulate ? " and the accumulating merge's sums" : "",
                 "), the workspace holds ", ws.counter_capacity(), " (max_rows x Hq x (D + 6))");
   ATTNKIT_CHECK(partial_words_of(params) <= ws.partial_capacity(), what,
@@ -576,8 +576,8 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.merge_acc = reinterpret_cast<float*>(zeroed);
     params.merge_den = params.merge_acc + row_heads * spec.head_dim;
     params.merge_outliers = reinterpret_cast<uint32_t*>(params.merge_den + row_heads);
-    params.split_counters = reinterpret_cast<int32_t*>(params.merge_outliers +
-                                                       counters_of(params) * (kDecodeMaxSplits / 32));
+    params.split_counters = reinterpret_cast<int32_t*>(
+        params.merge_outliers + counters_of(params) * (kDecodeMaxSplits / 32));
     params.merge_accumulate = 1;
     params.accumulate_min_lse2 = g_accumulate_min_lse2.load(std::memory_order_relaxed);
     params.accumulate_max_lse2 = g_accumulate_max_lse2.load(std::memory_order_relaxed);

@@ -103,8 +103,7 @@ void set_decode_merge_mode(DecodeMergeMode mode);
 // 3.562, fp8 1 x 64k 3.364 -> 3.439, 2 x 32k 3.914 -> 3.929, head_dim 64 3.109 -> 3.150; one CTA
 // an SM: 1 x 8k 2.351 -> 2.333, fp8 1 x 16k 2.168 -> 2.127.
 bool decode_accumulate_merge(bool deterministic, int32_t num_splits, int group_size, int head_dim,
-                             int heads_per_cta, bool other_kernel, int64_t grid_ctas,
-                             int sm_count);
+                             int heads_per_cta, bool other_kernel, int64_t grid_ctas, int sm_count);
 
 // Tests: the LSE range (log2 units) of the splits the accumulating merge adds in L2; the others
 // go through their partials (process-wide; defaults kDecodeAccumulateMinLse2 / MaxLse2).
