@@ -87,36 +87,39 @@ TEST(DecodeLaunch, SeparateMergeRule) {
 }
 
 // Which split calls accumulate their outputs in L2 (decode_accumulate_merge): only calls that
-// allow run-to-run variation (deterministic = false), on the mma.sync kernels of up to 16 heads a
-// CTA, where the merge stays in the kernel, on grids of more CTAs than SMs (1 x 32k: 8 KV heads x
-// 32 splits = 256 CTAs on 132 SMs; 1 x 8k's 16 splits, one CTA an SM, do not).
+// allow run-to-run variation (deterministic = false), on sm_90+, on the mma.sync kernels of up to
+// 16 heads a CTA, where the merge stays in the kernel, on grids of more CTAs than SMs (1 x 32k: 8
+// KV heads x 32 splits = 256 CTAs on 132 SMs; 1 x 8k's 16 splits, one CTA an SM, do not).
 TEST(DecodeLaunch, AccumulateMergeRule) {
   struct RestoreMergeRule {
     ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }
   } restore;
   cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto);
-  // (deterministic, splits, group, head_dim, heads a CTA, other kernel, grid CTAs, SMs)
-  EXPECT_TRUE(cuda::decode_accumulate_merge(false, 32, 4, 128, 8, false, 256, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(true, 32, 4, 128, 8, false, 256, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 16, 4, 128, 8, false, 128, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 1, 4, 128, 8, false, 264, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 32, 4, 128, 8, true, 256, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 4, 32, 128, 32, false, 256, 132));
+  // (deterministic, compute major, splits, group, head_dim, heads a CTA, other kernel, grid CTAs,
+  // SMs)
+  EXPECT_TRUE(cuda::decode_accumulate_merge(false, 9, 32, 4, 128, 8, false, 256, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(true, 9, 32, 4, 128, 8, false, 256, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 8, 32, 4, 128, 8, false, 256, 108));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 16, 4, 128, 8, false, 128, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 1, 4, 128, 8, false, 264, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 32, 4, 128, 8, true, 256, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 4, 32, 128, 32, false, 256, 132));
   // Where the rule merges in a kernel of its own: groups of 16, more than 64 KB of partials.
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 16, 16, 128, 16, false, 256, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 33, 4, 128, 8, false, 264, 132));
-  EXPECT_TRUE(cuda::decode_accumulate_merge(false, 16, 8, 128, 8, false, 512, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 16, 16, 128, 16, false, 256, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 33, 4, 128, 8, false, 264, 132));
+  EXPECT_TRUE(cuda::decode_accumulate_merge(false, 9, 16, 8, 128, 8, false, 512, 132));
   // The tests' overrides: kAccumulate wherever the kernel can, the others never.
   cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAccumulate);
-  EXPECT_TRUE(cuda::decode_accumulate_merge(true, 2, 16, 128, 16, false, 4, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(true, 2, 32, 128, 32, false, 4, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 2, 4, 128, 8, true, 512, 132));
-  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 1, 4, 128, 8, false, 512, 132));
+  EXPECT_TRUE(cuda::decode_accumulate_merge(true, 9, 2, 16, 128, 16, false, 4, 132));
+  EXPECT_TRUE(cuda::decode_accumulate_merge(true, 8, 2, 4, 128, 8, false, 4, 108));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(true, 9, 2, 32, 128, 32, false, 4, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 2, 4, 128, 8, true, 512, 132));
+  EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 1, 4, 128, 8, false, 512, 132));
   EXPECT_FALSE(cuda::decode_separate_merge(128, 32, 256));
   for (cuda::DecodeMergeMode mode :
        {cuda::DecodeMergeMode::kInKernel, cuda::DecodeMergeMode::kSeparate}) {
     cuda::set_decode_merge_mode(mode);
-    EXPECT_FALSE(cuda::decode_accumulate_merge(false, 32, 4, 128, 8, false, 256, 132));
+    EXPECT_FALSE(cuda::decode_accumulate_merge(false, 9, 32, 4, 128, 8, false, 256, 132));
   }
 }
 

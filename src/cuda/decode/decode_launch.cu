@@ -408,7 +408,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   }
   if (params.num_splits > 1) {
     plan.accumulate = decode_accumulate_merge(
-        args.deterministic, params.num_splits, params.group_size, spec.head_dim,
+        args.deterministic, plan.compute_major, params.num_splits, params.group_size, spec.head_dim,
         choice.heads_per_cta, plan.wgmma.use || four_ctas, ctas * params.num_splits, sm_count);
     plan.separate_merge =
         !plan.accumulate &&
@@ -485,9 +485,9 @@ std::atomic<float> g_accumulate_min_lse2{kDecodeAccumulateMinLse2};
 std::atomic<float> g_accumulate_max_lse2{kDecodeAccumulateMaxLse2};
 }  // namespace
 
-bool decode_accumulate_merge(bool deterministic, int32_t num_splits, int group_size, int head_dim,
-                             int heads_per_cta, bool other_kernel, int64_t grid_ctas,
-                             int sm_count) {
+bool decode_accumulate_merge(bool deterministic, int compute_major, int32_t num_splits,
+                             int group_size, int head_dim, int heads_per_cta, bool other_kernel,
+                             int64_t grid_ctas, int sm_count) {
   // The mma.sync kernels of up to 16 heads a CTA at two CTAs an SM accumulate (decode_kernel.cuh).
   if (num_splits <= 1 || other_kernel || heads_per_cta > 16) return false;
   switch (static_cast<DecodeMergeMode>(g_merge_mode.load(std::memory_order_relaxed))) {
@@ -499,7 +499,7 @@ bool decode_accumulate_merge(bool deterministic, int32_t num_splits, int group_s
     case DecodeMergeMode::kAuto:
       break;
   }
-  return !deterministic && grid_ctas > sm_count &&
+  return !deterministic && compute_major >= 9 && grid_ctas > sm_count &&
          !decode_separate_merge(num_splits, group_size, head_dim);
 }
 

@@ -95,15 +95,17 @@ void set_decode_merge_mode(DecodeMergeMode mode);
 // Whether a split call merges in the kernel over sums its splits add in L2
 // (DecodeParams::merge_accumulate) rather than over their partials: f32 reductions in an order
 // that varies from run to run, so only for calls that allow it (DecodeArgs::deterministic =
-// false), on the mma.sync kernels of up to 16 heads a CTA at two CTAs an SM (other_kernel: the
-// wgmma or 4-CTA 8-bit kernel), where the rule keeps the merge in the kernel, and on grids of more
-// CTAs than SMs: where one CTA an SM runs splits of equal length they end together and their
-// reductions queue at L2. H200, session 20 call 2 (TB/s, the last CTA's merge -> accumulated):
-// bf16 1 x 32k 3.604 -> 3.674, fp8 1 x 32k 2.948 -> 3.025, int8 2.869 -> 2.921, page 16 3.489 ->
-// 3.562, fp8 1 x 64k 3.364 -> 3.439, 2 x 32k 3.914 -> 3.929, head_dim 64 3.109 -> 3.150; one CTA
-// an SM: 1 x 8k 2.351 -> 2.333, fp8 1 x 16k 2.168 -> 2.127.
-bool decode_accumulate_merge(bool deterministic, int32_t num_splits, int group_size, int head_dim,
-                             int heads_per_cta, bool other_kernel, int64_t grid_ctas, int sm_count);
+// false), on sm_90+ (vector reductions, where it was measured; sm_80 builds add scalars, taken
+// only when a test forces the merge), on the mma.sync kernels of up to 16 heads a CTA at two CTAs
+// an SM (other_kernel: the wgmma or 4-CTA 8-bit kernel), where the rule keeps the merge in the
+// kernel, and on grids of more CTAs than SMs: where one CTA an SM runs splits of equal length they
+// end together and their reductions queue at L2. H200, session 20 call 2 (TB/s, the last CTA's
+// merge -> accumulated): bf16 1 x 32k 3.604 -> 3.674, fp8 1 x 32k 2.948 -> 3.025, int8 2.869
+// -> 2.921, page 16 3.489 -> 3.562, fp8 1 x 64k 3.364 -> 3.439, 2 x 32k 3.914 -> 3.929, head_dim
+// 64 3.109 -> 3.150; one CTA an SM: 1 x 8k 2.351 -> 2.333, fp8 1 x 16k 2.168 -> 2.127.
+bool decode_accumulate_merge(bool deterministic, int compute_major, int32_t num_splits,
+                             int group_size, int head_dim, int heads_per_cta, bool other_kernel,
+                             int64_t grid_ctas, int sm_count);
 
 // Tests: the LSE range (log2 units) of the splits the accumulating merge adds in L2; the others
 // go through their partials (process-wide; defaults kDecodeAccumulateMinLse2 / MaxLse2).
