@@ -89,7 +89,7 @@ TEST(DecodeLaunch, SeparateMergeRule) {
 // Which split calls accumulate their outputs in L2 (decode_accumulate_merge): only calls that
 // allow run-to-run variation (deterministic = false), on sm_90+, on the mma.sync kernels of up to
 // 16 heads a CTA, where the merge stays in the kernel, on grids of more CTAs than SMs (1 x 32k: 8
-// KV heads x 32 splits = 256 CTAs on 132 SMs; 1 x 8k's 16 splits, one CTA an SM, do not).
+// KV heads x 32 splits = 256 CTAs on 132 SMs; a grid of one CTA an SM, 16 splits of 8, does not).
 TEST(DecodeLaunch, AccumulateMergeRule) {
   struct RestoreMergeRule {
     ~RestoreMergeRule() { cuda::set_decode_merge_mode(cuda::DecodeMergeMode::kAuto); }

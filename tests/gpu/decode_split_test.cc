@@ -1,6 +1,6 @@
 // Split-KV decode: split bounds and counts against the fp64 oracle of decode_case_util.h. Forced
 // counts that divide the row's tiles and counts that do not, up to one split per tile and beyond
-// (empty splits), the heuristic's counts at batch 1 (one CTA per SM for short splits), empty
+// (empty splits), the heuristic's counts at batch 1 (short splits at two CTAs an SM), empty
 // splits next to rows of different lengths, groups of 4 / 8 / 16 / 32 heads, 8-bit caches,
 // window + sinks, ALiBi and soft-cap, outputs beyond f16's range (the partials' type), through a
 // caller DecodeWorkspace and without, in a captured graph replayed several times, and the merge in
@@ -133,8 +133,8 @@ TEST(DecodeSplit, ForcedCountsDividingTheTilesAndNot) {
   }
 }
 
-// The heuristic's counts at batch 1: GQA 32/8 at 8448 keys (short splits: one CTA per SM, 15
-// splits of 9 tiles on the H200) and 2 KV heads at 32k keys (64 splits of 8 tiles).
+// The heuristic's counts at batch 1: GQA 32/8 at 8448 keys (short splits, two CTAs an SM: 27
+// splits of 5 tiles on the H200) and 2 KV heads at 32k keys (64 splits of 8 tiles).
 TEST(DecodeSplit, HeuristicCountsAtBatchOne) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(32, 1);

@@ -152,13 +152,15 @@ TEST(DecodeSplitHeuristic, SplitsWhenCtasLeaveSmsIdle) {
   }
   // Short contexts cap the splits (at least four tiles each).
   EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 256, 64), 1);
-  // Splits of at most 512 keys at two CTAs per SM take one CTA per SM instead (batch 1 x 8 KV
-  // heads: 16 splits at 8k and 16k keys, 32 at 32k; 8-bit caches' 128-key tiles alike).
-  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 8192, 64), 16);
-  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 16384, 64), 16);
+  // Short splits keep two CTAs per SM (batch 1 x 8 KV heads: 32 splits at 8k, 16k and 32k keys;
+  // 8-bit caches' 128-key tiles alike, capped at four tiles a split: 16 at 8k), batch 2: 16.
+  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 8192, 64), 32);
+  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 16384, 64), 32);
   EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 32768, 64), 32);
-  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 16384, 128), 16);
+  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 8192, 128), 16);
+  EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 16384, 128), 32);
   EXPECT_EQ(cuda::decode_num_splits(8, 2, 132, 32768, 128), 32);
+  EXPECT_EQ(cuda::decode_num_splits(16, 2, 132, 8192, 64), 16);
   EXPECT_EQ(cuda::decode_num_splits(16, 2, 132, 32768, 64), 16);
   // Kernels of one CTA per SM keep the fill rule.
   EXPECT_EQ(cuda::decode_num_splits(8, 1, 132, 8192, 64), 16);

@@ -127,12 +127,14 @@ int32_t whole_tile_splits(int64_t tiles, int64_t splits) {
 
 // Splits a (row, KV head, head block) CTA's keys when the CTAs alone leave SMs idle: the
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
-// tiles of keys per split (the prologue and the combine are not free). Splits that short (at most
-// kShortSplitKeys keys) take one CTA per SM instead: fewer, longer splits, fewer partials for the
-// merge. H200, same run (dec12 round 2, 00:20 UTC, GQA 32/8, D 128, bf16, TB/s, 16 splits (one CTA
-// per SM) vs the 32 of two CTAs per SM): 1 x 8k 2.185 vs 2.056 / 2.057, 1 x 16k 2.872 vs 2.706 /
-// 2.708 (24 splits: 1.878, 2.416); 1 x 32k keeps 32 splits of 1024 keys (3.39 in that run; 16
-// splits lost there in the afternoon, 2.68 vs 2.83, 24: 2.89 vs 3.39 at 21:58).
+// tiles of keys per split (the prologue and the combine are not free). On the two-M-block kernel
+// (one_wave), splits that short (at most kShortSplitKeys keys) take one CTA per SM instead: fewer,
+// longer splits, fewer partials for the merge. The other kernels did so too until session 20
+// (H200, dec12 round 2: 1 x 8k 2.185 with 16 splits, one CTA an SM, vs 2.056 with 32); since
+// then (the split epilogue of sessions 10-11, the prefetch of session 19, which takes calls of 32
+// splits) two CTAs an SM win: session 20 call 6, TB/s, 16 -> 32 splits, bf16 1 x 8k 2.355 ->
+// 2.428, 1 x 16k 2.946 -> 3.049, fp8 1 x 16k 2.163 -> 2.310 (24 splits lost everywhere: 2.015,
+// 2.572, 1.891).
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
                           bool one_wave) {
   constexpr int64_t kShortSplitKeys = 512;
@@ -152,7 +154,7 @@ int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t m
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
   }
   const int64_t one_per_sm = sm_count / std::max<int64_t>(ctas, 1);
-  if (ctas_per_sm > 1 && one_per_sm >= 2 && one_per_sm < best &&
+  if (one_wave && ctas_per_sm > 1 && one_per_sm >= 2 && one_per_sm < best &&
       (max_keys + best - 1) / best <= kShortSplitKeys) {
     best = one_per_sm;
   }
