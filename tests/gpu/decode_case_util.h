@@ -45,6 +45,7 @@ struct DecodeCase {
   int32_t max_seq_len = 0;    // DecodeArgs::max_seq_len (0: the longest row)
   int32_t unused_entry = -1;  // what block-table entries past a row's end hold (any value)
   bool with_lse = true;
+  bool deterministic = true;  // DecodeArgs::deterministic
   Backend backend = Backend::kFused;
 
   std::string str() const {
@@ -319,6 +320,7 @@ struct PreparedCase {
     if (c.beam_width > 1) args.cache_indirection = d_ind;
     args.num_splits = c.num_splits;
     args.max_seq_len = c.max_seq_len;
+    args.deterministic = c.deterministic;
   }
 
   // Poisons the device outputs again (NaN), stream-ordered.

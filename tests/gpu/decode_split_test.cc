@@ -319,16 +319,8 @@ TEST(DecodeSplit, DeterministicByDefaultAndAccumulatingWhenAllowed) {
   ATTNKIT_CUDA_OK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
   ASSERT_LT(sm_count, 200) << "this GPU's SMs hold the 200-CTA grid in one CTA each";
   DecodeCase c = gqa4_case({8192, 3000}, 100);
-  PreparedCase pc(c, 3999);
-  pc.args.deterministic = false;
-  for (DecodeWorkspace* w : {ws.get(), static_cast<DecodeWorkspace*>(nullptr)}) {
-    SCOPED_TRACE(w != nullptr ? "caller workspace" : "per-call workspace");
-    pc.args.workspace = w;
-    pc.poison(nullptr);
-    ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
-    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-    pc.check();
-  }
+  c.deterministic = false;
+  run_both_workspaces(c, 3999, ws.get());
   expect_counters_zero(*ws);
 }
 

@@ -76,19 +76,25 @@ void run_forward_step(const AttentionSpec& spec_in, Backend backend, const Step&
     for (int64_t i = 0; i < indirection.numel(); ++i) indirection.data<int32_t>()[i] = beam_of(rng);
   }
 
+  // This step's append_kv arguments over the given tensors (host or device): forward()'s first op,
+  // which the reference and the GPU check below run on scratch caches for their rotated Q.
+  auto append_args = [&](TensorView qkv_in, TensorView bias_in, TensorView pos, TensorView row,
+                         const KvCacheView& cache, TensorView q_out) {
+    AppendKvArgs a;
+    a.qkv = qkv_in;
+    if (step.bias) a.qkv_bias = bias_in;
+    a.positions = pos;
+    a.row_of_token = row;
+    a.kv_cache = cache;
+    a.q_out = q_out;
+    return a;
+  };
   // CPU reference; its rotated Q comes from append_kv on a scratch copy of the cache.
   OracleKvCache scratch = cpu_cache;
   HostTensor q_rot = poisoned(DType::kBF16, {tokens, hq, d});
   {
     HostTensor hpos = int32_tensor(positions), hrow = int32_tensor(rows);
-    AppendKvArgs a;
-    a.qkv = qkv;
-    if (step.bias) a.qkv_bias = bias;
-    a.positions = hpos;
-    a.row_of_token = hrow;
-    a.kv_cache = scratch.view();
-    a.q_out = q_rot;
-    append_kv(spec, a);
+    append_kv(spec, append_args(qkv, bias, hpos, hrow, scratch.view(), q_rot));
   }
   HostTensor cpu_out = poisoned(DType::kBF16, {tokens, hq, d});
   HostTensor cpu_lse = poisoned(DType::kF32, {tokens, hq});
@@ -169,14 +175,8 @@ void run_forward_step(const AttentionSpec& spec_in, Backend backend, const Step&
   {
     DeviceKvCache gpu_scratch(scratch);
     DeviceTensor dpos(int32_tensor(positions)), drow(int32_tensor(rows)), dq_rot(gpu_q_rot);
-    AppendKvArgs a;
-    a.qkv = dqkv;
-    if (step.bias) a.qkv_bias = dbias;
-    a.positions = dpos;
-    a.row_of_token = drow;
-    a.kv_cache = gpu_scratch.view();
-    a.q_out = dq_rot;
-    ASSERT_NO_THROW(append_kv(spec, a, nullptr));
+    ASSERT_NO_THROW(
+        append_kv(spec, append_args(dqkv, dbias, dpos, drow, gpu_scratch.view(), dq_rot), nullptr));
     ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
     dq_rot.download(gpu_q_rot);
   }

@@ -318,6 +318,12 @@ __device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
   return y;
 }
 
+// The natural-log LSE of a softmax whose max is m2 (log2 units) and whose sum of exponentials
+// (relative to it) is l: -inf where no key counted (l = 0).
+__device__ __forceinline__ float decode_natural_lse(float m2, float l) {
+  return l == 0.0f ? -INFINITY : (m2 + log2f(l)) * 0.6931471805599453f;
+}
+
 // Counts this split CTA's arrival for its (row, KV head, head block); true (in every thread) in the
 // last CTA to arrive, which merges. The splits' writes are made visible by the release / acquire
 // count (the CUDA threadFenceReduction pattern) and read through L2 (__ldcg), never a stale L1
@@ -440,7 +446,7 @@ __device__ __forceinline__ void decode_combine_accumulated(const DecodeParams& p
     out[i % kD] = QT(sum > 0.0f ? o / sum : 0.0f);
     if (p.lse != nullptr && i % kD == 0) {
       p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
-          sum > 0.0f ? (m_ref + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+          decode_natural_lse(m_ref, sum);
     }
   }
 }
@@ -1418,7 +1424,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   if (const int r = static_cast<int>(threadIdx.x) - (Traits::kThreads - 32);
       r >= 0 && r < heads_here) {
     const float2 ml = merge_ml[r];
-    const float lse = ml.y == 0.0f ? -INFINITY : (ml.x + log2f(ml.y)) * 0.6931471805599453f;
+    const float lse = decode_natural_lse(ml.x, ml.y);
     const int head = first_head + r;
     if (p.num_splits == 1) {
       if (p.lse != nullptr) p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
@@ -1557,7 +1563,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const int head = first_head + r;
       if (outlier) {
         p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] =
-            ml.y == 0.0f ? -INFINITY : (ml.x + log2f(ml.y)) * 0.6931471805599453f;
+            decode_natural_lse(ml.x, ml.y);
       } else if (ml.y != 0.0f) {
         atomicAdd(p.merge_den + static_cast<int64_t>(row) * p.num_q_heads + head,
                   exp2f(ml.x) * ml.y);

@@ -247,6 +247,10 @@ std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::De
 
 namespace {
 
+// The accumulating merge's LSE range (set_decode_accumulate_range).
+std::atomic<float> g_accumulate_min_lse2{kDecodeAccumulateMinLse2};
+std::atomic<float> g_accumulate_max_lse2{kDecodeAccumulateMaxLse2};
+
 // The launch of one call: parameters (the split workspace pointers left null), kernel choice.
 struct DecodePlan {
   DecodeParams params;
@@ -417,6 +421,11 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
         decode_separate_merge(params.num_splits, params.group_size, spec.head_dim);
     const int64_t counters = ctas;  // rows x KV heads x head blocks
     const int64_t row_heads = p.num_rows * spec.num_q_heads;
+    if (plan.accumulate) {
+      params.merge_accumulate = 1;
+      params.accumulate_min_lse2 = g_accumulate_min_lse2.load(std::memory_order_relaxed);
+      params.accumulate_max_lse2 = g_accumulate_max_lse2.load(std::memory_order_relaxed);
+    }
     plan.zeroed_words =
         plan.separate_merge ? 0
         : plan.accumulate ? row_heads * (spec.head_dim + 1) + counters * (1 + kDecodeMaxSplits / 32)
@@ -481,11 +490,6 @@ bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim) {
 void set_decode_merge_mode(DecodeMergeMode mode) {
   g_merge_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
 }
-
-namespace {
-std::atomic<float> g_accumulate_min_lse2{kDecodeAccumulateMinLse2};
-std::atomic<float> g_accumulate_max_lse2{kDecodeAccumulateMaxLse2};
-}  // namespace
 
 bool decode_accumulate_merge(bool deterministic, int compute_major, int32_t num_splits,
                              int group_size, int head_dim, int heads_per_cta, bool other_kernel,
@@ -580,9 +584,6 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
     params.merge_outliers = reinterpret_cast<uint32_t*>(params.merge_den + row_heads);
     params.split_counters = reinterpret_cast<int32_t*>(
         params.merge_outliers + counters_of(params) * (kDecodeMaxSplits / 32));
-    params.merge_accumulate = 1;
-    params.accumulate_min_lse2 = g_accumulate_min_lse2.load(std::memory_order_relaxed);
-    params.accumulate_max_lse2 = g_accumulate_max_lse2.load(std::memory_order_relaxed);
   };
   if (args.workspace != nullptr) {
     // The caller's workspace: counters are zero between calls (the merging CTA resets its own),
