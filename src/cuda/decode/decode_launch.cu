@@ -514,6 +514,14 @@ void set_decode_accumulate_range(float min_lse2, float max_lse2) {
   g_accumulate_max_lse2.store(max_lse2, std::memory_order_relaxed);
 }
 
+namespace {
+std::atomic<int64_t> g_prefetching_launches{0};
+}  // namespace
+
+int64_t decode_prefetching_launches() {
+  return g_prefetching_launches.load(std::memory_order_relaxed);
+}
+
 int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
                              int64_t resident_ctas, int32_t group_size, int32_t token_bytes) {
   constexpr int32_t kPrefetchBytes = 32 * 1024;  // K and V of a CTA's first keys
@@ -546,6 +554,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   // decode grid, which then needs no counters (decode_separate_merge).
   const bool separate_merge = plan.separate_merge;
   auto launch = [&] {
+    if (params.prefetch_keys > 0) g_prefetching_launches.fetch_add(1, std::memory_order_relaxed);
     if (plan.wgmma.use) {
       launch_decode_wgmma(params, p.dtype, plan.wgmma.ctas_per_sm, stream);
     } else {

@@ -35,6 +35,11 @@ struct DecodeKernelChoice {
 int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
                              int64_t resident_ctas, int32_t group_size, int32_t token_bytes);
 
+// Decode launches (since the process started) that prefetched before griddepcontrol.wait
+// (decode_prefetch_keys > 0): tests check that a call took the path that reads the row's length
+// and block table before the previous kernel has ended.
+int64_t decode_prefetching_launches();
+
 // Whether a decode grid is launched as a programmatic dependent of the previous kernel on the
 // stream (decode_launch.cu): on sm_90+, for grids of more than one wave of resident CTAs and for
 // calls of more than two splits; not for a grid resident at once with one or two splits.
