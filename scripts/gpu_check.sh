@@ -10,8 +10,8 @@
 #   GPU_CHECK_BUILD     build directory (default build-gpu)
 #   GPU_CHECK_ARCHS     CUDA architectures (default "80;90a": the full matrix)
 #   GPU_CHECK_STEPS     steps to run, space separated, in this order (default: all of
-#                       "info configure build gpu_tests cpu_tests pytest check bench_decode bench_prefill
-#                        bench_dense bench_append peers")
+#                       "info configure build sass_check gpu_tests cpu_tests pytest check bench_decode
+#                        bench_prefill bench_dense bench_append peers")
 #   GPU_CHECK_PEERS_ARGS options of bench/peers.py in the peers step (default "--quick"; empty: the
 #                       full grids of every suite, several minutes)
 #   GPU_CHECK_FILTER    --gtest_filter for the gpu tests (default: all)
@@ -31,7 +31,7 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
 ARCHS="${GPU_CHECK_ARCHS:-80;90a}"
-STEPS="${GPU_CHECK_STEPS:-info configure build gpu_tests cpu_tests pytest check bench_decode bench_prefill bench_dense bench_append peers}"
+STEPS="${GPU_CHECK_STEPS:-info configure build sass_check gpu_tests cpu_tests pytest check bench_decode bench_prefill bench_dense bench_append peers}"
 JOBS="${GPU_CHECK_JOBS:-$(nproc)}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -89,6 +89,21 @@ fi
 
 TESTS_DIR="$BUILD/tests"
 CLI="$BUILD/attnkit"
+
+# The SASS of the library: no memory instruction may name a descriptor register that nothing
+# writes (ptxas of CUDA 13.0 emitted such hinted cp.async copies in some decode kernels; an
+# illegal instruction at run time, docs/decode_design.md session 21). Needs cuobjdump (CUDA
+# toolkit); skipped without it.
+if wants sass_check; then
+  if ! command -v cuobjdump >/dev/null 2>&1 &&
+    ! [ -x "$(dirname "$(command -v nvcc 2>/dev/null || echo /nonexistent)")/cuobjdump" ]; then
+    skip sass_check "no cuobjdump"
+  elif [ $BUILD_OK -eq 1 ] && ls "$BUILD"/libattnkit.so* >/dev/null 2>&1; then
+    run_step sass_check python3 scripts/check_sass_descriptors.py "$(ls "$BUILD"/libattnkit.so.*.*.* | head -n 1)"
+  else
+    skip sass_check "no library built"
+  fi
+fi
 
 # run_gtests LABEL FILTER: runs $TESTS_DIR/attnkit_LABEL with an xml report, or records a skip.
 run_gtests() {

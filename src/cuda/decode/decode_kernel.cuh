@@ -305,9 +305,25 @@ struct DecodeKeyRange {
   }
 };
 
-// cp.async of 16 bytes that are all valid (no zero fill).
-__device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
+// cp.async of 16 bytes that are all valid (no zero fill), with an L2 eviction policy.
+__device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, const void* src,
+                                                        uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
+               "l"(src), "l"(policy));
+}
+
+// The L2 eviction policy of the K / V stream: evict_first. Each K / V byte is read once a call,
+// and at batch 1 x 32k the call streams 67-134 MB through the 50 MB L2: with the default policy
+// that stream pushes out what the call reads again at its end (the kernel's epilogue and merge
+// code, whose fetches ncu's sampling put first among the last CTA's stalls; the block table; the
+// partials) and the next call's prefetched first tiles. H200, session 21 call 5, same run, TB/s
+// (main -> evict_first): bf16 1 x 32k 3.649 -> 3.815, fp8 1 x 32k 2.964 -> 3.107, int8 2.871 ->
+// 2.966, page 16 3.532 -> 3.663, fp8 1 x 64k 3.407 -> 3.522, 1 x 8k 2.433 -> 2.511, fp8 256 x 1k
+// 4.250 -> 4.332; 64 x 4k and 32 x 32k even.
+__device__ __forceinline__ uint64_t decode_kv_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0;\n" : "=l"(policy));
+  return policy;
 }
 
 // Transposes an 8x8 matrix of 16-bit elements held in the MMA accumulator layout (lane (g, t):
@@ -820,6 +836,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
     return p.kv.byte_offset_shift(src_row, p.kv.slot_of(pos), kv_head, 0, p.page_shift);
   };
+  const uint64_t kv_policy = decode_kv_policy();
   // Copies K (copy_k) and / or V (copy_v) of a tile's keys into k_dst / v_dst.
   auto copy_tile = [&](int64_t my_offset, uint8_t* k_dst, uint8_t* v_dst, bool copy_k,
                        bool copy_v) {
@@ -861,8 +878,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const uint32_t lane_dst =
           copy_slot * kCopyKeys * kDstRowBytes +
           (32 % kCpt == 0 ? (lane / kCpt) * kDstRowBytes + (lane % kCpt) * 16 : lane * 16);
-      const uint32_t k_lane = smem_u32(k_dst) + lane_dst;
-      const uint32_t v_lane = smem_u32(v_dst) + lane_dst;
+      // Identity shuffles keep the two addresses per-lane registers. Without them ptxas (CUDA
+      // 13.0) moved the warp-uniform buffer base of some kernels (16- and 32-head 16-bit ones at
+      // head_dim 128, those of head_dim 256) into a uniform register, and its [R + UR + imm] form
+      // of the hinted LDGSTS names a descriptor register nothing writes: an illegal instruction
+      // at run time (session 21; scripts/check_sass_descriptors.py checks every kernel).
+      const uint32_t k_lane = __shfl_sync(0xffffffffu, smem_u32(k_dst) + lane_dst, lane);
+      const uint32_t v_lane = __shfl_sync(0xffffffffu, smem_u32(v_dst) + lane_dst, lane);
 #pragma unroll
       for (int base = 0; base < kChunks; base += 32) {
         const int c = base + lane;
@@ -881,8 +903,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
             dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
           }
           const bool run2 = kTwoRuns && base >= kChunks / 2;
-          if (copy_k) decode_cp_async_16_full(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16);
-          if (copy_v) decode_cp_async_16_full(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16);
+          if (copy_k) {
+            decode_cp_async_16_full(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16, kv_policy);
+          }
+          if (copy_v) {
+            decode_cp_async_16_full(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16, kv_policy);
+          }
         }
       }
       return;
