@@ -314,12 +314,13 @@ __device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, cons
 
 // The L2 eviction policy of the K / V stream: evict_first. Each K / V byte is read once a call,
 // and at batch 1 x 32k the call streams 67-134 MB through the 50 MB L2: with the default policy
-// that stream pushes out what the call reads again at its end (the kernel's epilogue and merge
-// code, whose fetches ncu's sampling put first among the last CTA's stalls; the block table; the
-// partials) and the next call's prefetched first tiles. H200, session 21 call 5, same run, TB/s
-// (main -> evict_first): bf16 1 x 32k 3.649 -> 3.815, fp8 1 x 32k 2.964 -> 3.107, int8 2.871 ->
-// 2.966, page 16 3.532 -> 3.663, fp8 1 x 64k 3.407 -> 3.522, 1 x 8k 2.433 -> 2.511, fp8 256 x 1k
-// 4.250 -> 4.332; 64 x 4k and 32 x 32k even.
+// that stream pushes out what the call reads again at its end (the epilogue's and merge's code,
+// whose fetches ncu's sampling put first among the last CTA's stalls; the block table; the
+// partials) and the next call's prefetched first tiles. H200, session 21 call 8, same run, TB/s
+// (main -> evict_first): bf16 1 x 32k 3.650 -> 3.822, fp8 1 x 32k 2.966 -> 3.133, int8 2.885 ->
+// 2.981, page 16 3.535 -> 3.646, 1 x 8k 2.430 -> 2.514, 1 x 128k 4.184 -> 4.218, fp8 256 x 1k
+// 4.249 -> 4.342; 64 x 4k and MQA even. Only the linear copies take it (copy_tile): the
+// zero-fill form with a cache hint met the ptxas fault described at copy_tile (session 21 call 6).
 __device__ __forceinline__ uint64_t decode_kv_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0;\n" : "=l"(policy));
