@@ -3,6 +3,7 @@
 
 Usage: check_sass_descriptors.py FILE...   (a cubin, object or shared library with sm_90a code;
        `cuobjdump` is found next to nvcc, on PATH, or in $CUOBJDUMP)
+       check_sass_descriptors.py --has-cuobjdump   (exit 0 if the check can run here, else 77)
 
 On sm_90, global memory instructions take a 64-bit descriptor in a uniform register pair
 (`desc[URn]`): the default one from the constant bank, or one built from an L2 cache policy. ptxas
@@ -56,6 +57,8 @@ def check_function(name, body):
 
 
 def main(paths):
+    if paths == ['--has-cuobjdump']:
+        return 0 if find_cuobjdump() else 77
     if not paths:
         print(__doc__)
         return 2

@@ -95,8 +95,7 @@ CLI="$BUILD/attnkit"
 # illegal instruction at run time, docs/decode_design.md session 21). Needs cuobjdump (CUDA
 # toolkit); skipped without it.
 if wants sass_check; then
-  if ! command -v cuobjdump >/dev/null 2>&1 &&
-    ! [ -x "$(dirname "$(command -v nvcc 2>/dev/null || echo /nonexistent)")/cuobjdump" ]; then
+  if ! python3 scripts/check_sass_descriptors.py --has-cuobjdump; then
     skip sass_check "no cuobjdump"
   elif [ $BUILD_OK -eq 1 ] && ls "$BUILD"/libattnkit.so* >/dev/null 2>&1; then
     run_step sass_check python3 scripts/check_sass_descriptors.py "$(ls "$BUILD"/libattnkit.so.*.*.* | head -n 1)"
