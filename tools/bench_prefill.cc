@@ -32,6 +32,7 @@ struct PrefillShape {
   int page = 0;                   // 0: packed K/V; else a paged cache with this page size
   std::string kv_dtype = "bf16";  // paged only: bf16, fp8_e4m3, int8
   std::string dtype = "bf16";     // Q, O and packed K/V: bf16 or f16
+  FusedKernel kernel = FusedKernel::kAuto;
 };
 
 struct PrefillBenchOptions {
@@ -45,7 +46,15 @@ struct PrefillBenchOptions {
   int page = 0;
   std::string kv_dtype = "bf16";
   std::string dtype = "bf16";
+  std::string kernel = "auto";  // auto, portable, hopper (AttentionSpec::fused_kernel)
 };
+
+FusedKernel parse_kernel(const std::string& name) {
+  for (FusedKernel k : {FusedKernel::kAuto, FusedKernel::kPortable, FusedKernel::kHopper}) {
+    if (name == fused_kernel_name(k)) return k;
+  }
+  throw Error("bench prefill: --kernel: accepted auto, portable, hopper; got '" + name + "'");
+}
 
 std::string short_tokens(int n) {
   return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
@@ -112,11 +121,14 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
                 std::to_string(o.page));
   }
   check_iters(kCommand, o.common.iters);
+  const FusedKernel kernel = parse_kernel(o.kernel);
   if (o.seqlen == 0) {
     if (o.dtype != "bf16") {
       throw Error("bench prefill: --dtype " + o.dtype + ": accepted only with --seqlen (one row)");
     }
-    return default_grid(o.common.quick);
+    std::vector<PrefillShape> grid = default_grid(o.common.quick);
+    for (PrefillShape& s : grid) s.kernel = kernel;
+    return grid;
   }
   PrefillShape s;
   s.head_dim = o.head_dim;
@@ -129,6 +141,7 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
   s.page = o.page;
   s.kv_dtype = o.kv_dtype;
   s.dtype = o.dtype;
+  s.kernel = kernel;
   s.label = label_of(s);
   return {s};
 }
@@ -136,9 +149,11 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
 BenchRow row_of(const PrefillShape& s) {
   BenchRow row;
   row.label = s.label;
-  row.shape = {{"batch", s.batch},       {"seqlen", s.seqlen},     {"q_heads", s.heads},
-               {"kv_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"causal", s.causal},
-               {"page", s.page},         {"kv_dtype", s.kv_dtype}, {"dtype", s.dtype}};
+  row.shape = {{"batch", s.batch},       {"seqlen", s.seqlen},
+               {"q_heads", s.heads},     {"kv_heads", s.kv_heads},
+               {"head_dim", s.head_dim}, {"causal", s.causal},
+               {"page", s.page},         {"kv_dtype", s.kv_dtype},
+               {"dtype", s.dtype},       {"kernel", fused_kernel_name(s.kernel)}};
   return row;
 }
 
@@ -171,6 +186,7 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
   spec.head_dim = d;
   spec.mask.kind = s.causal ? MaskKind::kCausal : MaskKind::kNone;
   spec.backend = session.backend(Backend::kFused);
+  spec.fused_kernel = s.kernel;
 
   std::vector<int32_t> cu(s.batch + 1);
   for (int b = 0; b <= s.batch; ++b) cu[b] = b * s.seqlen;
@@ -255,6 +271,8 @@ void register_bench_prefill(CLI::App& bench) {
   cmd->add_option("--page", o->page, "paged cache with this page size (0 = packed K/V)");
   cmd->add_option("--kv-dtype", o->kv_dtype, "paged cache dtype: bf16, fp8_e4m3, int8");
   cmd->add_option("--dtype", o->dtype, "q, out and packed K/V dtype: bf16 or f16 (default bf16)");
+  cmd->add_option("--kernel", o->kernel,
+                  "fused kernel: auto, portable (mma.sync, sm80+) or hopper (sm90 warpgroup)");
   add_common_options(*cmd, o->common, 20);
   cmd->callback([o] {
     const std::vector<PrefillShape> shapes = plan(*o);

@@ -17,6 +17,16 @@ namespace attnkit {
 enum class Backend : uint8_t { kAuto, kFused, kVanilla };
 const char* backend_name(Backend backend);  // "auto", "fused", "vanilla"
 
+// Which fused kernel family runs the context attention of prefill(), dense() and forward() on a
+// CUDA tensor (as FlashInfer's fa2 / fa3 backends):
+//   kAuto:     the Hopper warpgroup kernel on an H100 / H200 wherever it serves the call, else the
+//              portable one;
+//   kPortable: the mma.sync kernel of sm80 and newer (A/B comparisons, bit-for-bit continuity);
+//   kHopper:   the sm90 warpgroup kernel; a call it cannot serve (another GPU, head_dim 80 / 96)
+//              raises, naming why.
+enum class FusedKernel : uint8_t { kAuto, kPortable, kHopper };
+const char* fused_kernel_name(FusedKernel kernel);  // "auto", "portable", "hopper"
+
 enum class MaskKind : uint8_t {
   kNone,           // every key (encoder, diffusion, cross attention)
   kCausal,         // key positions j <= p
@@ -85,8 +95,9 @@ struct AttentionSpec {
   std::vector<float> alibi_slopes;  // [num_q_heads]; empty means the default slopes
   double logit_softcap = 0.0;       // > 0: logit = cap * tanh(logit / cap)
   Backend backend = Backend::kAuto;
-  std::optional<SkipSoftmaxSpec> skip_softmax;  // dense() only
-  std::optional<SageQuantSpec> quant;           // dense() only
+  FusedKernel fused_kernel = FusedKernel::kAuto;  // context attention on the fused backend
+  std::optional<SkipSoftmaxSpec> skip_softmax;    // dense() only
+  std::optional<SageQuantSpec> quant;             // dense() only
 
   double effective_scale() const;
   int32_t effective_rotary_dim() const { return rope.rotary_dim ? rope.rotary_dim : head_dim; }

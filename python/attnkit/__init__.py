@@ -172,6 +172,7 @@ def _spec(
     alibi: Any,
     softcap: float,
     backend: str,
+    kernel: str = "auto",
 ) -> dict:
     spec = {
         "num_q_heads": int(num_q_heads),
@@ -180,6 +181,7 @@ def _spec(
         "softmax_scale": float(softmax_scale) if softmax_scale is not None else 0.0,
         "softcap": float(softcap),
         "backend": backend,
+        "kernel": kernel,
     }
     if alibi is True:
         spec["alibi"] = True
@@ -303,6 +305,7 @@ def prefill(
     alibi: Any = False,
     softcap: float = 0.0,
     backend: str = "auto",
+    kernel: str = "auto",
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
@@ -320,6 +323,9 @@ def prefill(
     causal=False: no mask (cross attention). alibi: False, True (default slopes) or [Hq] slopes.
     softcap: > 0 applies cap * tanh(logit / cap). out: [total_q, Hq, D] (allocated if None).
     lse / return_lse: float32 [total_q, Hq] natural-log sum-exp (-inf for empty rows).
+    kernel: the fused kernel on CUDA tensors: "auto" (the Hopper kernel on an H100 / H200 where
+    it serves the call), "portable" (the mma.sync kernel of sm80+) or "hopper" (raises where the
+    Hopper kernel cannot serve the call).
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     total_q, hq, d = _shape(q, "q", 3)
@@ -338,7 +344,7 @@ def prefill(
         cu_seqlens_q = [0, total_q]
     cu_seqlens_q = _int32(cu_seqlens_q, q, "cu_seqlens_q")
     cu_seqlens_k = _int32(cu_seqlens_k, q, "cu_seqlens_k")
-    spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend)
+    spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend, kernel)
     spec.update(_mask(causal, window, sink_tokens))
     cuda = _is_cuda(q)
     if cuda and max_seqlen_q is None:
@@ -625,6 +631,7 @@ def dense(
     config: Optional[AttentionConfig] = None,
     role: str = "default",
     backend: Optional[str] = None,
+    kernel: str = "auto",
     skip_softmax: Optional[dict] = None,
     quant: Optional[dict] = None,
     softmax_scale: Optional[float] = None,
@@ -645,7 +652,8 @@ def dense(
     threshold | target_sparsity (+ calibration_a, calibration_b), disabled_until_timestep.
     quant: dict with dtype_qk ("int8" | "fp8_e4m3"), q_block_size, k_block_size (1, 4, 16).
     timestep: normalized diffusion timestep (skip-softmax gate); block_m / block_n: the tiles of
-    the skip decisions. out: [B, Sq, Hq, D]; lse: float32 [B, Sq, Hq].
+    the skip decisions. kernel: the fused kernel on CUDA tensors, as for prefill(). out:
+    [B, Sq, Hq, D]; lse: float32 [B, Sq, Hq].
     Returns out, plus lse and/or the stats dict (tiles_total, tiles_skipped, skipped_fraction)
     in that order when asked for.
     """
@@ -656,7 +664,7 @@ def dense(
         if config is not None
         else {"backend": "auto", "skip_softmax": None, "quant": None}
     )
-    spec = _spec(hq, hkv, d, softmax_scale, False, 0.0, backend or resolved["backend"])
+    spec = _spec(hq, hkv, d, softmax_scale, False, 0.0, backend or resolved["backend"], kernel)
     spec["mask"] = "none"
     spec["skip_softmax"] = skip_softmax if skip_softmax is not None else resolved["skip_softmax"]
     spec["quant"] = quant if quant is not None else resolved["quant"]

@@ -162,28 +162,28 @@ SageQuantSpec parse_quant(const nb::dict& d) {
 }
 
 AttentionSpec spec_from_dict(const nb::dict& d) {
-  check_keys(d, "spec",
-             {"num_q_heads",
-              "num_kv_heads",
-              "head_dim",
-              "softmax_scale",
-              "mask",
-              "window",
-              "sink_tokens",
-              "alibi",
-              "alibi_slopes",
-              "softcap",
-              "backend",
-              "rope_style",
-              "rotary_dim",
-              "rope_base",
-              "rope_scaling",
-              "rope_factor",
-              "low_freq_factor",
-              "high_freq_factor",
-              "original_max_position",
-              "skip_softmax",
-              "quant"});
+  check_keys(d, "spec", {"num_q_heads",
+                         "num_kv_heads",
+                         "head_dim",
+                         "softmax_scale",
+                         "mask",
+                         "window",
+                         "sink_tokens",
+                         "alibi",
+                         "alibi_slopes",
+                         "softcap",
+                         "backend",
+                         "kernel",
+                         "rope_style",
+                         "rotary_dim",
+                         "rope_base",
+                         "rope_scaling",
+                         "rope_factor",
+                         "low_freq_factor",
+                         "high_freq_factor",
+                         "original_max_position",
+                         "skip_softmax",
+                         "quant"});
   AttentionSpec s;
   s.num_q_heads = get<int32_t>(d, "num_q_heads", 0);
   s.num_kv_heads = get<int32_t>(d, "num_kv_heads", 0);
@@ -199,6 +199,10 @@ AttentionSpec spec_from_dict(const nb::dict& d) {
   s.alibi_slopes = get<std::vector<float>>(d, "alibi_slopes", {});
   s.logit_softcap = get<double>(d, "softcap", 0.0);
   s.backend = parse_backend(get<std::string>(d, "backend", "auto"));
+  s.fused_kernel = parse_choice<FusedKernel>("kernel", get<std::string>(d, "kernel", "auto"),
+                                             {{"auto", FusedKernel::kAuto},
+                                              {"portable", FusedKernel::kPortable},
+                                              {"hopper", FusedKernel::kHopper}});
   s.rope.style = parse_choice<RopeStyle>(
       "rope_style", get<std::string>(d, "rope_style", "none"),
       {{"none", RopeStyle::kNone}, {"gpt_neox", RopeStyle::kGptNeox}, {"gptj", RopeStyle::kGptJ}});

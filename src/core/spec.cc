@@ -18,6 +18,18 @@ const char* backend_name(Backend backend) {
   return "?";
 }
 
+const char* fused_kernel_name(FusedKernel kernel) {
+  switch (kernel) {
+    case FusedKernel::kAuto:
+      return "auto";
+    case FusedKernel::kPortable:
+      return "portable";
+    case FusedKernel::kHopper:
+      return "hopper";
+  }
+  return "?";
+}
+
 const char* mask_name(MaskKind mask) {
   switch (mask) {
     case MaskKind::kNone:

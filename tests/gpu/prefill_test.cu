@@ -24,6 +24,7 @@
 #include "core/problem.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/prefill_api.h"
+#include "cuda/prefill/prefill_launch.h"
 #include "gpu/gpu_util.h"
 
 namespace attnkit::test {
@@ -49,6 +50,7 @@ struct Case {
   bool per_head_scales = false;
   std::optional<PrefillTile> tile;
   int section_pairs = 0;  // > 0: forced CTA-order section size (run_prefill)
+  int ctas = 0;           // > 0: forced persistent grid of the sm90 kernel (run_prefill)
   bool with_lse = true;
 
   std::string str() const {
@@ -60,7 +62,7 @@ struct Case {
       << (source == KvSource::kPaged ? std::to_string(page) : std::string())
       << " kv=" << dtype_name(kv_dtype)
       << " tile=" << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto")
-      << " section=" << section_pairs << " q_lens=";
+      << " section=" << section_pairs << " ctas=" << ctas << " q_lens=";
     for (int n : q_lens) s << n << ",";
     s << " kv_lens=";
     for (int n : kv_lens) s << n << ",";
@@ -331,9 +333,9 @@ void run_and_check(const Case& c) {
     view.v_scale = d_vs;
     args.kv_cache = &view;
   }
-  if (c.tile || c.section_pairs > 0) {
+  if (c.tile || c.section_pairs > 0 || c.ctas > 0) {
     const detail::PrefillProblem problem = detail::validate_prefill(spec, args);
-    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile, c.section_pairs);
+    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile, c.section_pairs, c.ctas);
   } else {
     prefill(spec, args);
   }
@@ -357,8 +359,15 @@ void run_and_check(const Case& c) {
   }
 }
 
+// Every kernel this build has for (head_dim, dtype) that this GPU runs: the mma.sync tiles, and
+// the sm90 kernel on an H100 / H200.
 std::vector<PrefillTile> tiles_for(int head_dim, DType dtype) {
-  return cuda::prefill::compiled_tiles(head_dim, dtype);
+  return cuda::prefill::runnable_tiles(head_dim, dtype, 0);
+}
+
+bool has_sm90(int head_dim, DType dtype) {
+  const std::vector<PrefillTile> tiles = tiles_for(head_dim, dtype);
+  return std::find(tiles.begin(), tiles.end(), PrefillTile::kSm90) != tiles.end();
 }
 
 bool compiled(int head_dim, DType dtype) { return !tiles_for(head_dim, dtype).empty(); }
@@ -791,57 +800,166 @@ TEST(PrefillLarge, MixedBatchUpTo8kAgainstGpuFp32) {
   }
 }
 
+// ---- the sm90 kernel: its own tile and stage boundaries, the persistent scheduler -------------
+// Key tiles of 80 (head_dim 256), 128 (causal), 176 (head_dim 128) and 192 (head_dim 64) keys in a
+// two-stage ring: lengths one short of, at and one past 1, 2 and 3 tiles (the ring wraps at the
+// third), queries after a cache, both masks.
+TEST(PrefillSm90, KeyTileAndStageBoundaries) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64, 256}) {
+    if (!has_sm90(d, DType::kBF16)) {
+      std::printf("[ SKIPPED  ] no sm90 kernel for head_dim %d on this GPU / build\n", d);
+      continue;
+    }
+    for (MaskKind mask : {MaskKind::kNone, MaskKind::kCausal}) {
+      const int bn = cuda::prefill::prefill_block_n(PrefillTile::kSm90, d, mask != MaskKind::kNone);
+      for (int tiles : {1, 2, 3}) {
+        for (int delta : {-1, 0, 1}) {
+          Case c;
+          c.head_dim = d;
+          c.hq = 2;
+          c.hkv = 1;
+          c.mask = mask_of(mask);
+          const int n = tiles * bn + delta;
+          c.q_lens = {n, 129, std::max(1, n - 130)};
+          c.kv_lens = {n, 129 + bn, n};
+          c.tile = PrefillTile::kSm90;
+          run_and_check(c);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// More work items than CTAs (1, 3 and 7 persistent CTAs walk every item), uneven varlen batches,
+// a causal batch of tiny and long sequences, sequences without queries in a block (q_len below
+// the longest), queries without keys (q_len > kv_len under the causal mask: zeros, LSE -inf).
+TEST(PrefillSm90, PersistentSchedulerCoversEveryItem) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64, 256}) {
+    if (!has_sm90(d, DType::kBF16)) continue;
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
+      for (int ctas : {1, 3, 7}) {
+        Case c;
+        c.head_dim = d;
+        c.hq = 3;
+        c.hkv = 1;
+        c.mask = mask_of(mask);
+        c.q_lens = {1, 700, 2, 257, 129, 40};
+        c.kv_lens = {1, 700, 90, 257, 300, 20};
+        c.tile = PrefillTile::kSm90;
+        c.ctas = ctas;
+        run_and_check(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// The sm90 kernel over every K/V source at once in one batch with logit modifiers: packed GQA
+// and MQA, paged 16-bit (TMA boxes per page run) and 8-bit (gathered) caches of every page size.
+TEST(PrefillSm90, PagedEveryPageEveryCacheWithModifiers) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64, 256}) {
+    if (!has_sm90(d, DType::kBF16)) continue;
+    for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
+      for (int page : {8, 16, 32, 64, 128}) {
+        Case c;
+        c.head_dim = d;
+        c.source = KvSource::kPaged;
+        c.kv_dtype = kv;
+        c.page = page;
+        c.hq = 8;
+        c.hkv = 2;
+        c.per_head_scales = page == 32;
+        c.mask =
+            page == 64 ? mask_of(MaskKind::kSlidingWindow, 150, 3) : mask_of(MaskKind::kCausal);
+        c.alibi = page == 16;
+        c.softcap = page == 128 ? 20.0 : 0.0;
+        c.q_lens = {300, 1, 177, 64};
+        c.kv_lens = {300 + 2 * page, 513, 177, 64 + page + 3};
+        c.tile = PrefillTile::kSm90;
+        run_and_check(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 // ---- dense(): the plain fused path of the same kernel (mask none, fixed lengths) ---------------
+// Every kernel forced (the sm90 kernel also on a grid of fewer CTAs than work items), and the
+// kernel dense() picks itself; key lengths inside and past one tile.
 TEST(PrefillDense, DenseMatchesFp64) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  for (int d : {128, 64}) {
+  struct Run {
+    std::optional<PrefillTile> tile;
+    int ctas;
+  };
+  for (int d : {128, 64, 256}) {
     if (!compiled(d, DType::kBF16)) continue;
-    const int batch = 2, sq = 150, skv = 97, hq = 4, hkv = 2;
-    std::mt19937_64 rng(test_seed() + 77 + d);
-    HostTensor q(DType::kBF16, {batch, sq, hq, d}), k(DType::kBF16, {batch, skv, hkv, d}),
-        v(DType::kBF16, {batch, skv, hkv, d}), out(DType::kBF16, {batch, sq, hq, d}),
-        lse(DType::kF32, {batch, sq, hq});
-    q.fill_uniform(rng, -1.f, 1.f);
-    k.fill_uniform(rng, -1.f, 1.f);
-    v.fill_uniform(rng, -1.f, 1.f);
-    out.fill(NAN);
-    lse.fill(NAN);
-    DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse);
-    AttentionSpec spec;
-    spec.num_q_heads = hq;
-    spec.num_kv_heads = hkv;
-    spec.head_dim = d;
-    spec.mask.kind = MaskKind::kNone;
-    spec.backend = Backend::kFused;
-    DenseArgs args;
-    args.q = d_q;
-    args.k = d_k;
-    args.v = d_v;
-    args.out = d_out;
-    args.lse = d_lse;
-    dense(spec, args);
-    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-    d_out.download(out);
-    d_lse.download(lse);
-    // The same data as a packed problem for the fp64 loop.
-    Problem p;
-    p.c.head_dim = d;
-    p.c.hq = hq;
-    p.c.hkv = hkv;
-    p.c.mask = mask_of(MaskKind::kNone);
-    p.c.q_lens = {sq, sq};
-    p.c.kv_lens = {skv, skv};
-    p.batch = batch;
-    p.cu_q = {0, sq, 2 * sq};
-    p.cu_kv = {0, skv, 2 * skv};
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    std::vector<double> ref, ref_lse;
-    reference(p, ref, ref_lse);
-    expect_close(out.to_double(), ref, DType::kBF16, "dense out");
-    const std::vector<double> got = lse.to_double();
-    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], ref_lse[i], 2e-3) << i;
+    std::vector<Run> runs = {{std::nullopt, 0}};
+    for (PrefillTile tile : tiles_for(d, DType::kBF16)) runs.push_back({tile, 0});
+    if (has_sm90(d, DType::kBF16)) runs.push_back({PrefillTile::kSm90, 5});
+    for (const Run& run : runs) {
+      for (int skv : {97, 250}) {
+        SCOPED_TRACE(testing::Message()
+                     << "d=" << d << " skv=" << skv << " tile="
+                     << (run.tile ? cuda::prefill::prefill_tile_name(*run.tile) : "auto")
+                     << " ctas=" << run.ctas);
+        const int batch = 2, sq = 150, hq = 4, hkv = 2;
+        std::mt19937_64 rng(test_seed() + 77 + d);
+        HostTensor q(DType::kBF16, {batch, sq, hq, d}), k(DType::kBF16, {batch, skv, hkv, d}),
+            v(DType::kBF16, {batch, skv, hkv, d}), out(DType::kBF16, {batch, sq, hq, d}),
+            lse(DType::kF32, {batch, sq, hq});
+        q.fill_uniform(rng, -1.f, 1.f);
+        k.fill_uniform(rng, -1.f, 1.f);
+        v.fill_uniform(rng, -1.f, 1.f);
+        out.fill(NAN);
+        lse.fill(NAN);
+        DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse);
+        AttentionSpec spec;
+        spec.num_q_heads = hq;
+        spec.num_kv_heads = hkv;
+        spec.head_dim = d;
+        spec.mask.kind = MaskKind::kNone;
+        spec.backend = Backend::kFused;
+        DenseArgs args;
+        args.q = d_q;
+        args.k = d_k;
+        args.v = d_v;
+        args.out = d_out;
+        args.lse = d_lse;
+        if (run.tile) {
+          const detail::DenseProblem problem = detail::validate_dense(spec, args);
+          cuda::prefill::run_dense(spec, args, problem, nullptr, run.tile, 0, run.ctas);
+        } else {
+          dense(spec, args);
+        }
+        ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+        d_out.download(out);
+        d_lse.download(lse);
+        // The same data as a packed problem for the fp64 loop.
+        Problem p;
+        p.c.head_dim = d;
+        p.c.hq = hq;
+        p.c.hkv = hkv;
+        p.c.mask = mask_of(MaskKind::kNone);
+        p.c.q_lens = {sq, sq};
+        p.c.kv_lens = {skv, skv};
+        p.batch = batch;
+        p.cu_q = {0, sq, 2 * sq};
+        p.cu_kv = {0, skv, 2 * skv};
+        p.q = q;
+        p.k = k;
+        p.v = v;
+        std::vector<double> ref, ref_lse;
+        reference(p, ref, ref_lse);
+        expect_close(out.to_double(), ref, DType::kBF16, "dense out");
+        const std::vector<double> got = lse.to_double();
+        for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], ref_lse[i], 2e-3) << i;
+      }
+    }
   }
 }
 

@@ -20,15 +20,21 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
 // Tiles compiled into this build for (head_dim, dtype); empty when none.
 std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype);
 
+// Tiles this build compiles for (head_dim, dtype) that the device can run (its compute
+// capability and shared memory): what tests force.
+std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device);
+
 // Runs a validated call. `forced_tile` overrides the heuristic (tests force every tile); a tile
-// that is not compiled for the head_dim raises. `forced_section_pairs` > 0 overrides the CTA
-// order's section size (PrefillParams::section_pairs; tests force uneven sections).
+// that is not compiled for the head_dim, or that the device or the call's layout cannot run,
+// raises. `forced_section_pairs` > 0 overrides the sm80 CTA order's section size
+// (PrefillParams::section_pairs), `forced_ctas` > 0 the sm90 kernel's persistent grid (tests:
+// uneven sections, more work items than CTAs).
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  const detail::PrefillProblem& p, void* stream,
                  std::optional<PrefillTile> forced_tile = std::nullopt,
-                 int forced_section_pairs = 0);
+                 int forced_section_pairs = 0, int forced_ctas = 0);
 void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
                void* stream, std::optional<PrefillTile> forced_tile = std::nullopt,
-               int forced_section_pairs = 0);
+               int forced_section_pairs = 0, int forced_ctas = 0);
 
 }  // namespace attnkit::cuda::prefill

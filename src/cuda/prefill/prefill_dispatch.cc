@@ -14,6 +14,8 @@
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_build_set.h"
 #include "cuda/prefill/prefill_launch.h"
+#include "cuda/prefill/prefill_sm90.h"
+#include "cuda/prefill/prefill_sm90_traits.h"
 #include "cuda/prefill/prefill_traits.h"
 
 namespace attnkit::cuda::prefill {
@@ -28,6 +30,8 @@ const char* prefill_tile_name(PrefillTile tile) {
       return "m128w4";
     case PrefillTile::kM128W4N128:
       return "m128w4n128";
+    case PrefillTile::kSm90:
+      return "sm90";
   }
   return "?";
 }
@@ -97,6 +101,8 @@ Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, 
     case PrefillTile::kM128W4N128:
       return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs,
                                                             skip_dead, split);
+    case PrefillTile::kSm90:
+      return nullptr;  // run_sm90
   }
   return nullptr;
 }
@@ -178,6 +184,8 @@ int smem_bytes_for(PrefillTile tile, bool quant_kv) {
       return PrefillTraits<D, PrefillTile::kM128W4>::smem_bytes(quant_kv);
     case PrefillTile::kM128W4N128:
       return PrefillTraits<D, PrefillTile::kM128W4N128>::smem_bytes(quant_kv);
+    case PrefillTile::kSm90:
+      return sm90_smem_bytes(D, /*masked=*/false);  // the larger of the two key tiles
   }
   return 0;
 }
@@ -248,8 +256,10 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
                   ": the fused prefill needs sm80 or newer");
   }
   // At least one tile must fit the device (sm80: 163 KB); pick_tile uses only the ones that do.
+  // The sm90 kernel, where compiled, serves on top of the mma.sync tiles, never instead of them.
   int least = 0;
   for (PrefillTile tile : tiles) {
+    if (tile == PrefillTile::kSm90) continue;
     const int need = prefill_smem_bytes(c.head_dim, tile, quant_kv);
     if (need <= dev.smem_optin) return "";
     least = least == 0 ? need : std::min(least, need);
@@ -285,22 +295,39 @@ PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128
   return has(PrefillTile::kM64) ? PrefillTile::kM64 : tiles[0];
 }
 
+// The kernel a call runs. sm90_reason: "" when the sm90 kernel can serve the call (else why
+// not); it is preferred wherever it can, and a forced kSm90 it cannot serve raises with the reason.
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
-                      int32_t max_seqlen_q, int32_t heads, bool masked, int32_t max_seqlen_kv) {
+                      int32_t max_seqlen_q, int32_t heads, bool masked, int32_t max_seqlen_kv,
+                      const std::string& sm90_reason, FusedKernel choice) {
   const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
   const DeviceLimits dev = device_limits(c.device);
   std::vector<PrefillTile> tiles;
   for (PrefillTile t : compiled_tiles(c.head_dim, c.dtype)) {
+    if (t == PrefillTile::kSm90) continue;
     if (prefill_smem_bytes(c.head_dim, t, quant_kv) <= dev.smem_optin) tiles.push_back(t);
   }
   ATTNKIT_CHECK(!tiles.empty(), "prefill: no tile for head_dim ", c.head_dim,
                 " fits the device's shared memory (", dev.smem_optin, " bytes per block)");
   if (forced) {
+    if (*forced == PrefillTile::kSm90) {
+      ATTNKIT_CHECK(sm90_reason.empty(),
+                    "prefill: the sm90 kernel cannot serve this call: ", sm90_reason);
+      return *forced;
+    }
     ATTNKIT_CHECK(std::find(tiles.begin(), tiles.end(), *forced) != tiles.end(), "prefill: tile ",
                   prefill_tile_name(*forced), " is not compiled for head_dim ", c.head_dim, " and ",
                   dtype_name(c.dtype), ", or does not fit this device's shared memory");
     return *forced;
   }
+  if (choice == FusedKernel::kHopper) {
+    ATTNKIT_CHECK(sm90_reason.empty(),
+                  "spec.fused_kernel 'hopper': the sm90 kernel cannot serve "
+                  "this call: ",
+                  sm90_reason);
+    return PrefillTile::kSm90;
+  }
+  if (choice == FusedKernel::kAuto && sm90_reason.empty()) return PrefillTile::kSm90;
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
   return choose_tile(tiles, ctas, dev.sm_count, masked && !c.paged, max_seqlen_kv);
 }
@@ -353,11 +380,31 @@ void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
   }
 }
 
+Sm90Call sm90_call(const CallShape& c, const AttentionSpec& spec, bool masked, int forced_ctas) {
+  const DeviceLimits dev = device_limits(c.device);
+  Sm90Call call;
+  call.cc_major = dev.cc_major;
+  call.cc_minor = dev.cc_minor;
+  call.smem_optin = dev.smem_optin;
+  call.sm_count = dev.sm_count;
+  call.head_dim = spec.head_dim;
+  call.dtype = c.dtype;
+  call.masked = masked;
+  call.forced_ctas = forced_ctas;
+  return call;
+}
+
 }  // namespace
 
 int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM64 ? 64 : 128; }
-int prefill_block_n(PrefillTile tile) { return tile == PrefillTile::kM128W4N128 ? 128 : 64; }
-int prefill_threads(PrefillTile tile) { return tile == PrefillTile::kM128 ? 256 : 128; }
+int prefill_block_n(PrefillTile tile, int head_dim, bool masked) {
+  if (tile == PrefillTile::kSm90) return sm90_block_n(head_dim, masked);
+  return tile == PrefillTile::kM128W4N128 ? 128 : 64;
+}
+int prefill_threads(PrefillTile tile) {
+  if (tile == PrefillTile::kSm90) return 384;
+  return tile == PrefillTile::kM128 ? 256 : 128;
+}
 
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv) {
   switch (head_dim) {
@@ -380,6 +427,23 @@ std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype) {
   std::vector<PrefillTile> tiles;
   for (PrefillTile tile : kAllPrefillTiles) {
     if (find_launcher(head_dim, tile, dtype, false, false, false) != nullptr) tiles.push_back(tile);
+  }
+  if (sm90_kernels_compiled(head_dim, dtype)) tiles.push_back(PrefillTile::kSm90);
+  return tiles;
+}
+
+std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device) {
+  const DeviceLimits dev = device_limits(device);
+  std::vector<PrefillTile> tiles;
+  for (PrefillTile tile : compiled_tiles(head_dim, dtype)) {
+    if (tile == PrefillTile::kSm90) {
+      if (dev.cc_major == 9 && dev.cc_minor == 0 &&
+          sm90_smem_bytes(head_dim, false) <= dev.smem_optin) {
+        tiles.push_back(tile);
+      }
+    } else if (prefill_smem_bytes(head_dim, tile, false) <= dev.smem_optin) {
+      tiles.push_back(tile);
+    }
   }
   return tiles;
 }
@@ -404,14 +468,13 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
 
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  const detail::PrefillProblem& p, void* stream,
-                 std::optional<PrefillTile> forced_tile, int forced_section_pairs) {
+                 std::optional<PrefillTile> forced_tile, int forced_section_pairs,
+                 int forced_ctas) {
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
   const std::string why = unsupported(spec, shape);
   ATTNKIT_CHECK(why.empty() && !spec.skip_softmax && !spec.quant,
                 "prefill: backend 'fused' cannot serve this call: ", why);
   if (p.batch == 0 || p.total_q == 0 || p.max_seqlen_q == 0) return;
-  ATTNKIT_CHECK(p.batch <= 65535, "cu_seqlens_q: the fused prefill takes at most 65535 sequences, ",
-                "got ", p.batch);
 
   PrefillParams prm;
   check_rows_16b(args.q, "q");
@@ -473,10 +536,25 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     prm.window = spec.mask.window;
     prm.sink_tokens = spec.mask.sink_tokens;
   }
-  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads,
-                                     masked, p.max_seqlen_kv);
+  Sm90Call call = sm90_call(shape, spec, masked, forced_ctas);
+  call.q = &args.q;
+  if (p.paged) {
+    call.cache = args.kv_cache;
+  } else {
+    call.k = &args.k;
+    call.v = &args.v;
+  }
+  const PrefillTile tile =
+      pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked,
+                p.max_seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile);
   prm.num_m_blocks = (p.max_seqlen_q + bm - 1) / bm;
+  if (tile == PrefillTile::kSm90) {
+    run_sm90(prm, call, as_cuda_stream(stream));
+    return;
+  }
+  ATTNKIT_CHECK(p.batch <= 65535, "cu_seqlens_q: the fused prefill takes at most 65535 sequences, ",
+                "got ", p.batch);
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
@@ -491,23 +569,29 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
 }
 
 void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
-               void* stream, std::optional<PrefillTile> forced_tile, int forced_section_pairs) {
+               void* stream, std::optional<PrefillTile> forced_tile, int forced_section_pairs,
+               int forced_ctas) {
   const std::string why = dense_unsupported(spec, p);
   ATTNKIT_CHECK(why.empty(), "dense: backend 'fused' cannot serve this call: ", why);
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.dtype, false};
-  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
-                                     /*masked=*/false, p.seqlen_kv);
+  Sm90Call call = sm90_call(shape, spec, /*masked=*/false, forced_ctas);
+  call.q = &args.q;
+  call.k = &args.k;
+  call.v = &args.v;
+  const PrefillTile tile =
+      pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
+                /*masked=*/false, p.seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile);
   if (args.stats != nullptr) {
     // No tile is skipped on this path; the count uses the kernel's own tile sizes.
-    const int bn = prefill_block_n(tile);
+    const int bn = prefill_block_n(tile, spec.head_dim, /*masked=*/false);
     args.stats->tiles_total = static_cast<int64_t>(p.batch) * spec.num_q_heads *
                               ((p.seqlen_q + bm - 1) / bm) * ((p.seqlen_kv + bn - 1) / bn);
     args.stats->tiles_skipped = 0;
   }
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  ATTNKIT_CHECK(p.batch <= 65535, "q: the fused dense kernel takes at most 65535 batch entries, ",
-                "got ", p.batch);
+  ATTNKIT_CHECK(tile == PrefillTile::kSm90 || p.batch <= 65535,
+                "q: the fused dense kernel takes at most 65535 batch entries, got ", p.batch);
 
   PrefillParams prm;
   check_rows_16b(args.q, "q");
@@ -544,6 +628,10 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   prm.group_size = spec.group_size();
   fill_mods(spec, prm);
   prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
+  if (tile == PrefillTile::kSm90) {
+    run_sm90(prm, call, as_cuda_stream(stream));
+    return;
+  }
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
                 " queries per sequence, got ", p.seqlen_q);
   set_schedule(prm, shape, tile, false, false, forced_section_pairs);

@@ -18,158 +18,15 @@
 #include "cuda/common/cp_async_sm80.cuh"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/fast_math.cuh"
+#include "cuda/common/kv_widen.cuh"
 #include "cuda/common/ldmatrix_sm80.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/prefill/prefill_launch.h"
+#include "cuda/prefill/prefill_scheduler.cuh"
 #include "cuda/prefill/prefill_traits.h"
+#include "cuda/prefill/prefill_variant.cuh"
 
 namespace attnkit::cuda::prefill {
-
-template <DType kDType>
-struct TagOf;
-template <>
-struct TagOf<DType::kBF16> {
-  using Type = Bf16Tag;
-};
-template <>
-struct TagOf<DType::kF16> {
-  using Type = F16Tag;
-};
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// tanh from one exp2 and one fast division (absolute error ~1e-7): a fraction of tanhf's code,
-// which the fully unrolled soft-cap path would otherwise inline 64 times into the main loop.
-__device__ __forceinline__ float fast_tanh(float y) {
-  const float e = fast_exp2(-2.f * kLog2e * fabsf(y));
-  return copysignf(__fdividef(1.f - e, 1.f + e), y);
-}
-
-// The work item of one CTA. The launch index (x fastest, the hardware's dispatch order) walks the
-// (head, sequence) pairs in sections of p.section_pairs pairs (heads fastest, so GQA heads that
-// share a KV head are neighbours); inside a section the query blocks run from the last (the most
-// keys under a causal mask) to the first, the section's pairs fastest. A section of about one
-// resident wave of CTAs reads each K/V tile from DRAM once and from L2 for its other query
-// blocks, and its light blocks fill the tail. A persistent scheduler would return the same struct.
-struct PrefillWorkTile {
-  int32_t head;
-  int32_t batch;
-  int32_t m_block;
-};
-struct LongestFirstScheduler {
-  template <class I>
-  __device__ static PrefillWorkTile decompose(const PrefillParams& p, I linear) {
-    const I heads = gridDim.x, pairs = heads * gridDim.y, m_blocks = gridDim.z;
-    const I per_section = min(static_cast<I>(p.section_pairs), pairs);
-    const I section = linear / (per_section * m_blocks);
-    const I rest = linear - section * (per_section * m_blocks);
-    const I first = section * per_section;
-    const I in_section = min(per_section, pairs - first);  // the last section may be short
-    const I m_rev = rest / in_section;
-    const I pair = first + (rest - m_rev * in_section);
-    const I batch = pair / heads;
-    return {static_cast<int32_t>(pair - batch * heads), static_cast<int32_t>(batch),
-            static_cast<int32_t>(m_blocks - 1 - m_rev)};
-  }
-  __device__ static PrefillWorkTile get(const PrefillParams& p) {
-    const uint64_t linear = blockIdx.x + static_cast<uint64_t>(gridDim.x) *
-                                             (blockIdx.y + uint64_t{gridDim.y} * blockIdx.z);
-    const uint64_t total = static_cast<uint64_t>(gridDim.x) * gridDim.y * gridDim.z;
-    // 32-bit divisions where the grid allows (every practical launch).
-    if (total <= 0xffffffffull) return decompose<uint32_t>(p, static_cast<uint32_t>(linear));
-    return decompose<uint64_t>(p, linear);
-  }
-  static dim3 grid(const PrefillParams& p) { return dim3(p.num_q_heads, p.batch, p.num_m_blocks); }
-};
-
-// Per-sequence geometry, resolved once per CTA.
-struct SequenceInfo {
-  int64_t q_offset;    // elements from q to token 0 of this sequence
-  int64_t o_offset;    // elements from out
-  int64_t lse_offset;  // elements from lse
-  int64_t k_offset;    // elements from k (packed / dense)
-  int64_t v_offset;
-  int32_t q_len;
-  int32_t kv_len;
-};
-
-template <bool kPaged>
-__device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, int b) {
-  SequenceInfo s;
-  if (p.cu_seqlens_q) {
-    const int32_t start = p.cu_seqlens_q[b];
-    s.q_len = p.cu_seqlens_q[b + 1] - start;
-    s.q_offset = start * p.q_tok_stride;
-    s.o_offset = start * p.o_tok_stride;
-    s.lse_offset = start * p.lse_tok_stride;
-  } else {
-    s.q_len = p.seqlen_q;
-    s.q_offset = b * p.q_batch_stride;
-    s.o_offset = b * p.o_batch_stride;
-    s.lse_offset = b * p.lse_batch_stride;
-  }
-  s.k_offset = 0;
-  s.v_offset = 0;
-  if constexpr (kPaged) {
-    s.kv_len = p.kv_seq_lens[b];
-  } else if (p.cu_seqlens_kv) {
-    const int32_t start = p.cu_seqlens_kv[b];
-    s.kv_len = p.cu_seqlens_kv[b + 1] - start;
-    s.k_offset = start * p.k_tok_stride;
-    s.v_offset = start * p.v_tok_stride;
-  } else {
-    s.kv_len = p.seqlen_kv;
-    s.k_offset = b * p.k_batch_stride;
-    s.v_offset = b * p.v_batch_stride;
-  }
-  return s;
-}
-
-// The key blocks a query block visits: [n_begin, n_end) walked backwards (the masked diagonal
-// first), then the sink blocks [0, n_sink) that lie before the window.
-struct KeyBlockRange {
-  int32_t n_begin, n_end, n_sink;
-  __device__ int32_t count() const { return (n_end - n_begin) + n_sink; }
-  __device__ int32_t block(int32_t i) const {
-    const int32_t main = n_end - n_begin;
-    return i < main ? n_end - 1 - i : n_sink - 1 - (i - main);
-  }
-};
-
-template <class T, bool kMasked>
-__device__ __forceinline__ KeyBlockRange key_block_range(const PrefillParams& p, int32_t kv_len,
-                                                         int32_t p_lo, int32_t p_hi) {
-  int32_t key_begin = 0, key_end = kv_len, sink_end = 0;
-  if constexpr (kMasked) {
-    key_end = min(kv_len, p_hi + 1);
-    if (p.window > 0) {
-      key_begin = max(0, p_lo - p.window + 1);
-      sink_end = min(p.sink_tokens, key_begin);
-    }
-  }
-  // Sinks lie before key_begin <= p_lo, so they are causal for every row; an empty range (no
-  // key at all: p_hi < 0 or kv_len == 0) has no sinks either.
-  KeyBlockRange r{0, 0, 0};
-  if (key_end > key_begin) {
-    r.n_begin = key_begin / T::kBlockN;
-    r.n_end = (key_end + T::kBlockN - 1) / T::kBlockN;
-    r.n_sink = min((sink_end + T::kBlockN - 1) / T::kBlockN, r.n_begin);
-  }
-  return r;
-}
-
-// Whether query position `pos` attends key `key` (mask of DESIGN.md section 3).
-template <bool kMasked>
-__device__ __forceinline__ bool attends(const PrefillParams& p, int32_t pos, int32_t key,
-                                        int32_t kv_len) {
-  if (key >= kv_len) return false;
-  if constexpr (kMasked) {
-    if (key > pos) return false;
-    if (p.window > 0 && key <= pos - p.window && key >= p.sink_tokens) return false;
-  }
-  return true;
-}
 
 // Where the K/V rows of one key block come from: the packed / dense tensors (packed kernels) or
 // the paged cache (kPaged kernels), whose block-table entries are read one tile ahead
@@ -195,58 +52,6 @@ struct KvSource {
                                   page_shift);
   }
 };
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
-constexpr bool kHasFp8Cvt = false;
-#else
-constexpr bool kHasFp8Cvt = true;
-#endif
-
-// Two fp8 e4m3 values (low byte first) -> two 16-bit values of kDType (exact: e4m3 -> f16 in one
-// cvt on sm89+, and f16 -> f32 -> bf16 is exact for every e4m3 value).
-template <DType kDType>
-__device__ __forceinline__ uint32_t widen_fp8x2(uint32_t two) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(two)));
-  if constexpr (kDType == DType::kF16) {
-    return h2;
-  } else {
-    float lo, hi;
-    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
-        : "=f"(lo), "=f"(hi)
-        : "r"(h2));
-    uint32_t b2;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b2) : "f"(hi), "f"(lo));
-    return b2;
-  }
-#else
-  return two;  // not reached: kHasFp8Cvt is false
-#endif
-}
-
-// Four int8 values (low byte first) -> four 16-bit values of kDType, exact: b + 128 sits in the
-// mantissa of 1024.0 (f16) or 2^23 (f32), and subtracting 1152 or 2^23 + 128 leaves b.
-template <DType kDType>
-__device__ __forceinline__ uint2 widen_int8x4(uint32_t four) {
-  const uint32_t u = four ^ 0x80808080u;
-  uint2 out;
-  if constexpr (kDType == DType::kF16) {
-    const uint32_t lo = __byte_perm(u, 0x64646464u, 0x4140);
-    const uint32_t hi = __byte_perm(u, 0x64646464u, 0x4342);
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out.x) : "r"(lo), "r"(0x64806480u));
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out.y) : "r"(hi), "r"(0x64806480u));
-  } else {
-    float f[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      f[k] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7440 + k)) - 8388736.f;
-    }
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out.x) : "f"(f[1]), "f"(f[0]));
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out.y) : "f"(f[3]), "f"(f[2]));
-  }
-  return out;
-}
 
 // The smem offset of an ldmatrix lane's row at (even) chunk step `cs`, from its offset at chunk
 // step 0: under the swizzle the step flips chunk bits (one LOP3 on a loop-invariant offset).
@@ -491,7 +296,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   float* s_stat = reinterpret_cast<float*>(s_split + T::kBlockM * kPRowBytes);
 
   const PrefillWorkTile work = LongestFirstScheduler::get(p);
-  const SequenceInfo seq = sequence_info<kPaged>(p, work.batch);
+  const SequenceInfo seq = sequence_info(p, work.batch, kPaged);
   const int32_t m0 = work.m_block * T::kBlockM;
   if (m0 >= seq.q_len) return;
 
@@ -506,7 +311,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   const int32_t q_pos0 = seq.kv_len - seq.q_len;  // position of query 0 (bottom-right aligned)
   const int32_t p_lo = q_pos0 + m0;
   const int32_t p_hi = q_pos0 + m0 + rows_valid - 1;
-  const KeyBlockRange range = key_block_range<T, kMasked>(p, seq.kv_len, p_lo, p_hi);
+  const KeyBlockRange range = key_block_range<T::kBlockN, kMasked>(p, seq.kv_len, p_lo, p_hi);
   const int32_t num_tiles = range.count();
 
   // ---- Q tile -> smem (rows past the sequence are zero) ----

@@ -34,8 +34,8 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv);
 // Query rows per CTA.
 int prefill_block_m(PrefillTile tile);
-// Keys per tile.
-int prefill_block_n(PrefillTile tile);
+// Keys per tile (the sm90 kernel's depend on head_dim and the mask).
+int prefill_block_n(PrefillTile tile, int head_dim, bool masked);
 // Threads per CTA.
 int prefill_threads(PrefillTile tile);
 

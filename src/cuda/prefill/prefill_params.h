@@ -23,11 +23,15 @@ enum class PrefillTile : int32_t {
   // kM128W4 with 128 keys per tile (head_dim 64): half the per-key cost of the barrier, the
   // row-max shuffles and the O rescale, for a twice wider S tile in registers.
   kM128W4N128 = 3,
+  // The Hopper (sm_90a) warp-specialized kernel (prefill_sm90_kernel.cuh): 128 query rows, two
+  // consumer warpgroups, its key tile from sm90_block_n(); head_dim 64, 128 and 256.
+  kSm90 = 4,
 };
-constexpr int kNumPrefillTiles = 4;
+constexpr int kNumPrefillTiles = 5;
 constexpr PrefillTile kAllPrefillTiles[] = {PrefillTile::kM128, PrefillTile::kM64,
-                                            PrefillTile::kM128W4, PrefillTile::kM128W4N128};
-// "m128", "m64", "m128w4", "m128w4n128"
+                                            PrefillTile::kM128W4, PrefillTile::kM128W4N128,
+                                            PrefillTile::kSm90};
+// "m128", "m64", "m128w4", "m128w4n128", "sm90"
 const char* prefill_tile_name(PrefillTile tile);
 
 // One packed-varlen, paged or dense ([B, S, H, D]) attention launch. Element strides; "tok" is
@@ -83,5 +87,12 @@ struct PrefillParams {
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
 };
+
+// Whether a call takes the modifier path: soft-cap or ALiBi, or a softmax scale that is not
+// positive (it would not commute with the row maximum, which the plain path takes before scaling).
+// The cache's K scale, which multiplies the logit scale on the device, must be positive.
+inline bool needs_logit_mods(const PrefillParams& p) {
+  return p.softcap > 0.f || p.alibi || !(p.softmax_scale > 0.f);
+}
 
 }  // namespace attnkit::cuda::prefill

@@ -1,5 +1,6 @@
-// Compile-time tile shapes of the portable (mma.sync, sm80+) prefill kernel. All tile choices
-// live here, as constexpr functions of (head_dim, PrefillTile).
+// Compile-time tile shapes of the portable (mma.sync, sm80+) prefill kernel. All its tile choices
+// live here, as constexpr functions of (head_dim, PrefillTile); the sm90 kernel's are in
+// prefill_sm90_traits.h.
 #pragma once
 
 #include "cuda/prefill/prefill_params.h"
@@ -8,6 +9,7 @@ namespace attnkit::cuda::prefill {
 
 // Whether (head_dim, tile) has a kernel at all (before the build subset is applied).
 constexpr bool tile_exists(int head_dim, PrefillTile tile) {
+  if (tile == PrefillTile::kSm90) return false;  // not an mma.sync tile (prefill_sm90_traits.h)
   switch (head_dim) {
     case 64:
       return true;  // every tile

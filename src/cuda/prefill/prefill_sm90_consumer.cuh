@@ -1,0 +1,318 @@
+// The consumer warpgroups of the Hopper context FMHA (prefill_sm90_kernel.cuh): each owns 64 query
+// rows of the CTA's 128-row block and runs, per key tile,
+//   S = Q K^T   (wgmma, Q and K from shared memory),
+//   the mask and logit modifiers of the variant, the online softmax in registers,
+//   O += P V    (wgmma, P from registers: the S accumulator's layout is the A operand's).
+//
+// Two overlaps keep the tensor cores busy (FlashAttention-3's schedule):
+// - Within a warpgroup, tile j's S = Q K^T is issued together with tile j-1's O += P V, so the
+//   softmax of tile j runs while P V of tile j-1 is still in the tensor cores. P(j) is written into
+//   the P registers only after that P V has completed (wgmma reads its register operands
+//   asynchronously).
+// - Between the two warpgroups (ping-pong): each issues its MMAs only in its turn (named barriers
+//   2 and 3), so one warpgroup's MMAs run while the other computes its softmax.
+//
+// Accumulator layout of an m64nN wgmma (per warp w of the warpgroup, g = lane / 4, t = lane % 4):
+// element 4 i + 2 r + e is row 16 w + g + 8 r, column 8 i + 2 t + e.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/fast_math.cuh"
+#include "cuda/common/mbarrier_sm90.cuh"
+#include "cuda/common/warpgroup_sm90.cuh"
+#include "cuda/common/wgmma_sm90.cuh"
+#include "cuda/prefill/prefill_scheduler.cuh"
+#include "cuda/prefill/prefill_sm90_params.h"
+#include "cuda/prefill/prefill_sm90_producer.cuh"
+#include "cuda/prefill/prefill_sm90_traits.h"
+#include "cuda/prefill/prefill_variant.cuh"
+
+namespace attnkit::cuda::prefill::sm90_detail {
+
+// The running statistics of a thread's two rows, in log2 units of the scaled logits.
+struct RowStats {
+  float max[2];  // -inf until the row has seen a key
+  float sum[2];  // this thread's partial sums (a quad holds a row)
+};
+
+template <class T, DType kDType, bool kMods>
+struct Sm90Consumer {
+  using Tag = typename TagOf<kDType>::Type;
+  static constexpr int kSRegs = T::kBlockN / 2;
+  static constexpr int kORegs = T::kHeadDim / 2;
+  static constexpr int kPSteps = T::kBlockN / 16;  // k16 steps of P V
+
+  const Sm90PrefillParams& sp;
+  Sm90Smem<T> smem;
+  int wg;    // consumer warpgroup 0 or 1
+  int wtid;  // thread in the warpgroup, 0..127
+
+  // ---- MMAs -----------------------------------------------------------------------------------
+  __device__ void issue_qk(float (&s)[kSRegs], int stage) const {
+    const uint32_t q = smem.q() + wg * 64 * 128;
+    const uint32_t k = smem.k(stage);
+    fence_operands(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+      const uint32_t in_block = (kk % 4) * 32;
+      const uint64_t da = smem_desc_sw128(q + (kk / 4) * T::kQColBlockBytes + in_block, 16, 1024);
+      const uint64_t db = smem_desc_sw128(k + (kk / 4) * T::kKvColBlockBytes + in_block, 16, 1024);
+      wgmma_ss<T::kBlockN, Tag>(s, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    fence_operands(s);
+  }
+
+  __device__ void issue_pv(float (&o)[kORegs], const uint32_t (&pa)[kPSteps][4], int stage) const {
+    const uint32_t v = smem.v(stage);
+    fence_operands(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      const uint64_t db = smem_desc_sw128(v + kk * 16 * 128, T::kKvColBlockBytes, 1024);
+      wgmma_rs<T::kHeadDim, Tag>(o, pa[kk], db, 1);
+    }
+    wgmma_commit();
+    fence_operands(o);
+  }
+
+  // Announces a buffer free once this warp's share of the MMAs that read it has completed: one
+  // arrival a consumer warp (the "empty" barriers count kConsumerWarps).
+  __device__ void release(uint32_t empty_bar) const {
+    if (wtid % 32 == 0) mbarrier_arrive(empty_bar);
+  }
+
+  // ---- softmax --------------------------------------------------------------------------------
+  // Mask and modifiers on the raw S of the tile at key0, then the online softmax: s becomes
+  // exp2(logit - max) (fp32), stats absorb the tile, corr[r] is the factor O must be multiplied
+  // by before this tile's P V is added.
+  template <bool kMaskTile>
+  __device__ void softmax(float (&s)[kSRegs], RowStats& st, float (&corr)[2], int32_t key0,
+                          const int32_t (&pos)[2], int32_t kv_len, const LogitMods& mods,
+                          float exp_scale) const {
+    const int t4 = wtid % 4;
+    const PrefillParams& p = sp.base;
+#pragma unroll
+    for (int i = 0; i < T::kBlockN / 8; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * i + 2 * r + e];
+          const int32_t key = key0 + 8 * i + 2 * t4 + e;
+          if constexpr (kMods) x = mods.apply(x, pos[r], key);
+          if constexpr (kMaskTile) {
+            if (!attends<T::kMasked>(p, pos[r], key, kv_len)) x = -INFINITY;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < T::kBlockN / 8; ++i)
+        mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(st.max[r], mx * exp_scale);
+      // A row without a key so far keeps max -inf; 0 stands in so that exp2 gives 0, not NaN.
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      corr[r] = fast_exp2(st.max[r] - m_use);
+      st.max[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < T::kBlockN / 8; ++i) {
+        s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], exp_scale, -m_use));
+        s[4 * i + 2 * r + 1] = fast_exp2(fmaf(s[4 * i + 2 * r + 1], exp_scale, -m_use));
+        sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
+      }
+      st.sum[r] = st.sum[r] * corr[r] + sum;
+    }
+  }
+
+  __device__ static void rescale(float (&o)[kORegs], const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < T::kHeadDim / 8; ++i) {
+      o[4 * i] *= corr[0];
+      o[4 * i + 1] *= corr[0];
+      o[4 * i + 2] *= corr[1];
+      o[4 * i + 3] *= corr[1];
+    }
+  }
+
+  // P in the A-operand layout of the k16 steps of P V, rounded to the q dtype.
+  __device__ static void to_p(const float (&s)[kSRegs], uint32_t (&pa)[kPSteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      pa[kk][0] = pack_pair<Tag>(s[8 * kk], s[8 * kk + 1]);
+      pa[kk][1] = pack_pair<Tag>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_pair<Tag>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_pair<Tag>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  }
+
+  __device__ void turn_begin() const {
+    if (wg == 0) {
+      named_barrier_sync<kPingPongBarrier0>(256);
+    } else {
+      named_barrier_sync<kPingPongBarrier0 + 1>(256);
+    }
+  }
+  __device__ void turn_end() const {
+    if (wg == 0) {
+      named_barrier_arrive<kPingPongBarrier0 + 1>(256);
+    } else {
+      named_barrier_arrive<kPingPongBarrier0>(256);
+    }
+  }
+
+  // ---- epilogue -------------------------------------------------------------------------------
+  // O / l (times the cache's V scale) to out, the LSE (natural log) to lse; rows past the sequence
+  // are not written. A row without any key writes zeros and -inf.
+  __device__ void store(const float (&o)[kORegs], const RowStats& st, const SequenceInfo& seq,
+                        int32_t m0, int32_t head, float v_scale) const {
+    using Elem = uint16_t;
+    const PrefillParams& p = sp.base;
+    const int warp = wtid / 32, lane = wtid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = st.sum[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int32_t row = m0 + wg * 64 + warp * 16 + g + 8 * r;
+      if (row >= seq.q_len) continue;
+      const float inv = sum > 0.f ? v_scale / sum : 0.f;
+      Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + row * p.o_tok_stride +
+                  static_cast<int64_t>(head) * p.o_head_stride;
+#pragma unroll
+      for (int i = 0; i < T::kHeadDim / 8; ++i) {
+        *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t4) =
+            pack_pair<Tag>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+      }
+      if (p.lse != nullptr && t4 == 0) {
+        p.lse[seq.lse_offset + row * p.lse_tok_stride +
+              static_cast<int64_t>(head) * p.lse_head_stride] =
+            sum > 0.f ? (st.max[r] + __log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+  }
+
+  // ---- the work loop --------------------------------------------------------------------------
+  __device__ void run() const {
+    const PrefillParams& p = sp.base;
+    const int warp = wtid / 32, lane = wtid % 32;
+    const PersistentScheduler sched = PersistentScheduler::make(p);
+    PipelineState<T::kStages> k_read, v_read;
+    uint32_t q_iter = 0;
+    // Warpgroup 0 takes the first turn.
+    if (wg == 1) named_barrier_arrive<kPingPongBarrier0>(256);
+
+    for (int64_t w = sched.first(); sched.valid(w); w = sched.next(w)) {
+      const PrefillWorkTile work = sched.tile(p, w);
+      const SequenceInfo seq = sequence_info(p, work.batch, p.paged);
+      const int32_t m0 = work.m_block * T::kBlockM;
+      if (m0 >= seq.q_len) continue;
+      const int32_t rows_valid = min(T::kBlockM, seq.q_len - m0);
+      const int32_t q_pos0 = seq.kv_len - seq.q_len;  // bottom-right aligned
+      const int32_t p_lo = q_pos0 + m0;
+      const int32_t p_hi = p_lo + rows_valid - 1;
+      const KeyBlockRange range =
+          key_block_range<T::kBlockN, T::kMasked>(p, seq.kv_len, p_lo, p_hi);
+      const int32_t num_tiles = range.count();
+      const int32_t kv_head = work.head / p.group_size;
+      const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.f;
+      const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.f;
+      const LogitMods mods = LogitMods::make(p, p.softmax_scale * k_scale, work.head);
+      // The plain path folds the scale into the exponent's FFMA; modified logits are in natural
+      // units already.
+      const float exp_scale = kMods ? kLog2e : mods.logit_scale * kLog2e;
+      const int32_t row0 = m0 + wg * 64 + warp * 16 + lane / 4;
+      const int32_t pos[2] = {q_pos0 + row0, q_pos0 + row0 + 8};
+
+      float o[kORegs];
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+      RowStats st;
+      st.max[0] = st.max[1] = -INFINITY;
+      st.sum[0] = st.sum[1] = 0.f;
+      if (num_tiles == 0) {
+        store(o, st, seq, m0, work.head, v_scale);
+        continue;
+      }
+
+      float s[kSRegs];
+      uint32_t pa[kPSteps][4];
+      float corr[2];
+      mbarrier_wait(smem.q_full(), q_iter & 1u);
+
+      // Tile 0: S alone.
+      {
+        const int32_t key0 = range.block(0) * T::kBlockN;
+        mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
+        turn_begin();
+        issue_qk(s, k_read.index);
+        turn_end();
+        wgmma_wait<0>();
+        fence_operands(s);
+        release(smem.k_empty(k_read.index));
+        k_read.advance();
+        if (num_tiles == 1) release(smem.q_empty());
+        if (tile_needs_mask<T::kMasked>(p, key0, T::kBlockN, seq.kv_len, p_lo, p_hi)) {
+          softmax<true>(s, st, corr, key0, pos, seq.kv_len, mods, exp_scale);
+        } else {
+          softmax<false>(s, st, corr, key0, pos, seq.kv_len, mods, exp_scale);
+        }
+        to_p(s, pa);
+      }
+      // Tiles 1..n-1: S(j) and P(j-1) V(j-1) in flight together, the softmax of S(j) under P V.
+      for (int32_t it = 1; it < num_tiles; ++it) {
+        const int32_t key0 = range.block(it) * T::kBlockN;
+        mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
+        turn_begin();
+        issue_qk(s, k_read.index);
+        mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
+        issue_pv(o, pa, v_read.index);
+        turn_end();
+        wgmma_wait<1>();  // S(j) done; P V still in flight
+        fence_operands(s);
+        release(smem.k_empty(k_read.index));
+        k_read.advance();
+        if (it == num_tiles - 1) release(smem.q_empty());
+        float corr_next[2];
+        if (tile_needs_mask<T::kMasked>(p, key0, T::kBlockN, seq.kv_len, p_lo, p_hi)) {
+          softmax<true>(s, st, corr_next, key0, pos, seq.kv_len, mods, exp_scale);
+        } else {
+          softmax<false>(s, st, corr_next, key0, pos, seq.kv_len, mods, exp_scale);
+        }
+        wgmma_wait<0>();  // P(j-1) V(j-1) done: O and the P registers are free
+        fence_operands(o);
+        release(smem.v_empty(v_read.index));
+        v_read.advance();
+        rescale(o, corr_next);
+        to_p(s, pa);
+      }
+      // The last P V.
+      mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
+      turn_begin();
+      issue_pv(o, pa, v_read.index);
+      turn_end();
+      wgmma_wait<0>();
+      fence_operands(o);
+      release(smem.v_empty(v_read.index));
+      v_read.advance();
+      ++q_iter;
+      store(o, st, seq, m0, work.head, v_scale);
+    }
+    // Warpgroup 1's last turn_end left an arrival at warpgroup 0's barrier: take it, so that no
+    // named barrier is pending when the CTA exits.
+    if (wg == 0) named_barrier_sync<kPingPongBarrier0>(256);
+  }
+};
+
+}  // namespace attnkit::cuda::prefill::sm90_detail

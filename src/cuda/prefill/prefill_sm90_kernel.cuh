@@ -1,0 +1,86 @@
+// The Hopper (sm_90a) context FMHA, in the manner of FlashAttention-3: a persistent, warp-
+// specialized kernel of three warpgroups. Warpgroup 0 is the producer (prefill_sm90_producer.cuh:
+// TMA or gathered loads of Q and of K / V rings guarded by mbarriers), warpgroups 1 and 2 are the
+// consumers (prefill_sm90_consumer.cuh: wgmma mainloop with the online softmax, ping-pong and
+// intra-warpgroup overlap, epilogue). setmaxnreg moves registers from the producer (40 a thread)
+// to the consumers (232). The tile scheduler is PersistentScheduler (prefill_scheduler.cuh), the
+// mask and logit modifiers the variant functions of prefill_variant.cuh.
+//
+// Included only by the generated instantiation files (prefill_sm90_inst_*.cu, see
+// cmake/prefill_manifest.cmake); prefill_sm90_launch.cc builds the parameters.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/common/cuda_status.h"
+#include "cuda/common/launch.cuh"
+#include "cuda/common/mbarrier_sm90.cuh"
+#include "cuda/common/warpgroup_sm90.cuh"
+#include "cuda/prefill/prefill_sm90_consumer.cuh"
+#include "cuda/prefill/prefill_sm90_launch.h"
+#include "cuda/prefill/prefill_sm90_producer.cuh"
+#include "cuda/prefill/prefill_sm90_traits.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTNKIT_PREFILL_SM90_DEVICE 1
+#endif
+
+namespace attnkit::cuda::prefill {
+
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods>
+__global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked>::kThreads, 1)
+    prefill_sm90_kernel(const __grid_constant__ Sm90PrefillParams sp) {
+#if defined(ATTNKIT_PREFILL_SM90_DEVICE)
+  using T = Sm90PrefillTraits<kHeadDim, kMasked>;
+  using namespace sm90_detail;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const Sm90Smem<T> smem{(sm90::smem_addr(smem_raw) + 1023u) & ~1023u};
+  constexpr uint32_t kConsumerWarps = 4 * T::kConsumerWarpgroups;
+  if (threadIdx.x == 0) {
+    sm90::mbarrier_init(smem.q_full(), 1);
+    sm90::mbarrier_init(smem.q_empty(), kConsumerWarps);
+#pragma unroll
+    for (int s = 0; s < T::kStages; ++s) {
+      sm90::mbarrier_init(smem.k_full(s), 1);
+      sm90::mbarrier_init(smem.k_empty(s), kConsumerWarps);
+      sm90::mbarrier_init(smem.v_full(s), 1);
+      sm90::mbarrier_init(smem.v_empty(s), kConsumerWarps);
+    }
+    sm90::mbarrier_init_fence();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    sm90::warpgroup_reg_dealloc<T::kProducerRegs>();
+    const Sm90Producer<T, kDType> producer{sp, smem, static_cast<int>(threadIdx.x)};
+    producer.run();
+  } else {
+    sm90::warpgroup_reg_alloc<T::kConsumerRegs>();
+    const Sm90Consumer<T, kDType, kMods> consumer{sp, smem, wg - 1,
+                                                  static_cast<int>(threadIdx.x % 128)};
+    consumer.run();
+  }
+#endif
+}
+
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods>
+void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream) {
+  using T = Sm90PrefillTraits<kHeadDim, kMasked>;
+  constexpr auto kernel = prefill_sm90_kernel<kHeadDim, kDType, kMasked, kMods>;
+  opt_in_dynamic_smem_once<kernel>(
+      T::kSmemBytes, "prefill (sm90): cudaFuncSetAttribute(max dynamic shared memory)");
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(sp);
+  check_launch("prefill (sm90): kernel launch");
+}
+
+}  // namespace attnkit::cuda::prefill
+
+// The four kernels (mask x logit modifiers) of one head_dim and dtype.
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DT)                                         \
+  template void launch_prefill_sm90<D, DT, false, false>(const Sm90PrefillParams&, int, \
+                                                         cudaStream_t);                 \
+  template void launch_prefill_sm90<D, DT, false, true>(const Sm90PrefillParams&, int,  \
+                                                        cudaStream_t);                  \
+  template void launch_prefill_sm90<D, DT, true, false>(const Sm90PrefillParams&, int,  \
+                                                        cudaStream_t);                  \
+  template void launch_prefill_sm90<D, DT, true, true>(const Sm90PrefillParams&, int, cudaStream_t);

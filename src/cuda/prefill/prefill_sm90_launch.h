@@ -1,0 +1,17 @@
+// Host-side declarations of the Hopper context FMHA: the explicitly instantiated launchers (one
+// per head_dim, dtype, mask and logit-modifier variant; the list is cmake/prefill_manifest.cmake)
+// and the parameter builder of prefill_sm90_launch.cc.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attnkit/types.h"
+#include "cuda/prefill/prefill_sm90_params.h"
+
+namespace attnkit::cuda::prefill {
+
+// grid: persistent CTAs (one an SM; fewer when there are fewer work items).
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods>
+void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream);
+
+}  // namespace attnkit::cuda::prefill

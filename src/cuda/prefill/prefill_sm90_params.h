@@ -1,0 +1,39 @@
+// Runtime parameters of the Hopper (sm_90a) context FMHA: the portable kernel's PrefillParams plus
+// the TMA tensor maps the host encodes per call (prefill_sm90_launch.cc) and how K/V reach shared
+// memory. Host-includable (cuda.h declares CUtensorMap as a plain 128-byte struct).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/prefill/prefill_params.h"
+
+namespace attnkit::cuda::prefill {
+
+// How the producer warpgroup fills a K/V stage.
+enum class Sm90KvMode : int32_t {
+  // TMA boxes of a packed ([total, Hkv, D]) or dense ([B, S, Hkv, D]) tensor; map dims
+  // (D, Hkv, tokens, batch).
+  kTmaTensor = 0,
+  // TMA boxes of a paged cache (block table, no cyclic window) or a contiguous cache (one block a
+  // sequence); map dims (D, tokens_per_block, Hkv, num_blocks), one box per page run.
+  kTmaPaged = 1,
+  // Loads and shared-memory stores by the 128 producer threads: 8-bit caches (widened to 16 bits
+  // on the way), cyclic (sliding-window) caches. Every mode gathers the partial last tile's V this
+  // way, so that V rows past the sequence are zeros (P = 0 must not meet a NaN of a stale slot).
+  kGather = 2,
+};
+
+struct Sm90PrefillParams {
+  CUtensorMap tma_q;  // (D, Hq, tokens, batch), box (64, 1, kBlockM, 1)
+  CUtensorMap tma_k;  // kTmaTensor: (D, Hkv, tokens, batch); kTmaPaged: (D, T, Hkv, blocks)
+  CUtensorMap tma_v;
+  PrefillParams base;
+  Sm90KvMode kv_mode = Sm90KvMode::kTmaTensor;
+  int32_t page_box_rows = 0;  // kTmaPaged: rows of one box (divides tokens_per_block and kBlockN)
+  int32_t kv_num_blocks = 0;  // paged: pool blocks; table entries outside [0, num_blocks) read 0
+  bool kv_8bit = false;       // kGather: the cache holds fp8 e4m3 / int8 codes
+};
+
+}  // namespace attnkit::cuda::prefill

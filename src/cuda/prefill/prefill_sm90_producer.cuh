@@ -1,0 +1,277 @@
+// The producer warpgroup of the Hopper context FMHA (prefill_sm90_kernel.cuh): fills the Q buffer
+// and the K / V rings for every work item of its CTA, in the order the consumers read them.
+//
+// TMA tiles (kTmaTensor, kTmaPaged) are issued by warp 0: lane 0 announces the tile's bytes on
+// the stage's "full" barrier, then each lane issues the boxes of its page run (one box per column
+// block of 64 head dims). Gathered tiles (kGather, and every partial last V tile) are loaded and
+// stored by all 128 threads, which then fence their stores for the async proxy and meet at a named
+// barrier before thread 0 arrives on the "full" barrier. Table entries and positions outside the
+// cache read zeros: no access leaves the tensors.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/kv_widen.cuh"
+#include "cuda/common/mbarrier_sm90.cuh"
+#include "cuda/common/tma_sm90.cuh"
+#include "cuda/common/warpgroup_sm90.cuh"
+#include "cuda/prefill/prefill_scheduler.cuh"
+#include "cuda/prefill/prefill_sm90_params.h"
+#include "cuda/prefill/prefill_sm90_traits.h"
+#include "cuda/prefill/prefill_variant.cuh"
+
+namespace attnkit::cuda::prefill::sm90_detail {
+
+using namespace attnkit::cuda::sm90;
+
+// Named barriers of the kernel (0 is __syncthreads).
+constexpr int kProducerBarrier = 1;   // the producer warpgroup, after a gathered tile
+constexpr int kPingPongBarrier0 = 2;  // consumer warpgroup 0's turn to issue MMAs; 1's is 3
+
+// Shared-memory addresses of one CTA.
+template <class T>
+struct Sm90Smem {
+  uint32_t base;  // 1024-byte aligned
+  __device__ uint32_t q() const { return base + T::kQOffset; }
+  __device__ uint32_t k(int stage) const { return base + T::kKOffset + stage * T::kKvTileBytes; }
+  __device__ uint32_t v(int stage) const { return base + T::kVOffset + stage * T::kKvTileBytes; }
+  __device__ uint32_t bar(int i) const { return base + T::kBarrierOffset + 8 * i; }
+  __device__ uint32_t q_full() const { return bar(0); }
+  __device__ uint32_t q_empty() const { return bar(1); }
+  __device__ uint32_t k_full(int s) const { return bar(2 + s); }
+  __device__ uint32_t k_empty(int s) const { return bar(2 + T::kStages + s); }
+  __device__ uint32_t v_full(int s) const { return bar(2 + 2 * T::kStages + s); }
+  __device__ uint32_t v_empty(int s) const { return bar(2 + 3 * T::kStages + s); }
+};
+
+// Byte offset of 16-byte chunk `chunk` (of 16-bit elements) of row `row` in a swizzled tile whose
+// column blocks are `col_block_bytes` apart.
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk, int col_block_bytes) {
+  return (chunk >> 3) * col_block_bytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// The start of the K (or V) row of key `key` of this work item, or null where no row exists (a
+// table entry outside the pool). Row strides and layouts as PrefillParams / KvLayout say.
+struct KvRows {
+  const uint8_t* k_tensor;  // packed / dense: K of (sequence, kv head), key 0
+  const uint8_t* v_tensor;
+  int64_t k_tok_bytes, v_tok_bytes;
+  int32_t batch, kv_head;
+
+  __device__ const uint8_t* row(const Sm90PrefillParams& sp, bool is_v, int32_t key) const {
+    const PrefillParams& p = sp.base;
+    if (!p.paged) {
+      return is_v ? v_tensor + key * v_tok_bytes : k_tensor + key * k_tok_bytes;
+    }
+    const int64_t slot = p.kv.slot_of(key);
+    int64_t block = batch, token = slot;
+    if (p.kv.block_table != nullptr) {
+      block = p.kv.block_table[batch * p.kv.block_table_row_stride + (slot >> p.kv_page_shift)];
+      token = slot & ((int64_t{1} << p.kv_page_shift) - 1);
+      if (block < 0 || block >= sp.kv_num_blocks) return nullptr;
+    }
+    const int64_t off = block * p.kv.block_stride_bytes +
+                        (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + token) *
+                            p.kv.head_dim * p.kv.element_bytes;
+    return (is_v ? p.kv.v_base : p.kv.k_base) + off;
+  }
+};
+
+// Loads rows [0, valid) of the K (or V) tile at key0 into the swizzled stage at `dst`, zeros in
+// rows [valid, kBlockN); 16-bit rows, or 8-bit rows widened to the q dtype. All 128 producer
+// threads take part (ptid = 0..127).
+template <class T, DType kDType>
+__device__ __forceinline__ void gather_tile(const Sm90PrefillParams& sp, const KvRows& rows,
+                                            bool is_v, int32_t key0, int32_t valid, uint32_t dst,
+                                            int ptid) {
+  // Source chunks of 16 bytes a row: 16-bit rows hold 8 elements a chunk, 8-bit rows 16.
+  if (!sp.kv_8bit) {
+    constexpr int kChunks = T::kHeadDim / 8;
+    constexpr int kRowsPerPass = 128 / kChunks;
+    const int chunk = ptid % kChunks;
+#pragma unroll 4
+    for (int r = ptid / kChunks; r < T::kBlockN; r += kRowsPerPass) {
+      uint4 v = make_uint4(0, 0, 0, 0);
+      const uint8_t* src = r < valid ? rows.row(sp, is_v, key0 + r) : nullptr;
+      if (src != nullptr) v = __ldg(reinterpret_cast<const uint4*>(src) + chunk);
+      st_shared_v4(dst + swizzled_offset(r, chunk, T::kKvColBlockBytes), v);
+    }
+  } else {
+    constexpr int kChunks = T::kHeadDim / 16;
+    constexpr int kRowsPerPass = 128 / kChunks;
+    const int chunk = ptid % kChunks;
+    const bool is_int8 = sp.base.kv_is_int8;
+#pragma unroll 2
+    for (int r = ptid / kChunks; r < T::kBlockN; r += kRowsPerPass) {
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      const uint8_t* src = r < valid ? rows.row(sp, is_v, key0 + r) : nullptr;
+      if (src != nullptr) raw = __ldg(reinterpret_cast<const uint4*>(src) + chunk);
+      uint4 lo, hi;
+      if (is_int8) {
+        const uint2 a = widen_int8x4<kDType>(raw.x), b = widen_int8x4<kDType>(raw.y);
+        const uint2 c = widen_int8x4<kDType>(raw.z), d = widen_int8x4<kDType>(raw.w);
+        lo = make_uint4(a.x, a.y, b.x, b.y);
+        hi = make_uint4(c.x, c.y, d.x, d.y);
+      } else {
+        lo = make_uint4(widen_fp8x2<kDType>(raw.x & 0xffffu), widen_fp8x2<kDType>(raw.x >> 16),
+                        widen_fp8x2<kDType>(raw.y & 0xffffu), widen_fp8x2<kDType>(raw.y >> 16));
+        hi = make_uint4(widen_fp8x2<kDType>(raw.z & 0xffffu), widen_fp8x2<kDType>(raw.z >> 16),
+                        widen_fp8x2<kDType>(raw.w & 0xffffu), widen_fp8x2<kDType>(raw.w >> 16));
+      }
+      st_shared_v4(dst + swizzled_offset(r, 2 * chunk, T::kKvColBlockBytes), lo);
+      st_shared_v4(dst + swizzled_offset(r, 2 * chunk + 1, T::kKvColBlockBytes), hi);
+    }
+  }
+}
+
+template <class T, DType kDType>
+struct Sm90Producer {
+  const Sm90PrefillParams& sp;
+  Sm90Smem<T> smem;
+  int ptid;  // 0..127
+
+  // Issues the K (or V) tile at key0 into `dst`, completing on `full`. The caller (warp 0) has
+  // waited for the stage to be empty.
+  __device__ void tma_tile(const CUtensorMap* map, bool is_v, const SequenceInfo& seq,
+                           const PrefillWorkTile& work, int32_t kv_head, int32_t key0, uint32_t dst,
+                           uint32_t full) const {
+    const PrefillParams& p = sp.base;
+    const int lane = ptid & 31;
+    if (sp.kv_mode == Sm90KvMode::kTmaTensor) {
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(full, T::kKvTileBytes);
+        const int32_t tok = seq.k_start + key0;
+        const int32_t batch = p.cu_seqlens_kv ? 0 : work.batch;
+#pragma unroll
+        for (int c = 0; c < T::kColBlocks; ++c) {
+          tma_load_4d(dst + c * T::kKvColBlockBytes, map, full, c * 64, kv_head, tok, batch);
+        }
+      }
+      return;
+    }
+    // kTmaPaged: boxes of page_box_rows rows; a box that starts past the sequence is not loaded
+    // (its rows are masked in S; the partial tile's V is gathered instead).
+    const int32_t box_rows = sp.page_box_rows;
+    const int32_t boxes = T::kBlockN / box_rows;
+    int32_t live = min(boxes, (seq.kv_len - key0 + box_rows - 1) / box_rows);
+    if (lane == 0) {
+      mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(live * box_rows * 128 * T::kColBlocks));
+    }
+    __syncwarp();
+    for (int b = lane; b < live; b += 32) {
+      const int32_t key = key0 + b * box_rows;
+      int32_t block = work.batch, token = key;
+      if (p.kv.block_table != nullptr) {
+        block =
+            p.kv.block_table[work.batch * p.kv.block_table_row_stride + (key >> p.kv_page_shift)];
+        token = key & ((1 << p.kv_page_shift) - 1);
+      }
+      // Entries outside the pool are TMA coordinates outside the map: the box reads zeros.
+#pragma unroll
+      for (int c = 0; c < T::kColBlocks; ++c) {
+        tma_load_4d(dst + c * T::kKvColBlockBytes + b * box_rows * 128, map, full, c * 64, token,
+                    kv_head, block);
+      }
+    }
+  }
+
+  __device__ void run() const {
+    const PrefillParams& p = sp.base;
+    const bool lead = ptid == 0;
+    const bool tma_warp = ptid < 32;
+    if (lead) {
+      tma_prefetch_map(&sp.tma_q);
+      if (sp.kv_mode != Sm90KvMode::kGather) {
+        tma_prefetch_map(&sp.tma_k);
+        tma_prefetch_map(&sp.tma_v);
+      }
+    }
+    const PersistentScheduler sched = PersistentScheduler::make(p);
+    PipelineState<T::kStages> stage;
+    uint32_t q_iter = 0;
+    for (int64_t w = sched.first(); sched.valid(w); w = sched.next(w)) {
+      const PrefillWorkTile work = sched.tile(p, w);
+      const SequenceInfo seq = sequence_info(p, work.batch, p.paged);
+      const int32_t m0 = work.m_block * T::kBlockM;
+      if (m0 >= seq.q_len) continue;
+      const int32_t rows_valid = min(T::kBlockM, seq.q_len - m0);
+      const int32_t p_lo = seq.kv_len - seq.q_len + m0;
+      const KeyBlockRange range =
+          key_block_range<T::kBlockN, T::kMasked>(p, seq.kv_len, p_lo, p_lo + rows_valid - 1);
+      const int32_t num_tiles = range.count();
+      if (num_tiles == 0) continue;  // the consumers write zeros without Q
+      const int32_t kv_head = work.head / p.group_size;
+      KvRows rows;
+      rows.batch = work.batch;
+      rows.kv_head = kv_head;
+      rows.k_tok_bytes = p.k_tok_stride * 2;
+      rows.v_tok_bytes = p.v_tok_stride * 2;
+      rows.k_tensor = static_cast<const uint8_t*>(p.k) +
+                      (seq.k_offset + static_cast<int64_t>(kv_head) * p.k_head_stride) * 2;
+      rows.v_tensor = static_cast<const uint8_t*>(p.v) +
+                      (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * 2;
+
+      for (int32_t it = 0; it < num_tiles; ++it) {
+        const int32_t key0 = range.block(it) * T::kBlockN;
+        const int32_t valid = min(T::kBlockN, seq.kv_len - key0);
+        const bool gather_k = sp.kv_mode == Sm90KvMode::kGather;
+        const bool gather_v = gather_k || valid < T::kBlockN;
+        // K
+        if (gather_k) {
+          // Warps 1-3 skip the TMA tiles without waiting: meet warp 0 first, so that the empty
+          // barrier is at most one phase behind the parity waited for.
+          named_barrier_sync<kProducerBarrier>(128);
+          mbarrier_wait(smem.k_empty(stage.index), stage.phase ^ 1u);
+          gather_tile<T, kDType>(sp, rows, false, key0, valid, smem.k(stage.index), ptid);
+          fence_proxy_async_smem();
+          named_barrier_sync<kProducerBarrier>(128);
+          if (lead) mbarrier_arrive(smem.k_full(stage.index));
+        } else if (tma_warp) {
+          if (lead) mbarrier_wait(smem.k_empty(stage.index), stage.phase ^ 1u);
+          __syncwarp();
+          tma_tile(&sp.tma_k, false, seq, work, kv_head, key0, smem.k(stage.index),
+                   smem.k_full(stage.index));
+        }
+        // Q, after the first K tile so that a wait for the consumers to release Q does not hold
+        // the K ring back.
+        if (it == 0 && lead) {
+          mbarrier_wait(smem.q_empty(), (q_iter & 1u) ^ 1u);
+          mbarrier_arrive_expect_tx(smem.q_full(), T::kQBytes);
+          const int32_t tok = seq.q_start + m0;
+          const int32_t batch = p.cu_seqlens_q ? 0 : work.batch;
+#pragma unroll
+          for (int c = 0; c < T::kColBlocks; ++c) {
+            tma_load_4d(smem.q() + c * T::kQColBlockBytes, &sp.tma_q, smem.q_full(), c * 64,
+                        work.head, tok, batch);
+          }
+        }
+        // V
+        if (gather_v) {
+          named_barrier_sync<kProducerBarrier>(128);
+          mbarrier_wait(smem.v_empty(stage.index), stage.phase ^ 1u);
+          gather_tile<T, kDType>(sp, rows, true, key0, valid, smem.v(stage.index), ptid);
+          fence_proxy_async_smem();
+          named_barrier_sync<kProducerBarrier>(128);
+          if (lead) mbarrier_arrive(smem.v_full(stage.index));
+        } else if (tma_warp) {
+          if (lead) mbarrier_wait(smem.v_empty(stage.index), stage.phase ^ 1u);
+          __syncwarp();
+          tma_tile(&sp.tma_v, true, seq, work, kv_head, key0, smem.v(stage.index),
+                   smem.v_full(stage.index));
+        }
+        stage.advance();
+      }
+      ++q_iter;
+    }
+  }
+};
+
+}  // namespace attnkit::cuda::prefill::sm90_detail

@@ -1,0 +1,60 @@
+// Compile-time shape of the Hopper (sm_90a) context FMHA (prefill_sm90_kernel.cuh): tile sizes,
+// pipeline depth, warpgroup roles and the shared-memory map, as constexpr functions of head_dim
+// and the mask. Host-includable, so dispatch and the support table read the same numbers.
+#pragma once
+
+namespace attnkit::cuda::prefill {
+
+// Keys per K/V tile. The S tile (64 x kBlockN floats a consumer warpgroup) and O (64 x head_dim)
+// share the consumers' 232 registers a thread; wider key tiles amortize each tile's softmax
+// bookkeeping (row max shuffles, O rescale, barriers) over more keys. Causal calls take 128: the
+// diagonal tile is half masked and a narrower tile wastes less of it.
+constexpr int sm90_block_n(int head_dim, bool masked) {
+  switch (head_dim) {
+    case 64:
+      return masked ? 128 : 192;
+    case 128:
+      return masked ? 128 : 176;
+    case 256:
+      return 80;  // O alone takes 128 registers a thread
+    default:
+      return 0;
+  }
+}
+
+template <int kHeadDim_, bool kMasked_>
+struct Sm90PrefillTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kMasked = kMasked_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
+  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kBlockN = sm90_block_n(kHeadDim, kMasked);
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kStages = 2;  // K and V rings: the next tile loads under this one's MMAs
+  // Registers a thread after setmaxnreg: 40 x 128 + 232 x 256 = the 168 x 384 of the launch.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <=
+                    65536 / kThreads / 8 * 8 * kThreads,
+                "setmaxnreg budget");
+
+  // Shared memory: 128-byte swizzled column blocks of 64 head dims (wgmma_sm90.cuh).
+  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr int kQColBlockBytes = kBlockM * 128;
+  static constexpr int kQBytes = kColBlocks * kQColBlockBytes;
+  static constexpr int kKvColBlockBytes = kBlockN * 128;
+  static constexpr int kKvTileBytes = kColBlocks * kKvColBlockBytes;
+  static_assert(kKvColBlockBytes % 1024 == 0, "column blocks start on the swizzle's 1024 bytes");
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKvTileBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKvTileBytes;
+  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage.
+  static constexpr int kNumBarriers = 2 + 4 * kStages;
+  // + 1024: the dynamic shared memory base is aligned up to the swizzle's 1024 bytes in-kernel.
+  static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB an sm90 CTA can opt into");
+};
+
+}  // namespace attnkit::cuda::prefill

@@ -1,0 +1,176 @@
+// The parts of the context FMHA that every mainloop shares (the mma.sync kernel of sm80 and the
+// warpgroup kernel of sm90a): the 16-bit element tag, a sequence's geometry, the key blocks a query
+// block visits, the mask (causal bottom-right, sliding window with sinks, none) and the logit
+// modifiers (soft-cap, ALiBi). The mask is a compile-time property (kMasked) of a kernel; the
+// window and sinks are run-time values inside it, so one masked kernel serves causal and windowed
+// calls. docs/semantics.md states the rules these functions implement.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attnkit/types.h"
+#include "cuda/common/fast_math.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/prefill/prefill_params.h"
+
+namespace attnkit::cuda::prefill {
+
+template <DType kDType>
+struct TagOf;
+template <>
+struct TagOf<DType::kBF16> {
+  using Type = Bf16Tag;
+};
+template <>
+struct TagOf<DType::kF16> {
+  using Type = F16Tag;
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// tanh from one exp2 and one fast division (absolute error ~1e-7): a fraction of tanhf's code,
+// which the fully unrolled soft-cap path would otherwise inline once per logit of the tile.
+// (tanh.approx.f32 is one MUFU but has a relative error of 2^-11: at a cap of 50 that moves a
+// logit by ~0.02, a 2% error in its probability.)
+__device__ __forceinline__ float fast_tanh(float y) {
+  const float e = fast_exp2(-2.f * kLog2e * fabsf(y));
+  return copysignf(__fdividef(1.f - e, 1.f + e), y);
+}
+
+// Per-sequence geometry, resolved once per work item.
+struct SequenceInfo {
+  int64_t q_offset;    // elements from q to token 0 of this sequence
+  int64_t o_offset;    // elements from out
+  int64_t lse_offset;  // elements from lse
+  int64_t k_offset;    // elements from k (packed / dense)
+  int64_t v_offset;
+  int32_t q_start;  // token index of query 0 in the packed q (0 in dense mode)
+  int32_t k_start;  // token index of key 0 in the packed k (0 in dense and paged mode)
+  int32_t q_len;
+  int32_t kv_len;
+};
+
+__device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, int b, bool paged) {
+  SequenceInfo s;
+  if (p.cu_seqlens_q) {
+    const int32_t start = p.cu_seqlens_q[b];
+    s.q_start = start;
+    s.q_len = p.cu_seqlens_q[b + 1] - start;
+    s.q_offset = start * p.q_tok_stride;
+    s.o_offset = start * p.o_tok_stride;
+    s.lse_offset = start * p.lse_tok_stride;
+  } else {
+    s.q_start = 0;
+    s.q_len = p.seqlen_q;
+    s.q_offset = b * p.q_batch_stride;
+    s.o_offset = b * p.o_batch_stride;
+    s.lse_offset = b * p.lse_batch_stride;
+  }
+  s.k_start = 0;
+  s.k_offset = 0;
+  s.v_offset = 0;
+  if (paged) {
+    s.kv_len = p.kv_seq_lens[b];
+  } else if (p.cu_seqlens_kv) {
+    const int32_t start = p.cu_seqlens_kv[b];
+    s.k_start = start;
+    s.kv_len = p.cu_seqlens_kv[b + 1] - start;
+    s.k_offset = start * p.k_tok_stride;
+    s.v_offset = start * p.v_tok_stride;
+  } else {
+    s.kv_len = p.seqlen_kv;
+    s.k_offset = b * p.k_batch_stride;
+    s.v_offset = b * p.v_batch_stride;
+  }
+  return s;
+}
+
+// The key blocks a query block visits: [n_begin, n_end) walked backwards (the masked diagonal
+// first: its maximum is the row's largest in most rows, so later tiles rarely rescale O), then the
+// sink blocks [0, n_sink) that lie before the window.
+struct KeyBlockRange {
+  int32_t n_begin, n_end, n_sink;
+  __device__ int32_t count() const { return (n_end - n_begin) + n_sink; }
+  __device__ int32_t block(int32_t i) const {
+    const int32_t main = n_end - n_begin;
+    return i < main ? n_end - 1 - i : n_sink - 1 - (i - main);
+  }
+};
+
+// The key blocks of kBlockN keys that query positions [p_lo, p_hi] attend.
+template <int kBlockN, bool kMasked>
+__device__ __forceinline__ KeyBlockRange key_block_range(const PrefillParams& p, int32_t kv_len,
+                                                         int32_t p_lo, int32_t p_hi) {
+  int32_t key_begin = 0, key_end = kv_len, sink_end = 0;
+  if constexpr (kMasked) {
+    key_end = min(kv_len, p_hi + 1);
+    if (p.window > 0) {
+      key_begin = max(0, p_lo - p.window + 1);
+      sink_end = min(p.sink_tokens, key_begin);
+    }
+  }
+  // Sinks lie before key_begin <= p_lo, so they are causal for every row; an empty range (no
+  // key at all: p_hi < 0 or kv_len == 0) has no sinks either.
+  KeyBlockRange r{0, 0, 0};
+  if (key_end > key_begin) {
+    r.n_begin = key_begin / kBlockN;
+    r.n_end = (key_end + kBlockN - 1) / kBlockN;
+    r.n_sink = min((sink_end + kBlockN - 1) / kBlockN, r.n_begin);
+  }
+  return r;
+}
+
+// Whether query position `pos` attends key `key`.
+template <bool kMasked>
+__device__ __forceinline__ bool attends(const PrefillParams& p, int32_t pos, int32_t key,
+                                        int32_t kv_len) {
+  if (key >= kv_len) return false;
+  if constexpr (kMasked) {
+    if (key > pos) return false;
+    if (p.window > 0 && key <= pos - p.window && key >= p.sink_tokens) return false;
+  }
+  return true;
+}
+
+// Whether some key of [key0, key0 + block_n) is masked for some query of [p_lo, p_hi]: the
+// partial last block, the causal diagonal, a window's far edge (sink blocks lie there too). Tiles
+// for which this is false skip the per-logit mask.
+template <bool kMasked>
+__device__ __forceinline__ bool tile_needs_mask(const PrefillParams& p, int32_t key0,
+                                                int32_t block_n, int32_t kv_len, int32_t p_lo,
+                                                int32_t p_hi) {
+  bool needs = key0 + block_n > kv_len;
+  if constexpr (kMasked) {
+    needs = needs || key0 + block_n - 1 > p_lo || (p.window > 0 && key0 <= p_hi - p.window);
+  }
+  return needs;
+}
+
+// The logit modifiers of a call, resolved per work item: x = q.k * logit_scale, then the soft-cap
+// cap * tanh(x / cap), then the ALiBi bias slope * (key - pos), in that order.
+struct LogitMods {
+  float logit_scale;  // softmax_scale x the cache's K scale
+  float softcap;      // 0: off
+  float inv_softcap;
+  float alibi_slope;  // 0: off
+
+  __device__ static LogitMods make(const PrefillParams& p, float logit_scale, int head) {
+    LogitMods m;
+    m.logit_scale = logit_scale;
+    m.softcap = p.softcap;
+    m.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+    m.alibi_slope = p.alibi ? p.alibi_slopes[head] : 0.f;
+    return m;
+  }
+  // The modified logit in natural units.
+  __device__ float apply(float qk, int32_t pos, int32_t key) const {
+    float x = qk * logit_scale;
+    if (softcap > 0.f) x = softcap * fast_tanh(x * inv_softcap);
+    return x + alibi_slope * static_cast<float>(key - pos);
+  }
+};
+
+}  // namespace attnkit::cuda::prefill
