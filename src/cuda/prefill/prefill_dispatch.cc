@@ -295,6 +295,18 @@ PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128
   return has(PrefillTile::kM64) ? PrefillTile::kM64 : tiles[0];
 }
 
+// Where auto prefers the portable kernel on Hopper: short sequences whose key tiles are few, so
+// the sm90 kernel's per-work-item cost (Q load, the first S and the last P V without overlap) is
+// not amortized. H200, bf16, 16k tokens, same run (TFLOP/s, sm90 vs portable): D=64 512 256 vs 275,
+// causal 512 / 1k / 2k 147 / 210 / 257 vs 171 / 223 / 266 (4k: 296 vs 297, 8k 337 vs 318); D=256
+// causal 512 197 vs 208 (1k 292 vs 265). Every other row of the grid is faster on sm90
+// (docs/performance.md).
+bool sm90_preferred(int head_dim, bool masked, int32_t max_seqlen_kv) {
+  if (head_dim == 64) return max_seqlen_kv > (masked ? 2048 : 512);
+  if (head_dim == 256 && masked) return max_seqlen_kv > 512;
+  return true;
+}
+
 // The kernel a call runs. sm90_reason: "" when the sm90 kernel can serve the call (else why
 // not); it is preferred wherever it can, and a forced kSm90 it cannot serve raises with the reason.
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
@@ -327,7 +339,13 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
                   sm90_reason);
     return PrefillTile::kSm90;
   }
-  if (choice == FusedKernel::kAuto && sm90_reason.empty()) return PrefillTile::kSm90;
+  // 8-bit caches: the sm90 kernel widens them in its producer warpgroup (gathered loads), which
+  // ran at 78-93 TFLOP/s against the portable kernel's 221-233 (H200, D=128 causal paged64 fp8,
+  // 2k / 8k): auto keeps them on the portable kernel until they are read natively in fp8.
+  if (choice == FusedKernel::kAuto && sm90_reason.empty() && !quant_kv &&
+      sm90_preferred(c.head_dim, masked, max_seqlen_kv)) {
+    return PrefillTile::kSm90;
+  }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
   return choose_tile(tiles, ctas, dev.sm_count, masked && !c.paged, max_seqlen_kv);
 }

@@ -86,6 +86,29 @@ struct Sm90Consumer {
     if (wtid % 32 == 0) mbarrier_arrive(empty_bar);
   }
 
+  // Zeros rows [valid, kBlockN) of the V tile in `stage`, which TMA filled with whatever lies past
+  // the sequence (the next sequence's rows, a page's unwritten slots, or nothing at all for boxes
+  // past the sequence): P is 0 there, and 0 x NaN would be NaN. Only the partial last key tile
+  // (the first one visited) has such rows. Both consumer warpgroups zero the rows before their own
+  // P V (the same zeros; neither reads the other's), then fence them for the async proxy. Doing
+  // this in the producer instead, as a gather of the whole tile, cost 5 us a work item.
+  __device__ void zero_v_tail(int stage, int32_t valid) const {
+    const uint32_t v = smem.v(stage);
+    constexpr int kChunksPerRow = 8 * T::kColBlocks;
+    const int rows = T::kBlockN - valid;
+    for (int c = wtid; c < rows * kChunksPerRow; c += 128) {
+      const int r = valid + c / kChunksPerRow;
+      st_shared_v4(v + swizzled_offset(r, c % kChunksPerRow, T::kKvColBlockBytes),
+                   make_uint4(0, 0, 0, 0));
+    }
+    fence_proxy_async_smem();
+    if (wg == 0) {
+      named_barrier_sync<kConsumerBarrier0>(128);
+    } else {
+      named_barrier_sync<kConsumerBarrier0 + 1>(128);
+    }
+  }
+
   // ---- softmax --------------------------------------------------------------------------------
   // Mask and modifiers on the raw S of the tile at key0, then the online softmax: s becomes
   // exp2(logit - max) (fp32), stats absorb the tile, corr[r] is the factor O must be multiplied
@@ -250,6 +273,10 @@ struct Sm90Consumer {
       uint32_t pa[kPSteps][4];
       float corr[2];
       mbarrier_wait(smem.q_full(), q_iter & 1u);
+      // The first key tile is the sequence's last: its V rows past the sequence are zeroed before
+      // its P V (gathered tiles come zero-filled).
+      const int32_t first_valid = min(T::kBlockN, seq.kv_len - range.block(0) * T::kBlockN);
+      const bool zero_first = first_valid < T::kBlockN && sp.kv_mode != Sm90KvMode::kGather;
 
       // Tile 0: S alone.
       {
@@ -273,6 +300,10 @@ struct Sm90Consumer {
       // Tiles 1..n-1: S(j) and P(j-1) V(j-1) in flight together, the softmax of S(j) under P V.
       for (int32_t it = 1; it < num_tiles; ++it) {
         const int32_t key0 = range.block(it) * T::kBlockN;
+        if (it == 1 && zero_first) {
+          mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
+          zero_v_tail(v_read.index, first_valid);
+        }
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
         turn_begin();
         issue_qk(s, k_read.index);
@@ -299,6 +330,7 @@ struct Sm90Consumer {
       }
       // The last P V.
       mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
+      if (num_tiles == 1 && zero_first) zero_v_tail(v_read.index, first_valid);
       turn_begin();
       issue_pv(o, pa, v_read.index);
       turn_end();

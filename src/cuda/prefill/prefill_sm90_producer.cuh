@@ -29,6 +29,7 @@ using namespace attnkit::cuda::sm90;
 // Named barriers of the kernel (0 is __syncthreads).
 constexpr int kProducerBarrier = 1;   // the producer warpgroup, after a gathered tile
 constexpr int kPingPongBarrier0 = 2;  // consumer warpgroup 0's turn to issue MMAs; 1's is 3
+constexpr int kConsumerBarrier0 = 4;  // consumer warpgroup 0 alone; 1's is 5
 
 // Shared-memory addresses of one CTA.
 template <class T>
@@ -223,7 +224,7 @@ struct Sm90Producer {
         const int32_t key0 = range.block(it) * T::kBlockN;
         const int32_t valid = min(T::kBlockN, seq.kv_len - key0);
         const bool gather_k = sp.kv_mode == Sm90KvMode::kGather;
-        const bool gather_v = gather_k || valid < T::kBlockN;
+        const bool gather_v = gather_k;
         // K
         if (gather_k) {
           // Warps 1-3 skip the TMA tiles without waiting: meet warp 0 first, so that the empty
