@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""attnkit next to its peers on the same shapes, in one run on one GPU (DESIGN.md section 7).
+"""attnkit next to its peers on the same shapes, in one run on one GPU (method: docs/bench.md).
 
 Suites (each a grid of shapes; --quick takes a few rows of each):
   decode   paged GQA decode, TB/s of KV bytes read (bf16 cache: batch x context x Hkv x D x 2 x 2).
@@ -24,8 +24,14 @@ Output in --out: results.json (every row, device, date, command, ceilings), peer
 table per suite with attnkit / best peer) and <suite>.png (matplotlib; skipped with a message when
 it is missing). --render FILE rebuilds peers.md and the plots from a results.json without a GPU.
 
+--write-docs DIR (docs/): the project's performance page. The measured suites replace their runs
+in DIR/perf-results.json (one run per suite, the others kept), then DIR/performance.md (a table
+per suite with the peers of the same run, the targets and the gaps) and DIR/perf-plots/<suite>.png
+are written from it. With --render FILE (a results.json or a perf-results.json) no GPU is needed.
+
 Usage: python3 bench/peers.py [--suite decode,prefill,dense,append] [--quick] [--out DIR]
                               [--attnkit-cli PATH] [--iters N] [--no-attnkit] [--render FILE]
+                              [--write-docs DIR]
 """
 from __future__ import annotations
 
@@ -103,7 +109,7 @@ def append_shape(tokens=16384, kv_dtype="bf16", q_heads=32, kv_heads=8, head_dim
 
 
 def grid(suite: str, quick: bool) -> list:
-    """The shapes of a suite (the issue's grids; --quick: a few rows that still show the trend)."""
+    """The shapes of a suite (the default grids; --quick: a few rows that still show the trend)."""
     if suite == "decode":
         if quick:
             return [decode_shape(64, 4096), decode_shape(1, 32768)]
@@ -159,6 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "are still to come (compiles are slow); default 100 with --quick")
     parser.add_argument("--render", metavar="RESULTS_JSON", default=None,
                         help="no measurement: rebuild peers.md and the plots from a results.json")
+    parser.add_argument("--write-docs", metavar="DIR", default=None,
+                        help="also write DIR/performance.md, DIR/perf-results.json and "
+                             "DIR/perf-plots/ (the measured suites replace theirs)")
     args = parser.parse_args(argv)
     if args.iters < 20:
         parser.error(f"--iters: at least 20 (median of >= 20 samples); got {args.iters}")
@@ -328,7 +337,7 @@ def attnkit_rows(cli: str, suite: str, shapes: list, quick: bool = False, log=pr
     failed, measured = [], []
     for shape in shapes:
         # --no-ceilings: the ceilings' 8192^3 GEMMs right before a short measurement lowered the
-        # kernel's rate by 3-13% on the H200 (prefill S=512/1k, 2026-11-29); they are measured in
+        # kernel's rate by 3-13% on the H200 (prefill S=512/1k); they are measured in
         # one more run after the rows.
         result = run_attnkit(cli, suite, cli_shape_args(suite, shape, quick) + ["--no-ceilings"],
                              timeout=180)
@@ -508,8 +517,9 @@ def render_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
-def write_plots(results: dict, out_dir: str, log=print) -> list:
-    """One PNG per suite: the metric against the x keys, one line per impl, one panel per group."""
+def write_plots(results: dict, out_dir: str, log=print, dpi: int = 110, max_cols: int = 0) -> list:
+    """One PNG per suite: the metric against the x keys, one line per impl, one panel per group
+    (max_cols > 0: at most that many panels a row)."""
     try:
         import matplotlib
 
@@ -527,8 +537,17 @@ def write_plots(results: dict, out_dir: str, log=print) -> list:
         panels = {}
         for shape, cells in shapes:
             panels.setdefault(tuple(shape.get(k) for k in info["panel"]), []).append((shape, cells))
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 4), squeeze=False)
-        for ax, (panel, members) in zip(axes[0], panels.items()):
+        cols = min(len(panels), max_cols) if max_cols > 0 else len(panels)
+        rows_n = (len(panels) + cols - 1) // cols
+        # Bars need room per shape; lines fit any count.
+        most = max(len(m) for m in panels.values())
+        panel_width = max(4.5, 0.5 * most + 1.5) if info.get("plot") == "bar" else 4.5
+        fig, axes = plt.subplots(rows_n, cols, figsize=(panel_width * cols + 1.5, 3.6 * rows_n + 0.4),
+                                 squeeze=False)
+        flat = [ax for line in axes for ax in line]
+        for ax in flat[len(panels):]:
+            ax.axis("off")
+        for ax, (panel, members) in zip(flat, panels.items()):
             labels = ["/".join(_cell(s.get(k)) for k in info["x"]) for s, _ in members]
             series = []
             for impl in impls:
@@ -539,11 +558,12 @@ def write_plots(results: dict, out_dir: str, log=print) -> list:
             # Shapes without an order (decode, append) as grouped bars; S sweeps as lines.
             width = 0.8 / max(1, len(series))
             for n, (impl, ys) in enumerate(series):
+                color = f"C{impls.index(impl) % 10}"  # one color per impl in every panel
                 if info.get("plot") == "bar":
                     ax.bar([i - 0.4 + width * (n + 0.5) for i in range(len(labels))], ys, width,
-                           label=impl)
+                           label=impl, color=color)
                 else:
-                    ax.plot(range(len(labels)), ys, marker="o", label=impl)
+                    ax.plot(range(len(labels)), ys, marker="o", label=impl, color=color)
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
             ax.set_title(", ".join(f"{k}={_cell(v)}" for k, v in zip(info["panel"], panel)),
@@ -552,12 +572,17 @@ def write_plots(results: dict, out_dir: str, log=print) -> list:
             ax.set_ylabel(info["unit"])
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
-        axes[0][0].legend(fontsize=8)
+        legend = {}
+        for ax in flat:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        axes[0][cols - 1].legend(list(legend.values()), list(legend.keys()), fontsize=8,
+                                 loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.suptitle(f"{suite}: {results.get('device', {}).get('name', '')} "
                      f"{results.get('date', '')}", fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{suite}.png")
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     return written
@@ -579,6 +604,281 @@ def merge_meta(results: dict, meta: dict) -> None:
         results["ceilings"][f"attnkit {key}"] = value
     if isinstance(meta.get("device"), dict):
         results["device"].setdefault("attnkit", meta["device"])
+
+
+# ---- the performance page (docs/performance.md) -------------------------------------------------
+
+DOCS_RESULTS = "perf-results.json"  # in the docs folder: one run per suite, what the page shows
+DOCS_PAGE = "performance.md"
+DOCS_PLOTS = "perf-plots"  # <suite>.png beside the page
+
+SUITE_TITLES = {"prefill": "Prefill", "dense": "Dense (diffusion)", "decode": "Decode",
+                "append": "append_kv"}
+DOCS_ORDER = ("prefill", "dense", "decode", "append")
+PEER_NAMES = {"sdpa-cudnn": "cuDNN", "sdpa-flash": "FA2", "sdpa-efficient": "SDPA efficient",
+              "flex": "FlexAttention", "flashinfer": "FlashInfer", "torch-copy": "copy"}
+
+
+def docs_results(results: dict, existing: dict = None) -> dict:
+    """The page's results: `existing` ({"runs": {suite: run}}) with each suite of `results` (a
+    peers results.json, or another page results) replacing that suite's run. A run is the header
+    of the measurement (date, command, device, ceilings, notes) with its own suite's rows."""
+    runs = dict((existing or {}).get("runs", {}))
+    if "runs" in results:
+        runs.update(results["runs"])
+        return {"runs": runs}
+    for suite in results.get("suites", SUITES):
+        rows = [r for r in results.get("rows", []) if r.get("suite", suite) == suite]
+        if not rows:
+            continue
+        run = {k: results[k] for k in ("date", "command", "seed", "device", "ceilings")
+               if k in results}
+        run["notes"] = [n for n in results.get("notes", [])
+                        if not any(n.startswith(f"attnkit {s}") or n.startswith(f"attnkit bench {s}")
+                                   for s in SUITES if s != suite)]
+        run["suites"] = [suite]
+        run["rows"] = rows
+        runs[suite] = run
+    return {"runs": runs}
+
+
+def _ratio(cells: dict, impl: str, metric: str):
+    mine = cells.get("attnkit", {}).get(metric)
+    other = cells.get(impl, {}).get(metric)
+    return mine / other if mine is not None and other else None
+
+
+def _cells_of(shapes: list, shape: dict, **changes) -> dict:
+    want = dict(shape, **changes)
+    for other, cells in shapes:
+        if all(other.get(k) == v for k, v in want.items()):
+            return cells
+    return {}
+
+
+def row_targets(suite: str, shape: dict, cells: dict, shapes: list) -> list:
+    """The targets of one row: [(what, achieved, goal)] with achieved and goal as ratios (or
+    rates, for an absolute target); achieved None when the row or its yardstick is missing. The
+    targets are the project's performance contract on one H200 (docs/bench.md); a row without
+    one is reported only."""
+    metric = SUITE_INFO[suite]["metric"]
+    out = []
+    if suite == "decode":
+        bits8 = shape.get("kv_dtype") in ("fp8_e4m3", "int8")
+        gqa = (shape.get("q_heads"), shape.get("kv_heads"), shape.get("head_dim")) == (32, 8, 128)
+        batch = shape.get("batch") or 0
+        if not gqa:
+            return out
+        if not bits8 and shape.get("page") == 32 and (batch >= 32 or batch == 1):
+            out.append((">= 1.00x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 1.0))
+        elif not bits8 and shape.get("page") != 32:
+            base = _cells_of(shapes, shape, page=32).get("attnkit", {}).get(metric)
+            mine = cells.get("attnkit", {}).get(metric)
+            out.append((">= 0.95x page 32", mine / base if mine and base else None, 0.95))
+        elif bits8:
+            base = _cells_of(shapes, shape, kv_dtype="bf16").get("attnkit", {}).get(metric)
+            mine = cells.get("attnkit", {}).get(metric)
+            ratio = mine / base if mine and base else None
+            if batch >= 32:
+                out.append((">= 0.97x bf16's TB/s", ratio, 0.97))
+            elif batch == 1:
+                # Half the bytes a token: tokens/s ratio = 2 x the TB/s ratio.
+                out.append((">= 1.6x bf16's tokens/s", 2 * ratio if ratio else None, 1.6))
+    elif suite == "prefill":
+        d, s, causal, page = (shape.get("head_dim"), shape.get("seqlen") or 0,
+                              shape.get("causal"), shape.get("page") or 0)
+        if page:
+            base = _cells_of(shapes, shape, page=0, kv_dtype="bf16").get("attnkit", {})
+            mine = cells.get("attnkit", {}).get(metric)
+            out.append((">= 0.90x packed", mine / base[metric]
+                        if mine and base.get(metric) else None, 0.9))
+            return out
+        if s <= 2048:
+            out.append((">= 0.95x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 0.95))
+        elif d == 128:
+            out.append((">= 1.05x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 1.05))
+            if s == 16384 and not causal:
+                out.append((">= 700 TFLOP/s", cells.get("attnkit", {}).get(metric), 700.0))
+        elif s >= 4096:
+            out.append((">= 1.00x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 1.0))
+    elif suite == "dense":
+        out.append((">= 1.05x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 1.05))
+    elif suite == "append":
+        out.append((">= 0.85x a copy of the bytes", _ratio(cells, "torch-copy", metric), 0.85))
+    return out
+
+
+def target_text(targets: list) -> str:
+    """One cell: each target with the row's value and its gap (met, or how far below)."""
+    parts = []
+    for what, achieved, goal in targets:
+        if achieved is None:
+            parts.append(f"{what}: not measured")
+            continue
+        value = f"{achieved:.0f}" if goal >= 100 else f"{achieved:.2f}x"
+        gap = (achieved / goal - 1.0) * 100
+        if gap >= -0.05:
+            parts.append(f"{what}: {value}, met")
+        else:  # one decimal for gaps under 10%
+            parts.append(f"{what}: {value}, gap {gap:.1f}%" if round(gap, 1) > -10 else
+                         f"{what}: {value}, gap {gap:.0f}%")
+    return "; ".join(parts) if parts else "reported"
+
+
+def docs_table(suite: str, rows: list) -> str:
+    """The page's table of a suite: shape columns that vary, one column per implementation, attnkit
+    / best peer, and the targets with their gaps."""
+    info = SUITE_INFO[suite]
+    metric, unit = info["metric"], info["unit"]
+    impls, shapes = table_rows(suite, rows)
+    if not shapes:
+        return f"(no {suite} rows)\n"
+    keys = [(k, t) for k, t in zip(info["keys"], info["titles"])
+            if len({_cell(s.get(k)) for s, _ in shapes}) > 1]
+    constant = [(t, _cell(shapes[0][0].get(k))) for k, t in zip(info["keys"], info["titles"])
+                if (k, t) not in keys]
+    head = [t for _, t in keys] + [f"{PEER_NAMES.get(i, i)} {unit}" for i in impls]
+    head += ["attnkit / best peer", "target: gap"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape, cells in shapes:
+        line = [_cell(shape.get(k)) for k, _ in keys]
+        line += [_metric_text(cells[i].get(metric), unit) if i in cells else "-" for i in impls]
+        mine = cells.get("attnkit", {}).get(metric)
+        peer, value = best_peer(cells, metric)
+        line.append(f"{mine / value:.2f} ({PEER_NAMES.get(peer, peer)})" if mine is not None and
+                    value else "-")
+        line.append(target_text(row_targets(suite, shape, cells, shapes)))
+        lines.append("| " + " | ".join(line) + " |")
+    text = ""
+    if constant:
+        text = "Every row: " + ", ".join(f"{t} {v}" for t, v in constant) + ".\n\n"
+    return text + "\n".join(lines) + "\n"
+
+
+def _cudnn_text(version) -> str:
+    if isinstance(version, int) and version > 10000:  # 91900 -> 9.19.0
+        return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    return _cell(version)
+
+
+def run_header(suite: str, run: dict) -> list:
+    device = run.get("device", {})
+    ak = device.get("attnkit") or {}
+    gpu = device.get("name", "?")
+    if ak.get("sms"):
+        gpu += f" ({ak['sms']} SMs, sm {ak.get('cc', '?')})"
+    date = str(run.get("date", "?"))[:10]  # the day of an ISO 8601 time
+    out = [f"- measured: {date}, {gpu}, driver {device.get('driver') or '?'}, "
+           f"CUDA {device.get('cuda') or '?'}; peers: torch {device.get('torch', '?')}, cuDNN "
+           f"{_cudnn_text(device.get('cudnn'))}, FlashInfer "
+           f"{device.get('flashinfer') or 'not installed'}",
+           f"- by: `{run.get('command', '?')}`"]
+    ceilings = run.get("ceilings") or {}
+    if ceilings:
+        out.append("- ceilings of the same run: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(ceilings.items()) if isinstance(v, (int, float))))
+    out.append(f"- regenerate: `python3 bench/peers.py --suite {suite} --attnkit-cli "
+               f"build-gpu/attnkit --write-docs docs/`")
+    return out
+
+
+def grouped_notes(suite: str, run: dict) -> list:
+    """The run's notes for the page, identical row notes of one implementation counted once."""
+    counts = {}
+    for row in run.get("rows", []):
+        if row.get("note"):
+            key = f"{PEER_NAMES.get(row.get('impl'), row.get('impl'))}: {row['note']}"
+            counts[key] = counts.get(key, 0) + 1
+    out = [f"{k} ({n} rows)" if n > 1 else k for k, n in counts.items()]
+    return out + [n for n in run.get("notes", []) if not n.startswith("flashinfer")]
+
+
+def _wrap(text: str, bullet: bool = False) -> str:
+    """Markdown prose at 100 columns (a "- " item continues two spaces in)."""
+    import textwrap
+
+    return textwrap.fill(text, width=100, subsequent_indent="  " if bullet else "",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def render_performance_page(docs: dict, plots: dict = None) -> str:
+    """docs/performance.md from the page's results (docs_results): one section per suite with its
+    run's header, the table with targets and gaps, and the plot (plots: {suite: relative path})."""
+    runs = docs.get("runs", {})
+    plots = plots or {}
+    intro = (
+        "attnkit next to the peers measured in the same run on the same GPU, one table per "
+        "workload family. This page is generated by `bench/peers.py --write-docs docs/` from "
+        f"`docs/{DOCS_RESULTS}` (one run per family): do not edit it by hand. Method "
+        "(docs/bench.md): CUDA events, warm-up, the median of at least 20 samples, inputs rotated "
+        "across buffers larger than the L2, random data; decode timed as a CUDA graph of 16 "
+        "calls. Peers: PyTorch SDPA's cuDNN, flash (FA2) and memory-efficient backends, "
+        "FlexAttention (torch.compile), and FlashInfer where it is installed. Targets: the "
+        "project's performance goals on one H200; a gap is how far a row is below its target.")
+    out = ["# Performance", "", _wrap(intro), "",
+           _wrap("Regenerate every family on a machine with a GPU, PyTorch and a CUDA build of "
+                 "attnkit (`scripts/gpu_check.sh` builds one into `build-gpu/`):"), "",
+           "```sh",
+           "python3 bench/peers.py --attnkit-cli build-gpu/attnkit --write-docs docs/",
+           "```", "",
+           _wrap("`--suite decode` (or any list) measures and replaces only those families; "
+                 f"`python3 bench/peers.py --render docs/{DOCS_RESULTS} --write-docs docs/` "
+                 "re-renders the page and the plots without a GPU."), ""]
+    for suite in [s for s in DOCS_ORDER if s in runs]:
+        run = runs[suite]
+        info = SUITE_INFO[suite]
+        out += [f"## {SUITE_TITLES[suite]}", "", _wrap(info["what"][0].upper() + info["what"][1:]
+                                                       + "."), ""]
+        # Commands stay on one line, to copy.
+        out += [line if "`" in line else _wrap(line, bullet=True)
+                for line in run_header(suite, run)] + [""]
+        out.append(docs_table(suite, run.get("rows", [])))
+        if suite in plots:
+            out += [f"![{suite}]({plots[suite]})", ""]
+        notes = grouped_notes(suite, run)
+        if notes:
+            out += ["Notes:", ""] + [_wrap(f"- {n}", bullet=True) for n in notes] + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_docs(results: dict, docs_dir: str, log=print) -> dict:
+    """Merges `results` into docs_dir/perf-results.json and writes docs_dir/performance.md and the
+    plots docs_dir/perf-plots/<suite>.png (small: 64 dpi, three panels a row). Returns the page's
+    results."""
+    path = os.path.join(docs_dir, DOCS_RESULTS)
+    existing = None
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = json.load(f)
+    docs = docs_results(results, existing)
+    os.makedirs(docs_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(docs, f, indent=1, default=str)
+        f.write("\n")
+    plots = {}
+    plot_dir = os.path.join(docs_dir, DOCS_PLOTS)
+    for suite, run in docs["runs"].items():
+        os.makedirs(plot_dir, exist_ok=True)
+        written = write_plots(dict(run, suites=[suite]), plot_dir, log=log, dpi=64, max_cols=3)
+        if written:
+            plots[suite] = f"{DOCS_PLOTS}/{suite}.png"
+        elif os.path.exists(os.path.join(plot_dir, f"{suite}.png")):
+            plots[suite] = f"{DOCS_PLOTS}/{suite}.png"  # no matplotlib here: keep the last plot
+    with open(os.path.join(docs_dir, DOCS_PAGE), "w") as f:
+        f.write(render_performance_page(docs, plots))
+    log(f"peers.py: wrote {os.path.join(docs_dir, DOCS_PAGE)}, {path} and {len(plots)} plots")
+    return docs
+
+
+def driver_version():
+    """The NVIDIA driver's version (nvidia-smi), or None."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
 
 
 # ---- peers (torch; imported only when measuring) -----------------------------------------------
@@ -709,6 +1009,7 @@ class Peers:
         torch = self.torch
         return dict(name=torch.cuda.get_device_name(), torch=torch.__version__,
                     cudnn=torch.backends.cudnn.version(), cuda=torch.version.cuda,
+                    driver=driver_version(),
                     flashinfer=getattr(self.flashinfer, "__version__", None)
                     if self.flashinfer else None)
 
@@ -878,6 +1179,9 @@ def main(argv=None) -> int:
     if args.render:
         with open(args.render) as f:
             results = json.load(f)
+        if args.write_docs:
+            write_docs(results, args.write_docs)
+            return 0
         write_outputs(results, args.out)
         print(render_markdown(results))
         return 0
@@ -894,7 +1198,8 @@ def main(argv=None) -> int:
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     command = "python3 bench/peers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    results = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    # ISO 8601 in UTC, as `attnkit bench` writes its date.
+    results = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                    command=command, seed=seed, suites=args.suite, device={}, ceilings={},
                    rows=[], notes=[])
     peers = Peers(args.iters, args.budget_s, start)
@@ -929,6 +1234,8 @@ def main(argv=None) -> int:
     write_outputs(results, args.out)
     print(render_markdown(results))
     print(f"peers.py: {results['elapsed_s']}s; wrote {args.out}/results.json, peers.md and plots")
+    if args.write_docs:
+        write_docs(results, args.write_docs)
     return 0
 
 

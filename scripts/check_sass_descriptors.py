@@ -9,7 +9,7 @@ On sm_90, global memory instructions take a 64-bit descriptor in a uniform regis
 (`desc[URn]`): the default one from the constant bank, or one built from an L2 cache policy. ptxas
 of CUDA 13.0 emitted the hinted `cp.async` of some decode kernels (the K / V copies carry an L2
 evict_first policy) as `LDGSTS [R + UR0 + imm], desc[UR1]` where nothing in the kernel writes UR1:
-an illegal instruction at run time (docs/decode_design.md, session 21). This check fails on every
+an illegal instruction at run time (docs/decode_design.md, "L2 evict_first"). This check fails on every
 function with an `LDGSTS`, `LDG` or `STG` whose descriptor register no instruction of that
 function writes. Exit status: 0 clean, 1 findings, 77 no cuobjdump (skipped), 2 usage errors.
 """

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one GPU-machine check (docs/gpu.md): configure and build the CUDA backend, run the gpu and
-# cpu tests, `attnkit check`, and the benchmarks that exist, with one log per step (packed into $OUT/logs.tgz) and
-# a summary at the end. Meant for a single call of the device tool:
+# The full GPU check (docs/gpu.md), one command on any machine with an NVIDIA GPU and the CUDA
+# toolkit: configure and build the CUDA backend, run the gpu and cpu tests, pytest, `attnkit
+# check` and the benchmarks, with one log per step packed into $OUT/logs.tgz and a summary in
+# $OUT/summary.txt, so that a run on a remote machine comes back as two files.
 #
-#   run(command="bash scripts/gpu_check.sh", carry=[".carry"], timeout_s=600)
+#   bash scripts/gpu_check.sh
 #
 # Environment (all optional):
-#   OUT                 where logs go (the device tool sets it; default ./gpu-check-out)
+#   OUT                 where the summary and logs.tgz go (default ./gpu-check-out)
 #   GPU_CHECK_BUILD     build directory (default build-gpu)
 #   GPU_CHECK_ARCHS     CUDA architectures (default "80;90a": the full matrix)
 #   GPU_CHECK_STEPS     steps to run, space separated, in this order (default: all of
@@ -19,14 +20,17 @@
 #   GPU_CHECK_JOBS      parallel build jobs (default: nproc)
 #   GPU_CHECK_CMAKE_ARGS extra configure arguments (e.g. -DATTNKIT_KERNEL_SUBSET=ON)
 #   GPU_CHECK_STEP_TIMEOUT seconds after which a step is stopped (default 0: no limit)
+#   GPU_CHECK_GTEST_SOURCE a GoogleTest source tree, for machines whose GoogleTest package has
+#                       headers but no libraries (default: a googletest/ folder at the top of one
+#                       of the checkout's folders, e.g. a git-ignored copy of /usr/src/googletest)
 # A step that fails is recorded and the script goes on (a failed build skips what needs it); the
 # exit status is 0 only when every step that ran passed.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-out}"
-# The device tool returns at most 8 files: step logs go to $LOGS and are packed into
-# $OUT/logs.tgz at the end; summary.txt stays beside it.
+# Step logs go to $LOGS and are packed into $OUT/logs.tgz at the end; summary.txt stays beside
+# it (two files to copy back from a remote machine).
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 BUILD="${GPU_CHECK_BUILD:-build-gpu}"
@@ -61,11 +65,20 @@ run_step() {
 skip() { note "SKIP  $1: $2"; }
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
-# GoogleTest: the system package, else a carried source tree (.carry/googletest), else
-# /usr/src/googletest (tests/CMakeLists.txt picks the first that exists).
+# GoogleTest: the system package, else a source tree ($GPU_CHECK_GTEST_SOURCE, or the first
+# <folder>/googletest of the checkout), else /usr/src/googletest (tests/CMakeLists.txt).
+GTEST_SRC="${GPU_CHECK_GTEST_SOURCE:-}"
+if [ -z "$GTEST_SRC" ]; then
+  for dir in "$PWD"/.[!.]*/googletest "$PWD"/*/googletest; do
+    if [ -f "$dir/CMakeLists.txt" ]; then
+      GTEST_SRC="$dir"
+      break
+    fi
+  done
+fi
 GTEST_ARGS=()
-if [ -f .carry/googletest/CMakeLists.txt ]; then
-  GTEST_ARGS=(-DATTNKIT_GTEST_SOURCE_DIR="$PWD/.carry/googletest")
+if [ -n "$GTEST_SRC" ]; then
+  GTEST_ARGS=(-DATTNKIT_GTEST_SOURCE_DIR="$(cd "$GTEST_SRC" && pwd)")
 fi
 
 if wants info; then
@@ -92,7 +105,7 @@ CLI="$BUILD/attnkit"
 
 # The SASS of the library: no memory instruction may name a descriptor register that nothing
 # writes (ptxas of CUDA 13.0 emitted such hinted cp.async copies in some decode kernels; an
-# illegal instruction at run time, docs/decode_design.md session 21). Needs cuobjdump (CUDA
+# illegal instruction at run time, docs/decode_design.md "L2 evict_first"). Needs cuobjdump (CUDA
 # toolkit); skipped without it.
 if wants sass_check; then
   if ! python3 scripts/check_sass_descriptors.py --has-cuobjdump; then
@@ -118,7 +131,7 @@ if wants gpu_tests; then run_gtests gpu_tests "${GPU_CHECK_FILTER:-*}"; fi
 if wants cpu_tests; then run_gtests cpu_tests "${GPU_CHECK_CPU_FILTER:-*}"; fi
 
 # The Python package on the GPU: builds the nanobind module into the same build folder and runs
-# pytest there, so the torch/CUDA tests (skipped in CI) run against the H200.
+# pytest there, so the torch/CUDA tests (skipped without a GPU) run on this GPU.
 if wants pytest; then
   if [ $BUILD_OK -eq 1 ] && python3 -c "import nanobind, pytest" >/dev/null 2>&1; then
     run_step pytest bash -c "cmake -S . -B '$BUILD' -DATTNKIT_BUILD_PYTHON=ON >/dev/null && \

@@ -1,4 +1,4 @@
-// `attnkit bench append`: fused append_kv bandwidth (DESIGN.md section 7). TB/s = bytes that must
+// `attnkit bench append`: fused append_kv bandwidth (docs/bench.md). TB/s = bytes that must
 // move (fused QKV read, rotated Q written, K and V written at the cache dtype) / kernel time;
 // % of ceiling against the measured copy bandwidth, and next to it a device-to-device copy of the
 // same bytes measured in the same run. One row per cache dtype (bf16, fp8_e4m3, int8).

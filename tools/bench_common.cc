@@ -327,7 +327,7 @@ void check_heads(const std::string& command, int64_t q_heads, int64_t kv_heads,
 }
 
 void check_iters(const std::string& command, int64_t iters) {
-  // DESIGN.md section 7: the median of at least 20 timed runs.
+  // docs/bench.md: the median of at least 20 timed runs.
   check_at_least(command, "--iters", iters, 20);
 }
 

@@ -1,4 +1,4 @@
-// `attnkit bench decode`: paged decode bandwidth (DESIGN.md section 7). TB/s = KV bytes that must
+// `attnkit bench decode`: paged decode bandwidth (docs/bench.md). TB/s = KV bytes that must
 // be read (the cache at its stored dtype) / kernel time; % of ceiling against the measured D2D
 // copy bandwidth. CUDA graphs of 16 calls (the host's launch cost stays out), KV pools rotated
 // past the L2, scattered pages, random data (bench_session.h). Split calls go through one
@@ -61,7 +61,7 @@ std::string short_tokens(int n) {
   return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
 }
 
-// The grid: Hq=32, Hkv=8, D=128, page 32, bf16 unless the label says otherwise.
+// The default grid: Hq=32, Hkv=8, D=128, page 32, bf16 unless the label says otherwise.
 std::vector<DecodeShape> default_grid(bool quick) {
   std::vector<DecodeShape> grid;
   auto add = [&](DecodeShape s) {
@@ -249,7 +249,7 @@ void register_bench_decode(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand(
       "decode",
       "paged GQA decode bandwidth (KV bytes / kernel time, TB/s); without shape options runs the "
-      "issue's grid");
+      "default grid");
   cmd->add_option("--batch", o->batch, "sequences (several values: one row each; default 64)");
   cmd->add_option("--context", o->context, "tokens per sequence (default 4096)");
   cmd->add_option("--q-heads", o->q_heads, "query heads (default 32)");

@@ -1,4 +1,4 @@
-// `attnkit bench prefill`: context FMHA throughput (DESIGN.md section 7). TFLOP/s counts
+// `attnkit bench prefill`: context FMHA throughput (docs/bench.md). TFLOP/s counts
 // 4 * Sq * Skv * D * Hq per sequence (halved for causal) over the kernel time; % of ceiling
 // against the cuBLAS bf16 GEMM rate measured in the same run. Input sets rotated past the L2,
 // random data, median of >= 20 samples (bench_session.h).
@@ -18,7 +18,7 @@ namespace attnkit::tools {
 namespace {
 
 constexpr const char* kCommand = "prefill";
-constexpr int kTokens = 16384;  // batch x S of the grid
+constexpr int kTokens = 16384;  // batch x S of the default grid
 constexpr int kHidden = 2048;   // heads x D
 
 struct PrefillShape {
@@ -81,7 +81,7 @@ PrefillShape grid_shape(int d, int s, bool causal, int page = 0, const char* kv 
   return shape;
 }
 
-// The grid: D in {64, 128, 256} x S in {512 .. 16k} x causal and not, batch x S = 16k
+// The default grid: D in {64, 128, 256} x S in {512 .. 16k} x causal and not, batch x S = 16k
 // tokens, heads = 2048 / D; then paged rows (page 64, bf16 / fp8) at equal FLOPs.
 std::vector<PrefillShape> default_grid(bool quick) {
   if (quick) {

@@ -684,7 +684,7 @@ void Engine::sample(Group& g, const std::vector<uint16_t>& out) {
 // scratch: append_kv of the whole history into a fresh contiguous cache, then prefill (decode for
 // a generation row, as forward() does) through the reference on CPU tensors, in `out_dtype`.
 // `naive`, if given, gets a naive bf16 computation (f32 scores, bf16 P) from the same rotated Q and
-// cache: the yardstick of DESIGN.md section 6.
+// cache: the yardstick of docs/testing.md.
 std::vector<float> Engine::recompute(const std::vector<int32_t>& history, int64_t num_queries,
                                      bool generation, int32_t layer, DType out_dtype,
                                      std::vector<float>* naive) {

@@ -1,6 +1,6 @@
 // The attention entry points. Every function validates all of its arguments before it writes
 // anything and throws attnkit::Error naming the argument; CPU tensors run on the reference
-// backend, CUDA tensors on the backend that spec.backend selects (section 4 of DESIGN.md).
+// backend, CUDA tensors on the backend that spec.backend selects (docs/configuration.md).
 // `stream` is a cudaStream_t passed as void* (nullptr = the legacy default stream); it is
 // ignored for CPU tensors. No entry point synchronizes the stream on the host.
 //

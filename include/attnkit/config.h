@@ -1,4 +1,4 @@
-// AttentionConfig: per-role backend and diffusion options parsed from JSON (DESIGN.md section 4).
+// AttentionConfig: per-role backend and diffusion options parsed from JSON (docs/configuration.md).
 //
 //   {"default": <spec>, "per_role": {"<role>": <spec or nested roles>, ...}}
 //   <spec> = {"backend": "auto" | "fused" | "vanilla",

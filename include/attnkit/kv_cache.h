@@ -42,7 +42,7 @@ struct KvCacheView {
   TensorView v_scale;
 
   // Cyclic sliding-window cache: 0 = not cyclic. Otherwise W' slots after the sink tokens
-  // (W rounded up to whole blocks plus one block, see DESIGN.md section 3).
+  // (W rounded up to whole blocks plus one block, see docs/semantics.md).
   int32_t window_slots = 0;
   int32_t sink_tokens = 0;  // S: positions < S keep slots 0 .. S-1 (cyclic cache only)
 
@@ -61,7 +61,7 @@ struct KvCacheView {
   int64_t row_capacity() const { return max_blocks_per_row() * tokens_per_block; }
 };
 
-// The cyclic capacity W' for a window of `window` tokens (DESIGN.md section 3): the window
+// The cyclic capacity W' for a window of `window` tokens (docs/semantics.md): the window
 // rounded up to whole blocks plus one block.
 inline int32_t cyclic_window_slots(int32_t window, int32_t tokens_per_block) {
   return ((window + tokens_per_block - 1) / tokens_per_block + 1) * tokens_per_block;

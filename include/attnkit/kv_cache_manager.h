@@ -1,4 +1,4 @@
-// KvCacheManager: the host-side owner of the paged KV-cache pool (DESIGN.md section 5). It hands
+// KvCacheManager: the host-side owner of the paged KV-cache pool (docs/kv_cache.md). It hands
 // out blocks to sequences, shares full blocks between sequences through prefix-hash chains,
 // shares blocks between forks by reference count with copy-on-write, evicts unreferenced cached
 // blocks (LRU, leaves first) optionally to a host tier, recycles the blocks of sliding-window
@@ -56,7 +56,7 @@ struct KvCacheManagerConfig {
 
   /// Sliding windows per layer, repeating over the layers ([4096, 256] alternates); 0 = full
   /// attention; empty = every layer full. When every layer has a window the cache is cyclic
-  /// (DESIGN.md section 3): layer l uses window_slots = cyclic_window_slots(W_l, T) after
+  /// (docs/semantics.md): layer l uses window_slots = cyclic_window_slots(W_l, T) after
   /// sink_tokens sink slots, a sequence holds at most ceil((S + max W') / T) blocks, and blocks
   /// that leave the window go back to the pool. With a mix of full and windowed layers the table
   /// must keep every block for the full layers, so windowed layers use linear slots (window_slots

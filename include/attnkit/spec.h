@@ -1,5 +1,5 @@
 // AttentionSpec: the static description of one attention layer (heads, mask, position encoding,
-// KV-cache element type, backend and the diffusion options). DESIGN.md section 3 defines the
+// KV-cache element type, backend and the diffusion options). docs/semantics.md defines the
 // semantics of every field.
 #pragma once
 
@@ -107,7 +107,7 @@ struct AttentionSpec {
   void validate() const;
 };
 
-// Default ALiBi slopes for n heads (DESIGN.md section 3), including non-powers of two.
+// Default ALiBi slopes for n heads (docs/semantics.md), including non-powers of two.
 std::vector<float> default_alibi_slopes(int32_t num_heads);
 
 }  // namespace attnkit

@@ -52,7 +52,7 @@ def info() -> dict:
 
 
 def default_alibi_slopes(num_heads: int) -> list:
-    """The default ALiBi slopes for ``num_heads`` heads (DESIGN.md section 3), a list of floats."""
+    """The default ALiBi slopes for ``num_heads`` heads (docs/semantics.md), a list of floats."""
     return list(_C.default_alibi_slopes(num_heads))
 
 

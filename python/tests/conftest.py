@@ -1,5 +1,5 @@
 """Shared fixtures: a fresh seed per run (printed; ATTNKIT_TEST_SEED replays it) and the NumPy
-float64 attention the tests compare against (DESIGN.md section 3)."""
+float64 attention the tests compare against (docs/semantics.md)."""
 
 import os
 import random
@@ -62,7 +62,7 @@ def reference_attention(q, k, v, q_pos, *, mask="causal", window=0, sink=0, scal
 
 
 def tolerance(naive, ref64):
-    """DESIGN.md section 6: 2 * max|naive_same_precision - ref64| + 1e-3."""
+    """docs/testing.md: 2 * max|naive_same_precision - ref64| + 1e-3."""
     return 2.0 * float(np.max(np.abs(naive - ref64), initial=0.0)) + 1e-3
 
 

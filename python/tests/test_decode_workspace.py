@@ -1,5 +1,5 @@
 """attnkit.DecodeWorkspace: argument checks everywhere; split-KV decode and forward through one
-workspace on the GPU machine (skipped without torch, a GPU or attnkit's CUDA backend)."""
+workspace on a GPU (skipped without torch, a GPU or attnkit's CUDA backend)."""
 
 import numpy as np
 import pytest

@@ -1,6 +1,6 @@
 """bench/peers.py without a GPU: argument parsing, grids, reading attnkit's JSON (new object and
 old array schema, through a fake `attnkit` program), merging with peer rows and the markdown
-table. torch is never imported here (the measuring part needs the GPU machine)."""
+table. torch is never imported here (the measuring part needs a GPU)."""
 
 import importlib.util
 import json
@@ -307,7 +307,7 @@ def test_table_merges_attnkit_and_peers(peers, rng):
 def test_render_writes_markdown_without_torch(peers, tmp_path, rng):
     tflops = float(rng.uniform(100, 700))
     shape = peers.prefill_shape(128, 4096, False)
-    results = dict(date="2026-11-29 12:00 UTC", command="python3 bench/peers.py --quick",
+    results = dict(date="2026-11-29T12:00Z", command="python3 bench/peers.py --quick",
                    suites=["prefill", "dense"], device={"name": "NVIDIA H200", "torch": "2.11"},
                    ceilings={"torch copy_tbps": 4.2}, notes=["flashinfer: not importable"],
                    rows=[dict(shape, suite="prefill", impl="attnkit", tflops=tflops),
@@ -318,7 +318,7 @@ def test_render_writes_markdown_without_torch(peers, tmp_path, rng):
     assert peers.main(["--render", str(src), "--out", str(out)]) == 0
     md = (out / "peers.md").read_text()
     assert "NVIDIA H200" in md and "python3 bench/peers.py --quick" in md
-    assert "2026-11-29 12:00 UTC" in md and "flashinfer: not importable" in md
+    assert "2026-11-29T12:00Z" in md and "flashinfer: not importable" in md
     assert f"| {tflops:.0f} | {tflops * 2:.0f} | 0.50 (sdpa-cudnn) |" in md
     assert "(no dense rows)" in md
     assert json.loads((out / "results.json").read_text())["rows"][0]["tflops"] == tflops
@@ -338,3 +338,67 @@ def test_plots_one_png_per_suite(peers, tmp_path):
     assert sorted(os.path.basename(p) for p in written) == ["decode.png", "prefill.png"]
     for path in written:
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _page_results(peers, tbps, tflops):
+    """A small results.json of one decode and one prefill shape, with peers and a note."""
+    decode = peers.decode_shape(64, 4096)
+    fp8 = peers.decode_shape(64, 4096, kv_dtype="fp8_e4m3")
+    prefill = peers.prefill_shape(128, 4096, False)
+    return dict(date="2026-01-02T03:04Z", command="python3 bench/peers.py --suite decode,prefill",
+                suites=["decode", "prefill"], notes=["flashinfer: not importable"],
+                device={"name": "Fake GPU", "torch": "2.11", "cudnn": 91900, "cuda": "13.0",
+                        "driver": "580.1", "attnkit": {"sms": 132, "cc": "9.0"}},
+                ceilings={"attnkit read_tbps": 4.5},
+                rows=[dict(decode, suite="decode", impl="attnkit", tbps=tbps),
+                      dict(fp8, suite="decode", impl="attnkit", tbps=tbps * 0.9),
+                      dict(decode, suite="decode", impl="sdpa-cudnn", page=None, tbps=tbps / 0.9),
+                      dict(decode, suite="decode", impl="flex", page=None, note="skipped: budget"),
+                      dict(prefill, suite="prefill", impl="attnkit", tflops=tflops),
+                      dict(prefill, suite="prefill", impl="sdpa-cudnn", tflops=tflops / 2)])
+
+
+def test_write_docs_page_from_a_results_json(peers, tmp_path, rng):
+    tbps, tflops = float(rng.uniform(3, 4)), float(rng.uniform(300, 400))
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(_page_results(peers, tbps, tflops)))
+    docs = tmp_path / "docs"
+    assert peers.main(["--render", str(src), "--write-docs", str(docs)]) == 0
+    page = (docs / "performance.md").read_text()
+    # One section per family with its run's date, device, driver / toolkit and commands.
+    assert page.index("## Prefill") < page.index("## Decode")
+    assert "2026-01-02, Fake GPU (132 SMs, sm 9.0), driver 580.1, CUDA 13.0" in page
+    assert "cuDNN 9.19.0" in page and "`python3 bench/peers.py --suite decode,prefill`" in page
+    assert "--suite decode --attnkit-cli build-gpu/attnkit --write-docs docs/" in page
+    # attnkit next to the peers of the same run, the target and the gap in one column.
+    assert f"| {tbps:.2f} | {tbps / 0.9:.2f} | - | 0.90 (cuDNN) | >= 1.00x cuDNN: 0.90x, gap -10% |" \
+        in page
+    assert ">= 0.97x bf16's TB/s: 0.90x, gap -7.2%" in page
+    assert f"| {tflops:.0f} | {tflops / 2:.0f} | 2.00 (cuDNN) | >= 1.05x cuDNN: 2.00x, met |" in page
+    assert "FlexAttention: skipped: budget" in page and "03:04" not in page
+    assert "history" not in page.lower()
+    saved = json.loads((docs / "perf-results.json").read_text())
+    assert sorted(saved["runs"]) == ["decode", "prefill"]
+    assert all(r["suite"] == "decode" for r in saved["runs"]["decode"]["rows"])
+    if importlib.util.find_spec("matplotlib"):
+        assert "![decode](perf-plots/decode.png)" in page
+        assert (docs / "perf-plots" / "prefill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_docs_replaces_only_the_measured_families(peers, tmp_path):
+    first = _page_results(peers, 3.0, 300.0)
+    docs = tmp_path / "docs"
+    peers.write_docs(first, str(docs), log=lambda *a: None)
+    # A later decode-only run replaces the decode family and keeps prefill's run.
+    later = dict(first, date="2026-02-03T00:00Z", suites=["decode"],
+                 rows=[r for r in _page_results(peers, 4.0, 1.0)["rows"] if r["suite"] == "decode"])
+    peers.write_docs(later, str(docs), log=lambda *a: None)
+    saved = json.loads((docs / "perf-results.json").read_text())
+    assert saved["runs"]["decode"]["date"].startswith("2026-02-03")
+    assert saved["runs"]["prefill"]["date"].startswith("2026-01-02")
+    page = (docs / "performance.md").read_text()
+    assert "| 4.00 |" in page and "| 300 |" in page
+    # Re-rendering the page's own results changes nothing.
+    before = page
+    assert peers.main(["--render", str(docs / "perf-results.json"), "--write-docs", str(docs)]) == 0
+    assert (docs / "performance.md").read_text() == before

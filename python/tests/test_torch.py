@@ -1,4 +1,4 @@
-"""PyTorch tensors through DLPack: CPU tensors here, CUDA tensors on the GPU machine (skipped
+"""PyTorch tensors through DLPack: CPU tensors here, CUDA tensors on a GPU (skipped
 without torch, a GPU or attnkit's CUDA backend)."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-// AttentionConfig: strict JSON parsing, role flattening and resolution (DESIGN.md section 4,
+// AttentionConfig: strict JSON parsing, role flattening and resolution (docs/configuration.md,
 // docs/configuration.md). Every rejection names the key path, the value and what is accepted.
 #include "attnkit/config.h"
 

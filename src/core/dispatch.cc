@@ -1,4 +1,4 @@
-// Entry points: validate, pick the backend (DESIGN.md section 4), run. An explicit backend that
+// Entry points: validate, pick the backend (docs/configuration.md), run. An explicit backend that
 // cannot serve the call raises; only kAuto chooses.
 #include <string>
 

@@ -1,4 +1,4 @@
-// RoPE frequencies and rotation (DESIGN.md section 3), shared by the reference backend (host, in
+// RoPE frequencies and rotation (docs/semantics.md), shared by the reference backend (host, in
 // double) and the CUDA kernels (device, in float) so both use one formula:
 //   inv_freq[i] = base^(-2i / rotary_dim), i in [0, rotary_dim / 2), then the scaling:
 //     linear: inv_freq / factor (the same as dividing the position by factor),

@@ -1,4 +1,4 @@
-// SAGE quantization scalars (DESIGN.md section 3, docs/diffusion.md): block scales and codes of
+// SAGE quantization scalars (docs/semantics.md, docs/diffusion.md): block scales and codes of
 // Q and K (int8 or fp8 e4m3), V (fp8 e4m3 per channel) and P (fp8 e4m3 with the fixed scale
 // 1/448). Shared by the reference backend (host) and the CUDA quantize kernels (device) so that
 // both produce the same codes. Kernels must divide with IEEE division (no fast-math reciprocal):

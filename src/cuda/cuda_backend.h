@@ -1,5 +1,5 @@
 // The seam between the host-side dispatch (src/core/dispatch.cc) and the CUDA backend. Host-only
-// declarations: no CUDA types. Without CUDA (ATTNKIT_WITH_CUDA off) src/core/cuda_stubs.cc
+// declarations: no CUDA types. Without CUDA (ATTNKIT_WITH_CUDA off) src/cuda/no_cuda_stubs.cc
 // defines these to throw. Every function receives a call already validated by
 // src/core/validate.cc.
 #pragma once

@@ -1,5 +1,5 @@
 // Internal helpers of the reference backend: strided index reads, KV-cache reads through the one
-// shared accessor (KvLayout), and the fp64 attention of one query row (DESIGN.md section 3).
+// shared accessor (KvLayout), and the fp64 attention of one query row (docs/semantics.md).
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,5 @@
 // The reference ("vanilla" on CPU) backend: plain C++, fp64 accumulation, every feature of
-// DESIGN.md section 3. It defines the semantics that every other backend is tested against.
+// docs/semantics.md. It defines the semantics that every other backend is tested against.
 // Calls arrive validated (src/core/validate.cc).
 #pragma once
 

@@ -3,7 +3,8 @@
 # ("wgmma.mma_async instructions are serialized due to ...", C7510-C7520: a WARPGROUP.DEPBAR
 # after every HGMMA). ptxas does that silently, as an info line, e.g. when a warp-role branch is
 # not provably warp-uniform or an MMA operand register is redefined (spilled) while MMAs are in
-# flight; the kernels stay correct and lose their overlap (docs/decode_design.md, session 18).
+# flight; the kernels stay correct and lose their overlap (docs/decode_design.md, "The
+# warpgroup-MMA kernel for large groups").
 #
 # Inputs (-D): NVCC, SOURCE_DIR, WORK_DIR, DEFINES ("|"-separated NAME=VALUE), SOURCES
 # ("|"-separated paths).

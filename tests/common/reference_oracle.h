@@ -98,7 +98,7 @@ inline OracleResult brute_force_attention(const OracleProblem& pr) {
   return res;
 }
 
-// The naive computation in the input precision (DESIGN.md 6 yardstick): float32 logits and
+// The naive computation in the input precision (docs/testing.md yardstick): float32 logits and
 // softmax, P rounded to bf16 (or f16) before P*V, float32 accumulation, output rounded.
 inline std::vector<double> naive_same_precision(const OracleProblem& pr, DType dtype) {
   auto round = [dtype](float x) {

@@ -328,10 +328,10 @@ double cosine(const HostTensor& got, const std::vector<double>& want) {
 }
 
 // Cosine similarity of SAGE against exact attention on unit Gaussian data. int8 QK meets the
-// DESIGN.md target 0.999. fp8 e4m3 QK cannot on this data: 3 mantissa bits on Q and K alone cost
-// ~7e-4 of cosine (0.99933 measured with everything else exact), V and P in fp8 another ~3e-4 each,
-// and the product lands at ~0.9987 for every block size. The bound below is that measured floor
-// with margin, not the target (docs/diffusion.md).
+// accuracy target 0.999 (docs/diffusion.md). fp8 e4m3 QK cannot on this data: 3 mantissa bits on Q
+// and K alone cost ~7e-4 of cosine (0.99933 measured with everything else exact), V and P in fp8
+// another ~3e-4 each, and the product lands at ~0.9987 for every block size. The bound below is
+// that measured floor with margin, not the target (docs/diffusion.md).
 constexpr double kInt8MinCosine = 0.999;
 constexpr double kFp8MinCosine = 0.998;
 
@@ -360,8 +360,9 @@ TEST(DenseRef, PlainMatchesBruteForceF32) {
   }
 }
 
-// bf16 / f16: the DESIGN.md tolerance against a naive computation in the input precision (scores
-// and P*V in float, P rounded to the input dtype) and, tighter, one rounding of the fp64 result.
+// bf16 / f16: the docs/testing.md tolerance against a naive computation in the input precision
+// (scores and P*V in float, P rounded to the input dtype) and, tighter, one rounding of the fp64
+// result.
 TEST(DenseRef, PlainMatchesBruteForceHalf) {
   std::mt19937_64 rng(test::test_seed() + 1);
   for (DType dtype : {DType::kBF16, DType::kF16}) {

@@ -52,7 +52,7 @@ class ModelRun {
     int32_t max_slots = 0;
     for (int32_t l = 0; l < config.num_layers; ++l) {
       const int32_t w = cyclic ? config.layer_windows[l % config.layer_windows.size()] : 0;
-      // W' = W rounded up to whole blocks plus one block (DESIGN.md section 3).
+      // W' = W rounded up to whole blocks plus one block (docs/semantics.md).
       slots_.push_back(w ? ((w + T - 1) / T + 1) * T : 0);
       max_slots = std::max(max_slots, slots_.back());
     }

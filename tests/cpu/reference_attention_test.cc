@@ -1,5 +1,5 @@
 // Reference prefill / decode / merge_states against brute-force fp64 attention, and the
-// equivalences of DESIGN.md section 6 (paged == contiguous, GQA == MHA with repeated KV heads,
+// equivalences of docs/testing.md (paged == contiguous, GQA == MHA with repeated KV heads,
 // beam indirection == gathered caches, merge of two halves == whole).
 #include <gtest/gtest.h>
 
@@ -96,7 +96,7 @@ void check_packed_prefill(const AttentionSpec& spec, const std::vector<SeqLen>& 
       ASSERT_LE(err, rounding_bound(dtype, ref.out[e]))
           << "sequence " << i << " element " << e << " got " << g << " want " << ref.out[e];
     }
-    if (dtype != DType::kF32) EXPECT_LE(max_err, 2 * naive_err + 1e-3) << "DESIGN.md 6 rule";
+    if (dtype != DType::kF32) EXPECT_LE(max_err, 2 * naive_err + 1e-3) << "docs/testing.md rule";
     const std::vector<double> seq_lse(got_lse.begin() + cu_q[i] * hq,
                                       got_lse.begin() + cu_q[i + 1] * hq);
     bool inf_ok = false;

@@ -1,6 +1,6 @@
 // The fused decode's GPU test harness, shared by decode_test.cc and decode_split_test.cc: a
 // case description, the paged / contiguous / cyclic host cache with NaN-poisoned unused slots, the
-// fp64 oracle with its naive same-precision yardstick (DESIGN.md 6: max |out - ref64| <=
+// fp64 oracle with its naive same-precision yardstick (docs/testing.md: max |out - ref64| <=
 // 2 * max |naive_same_precision - ref64| + 1e-3), and a prepared case that runs on a stream.
 #pragma once
 
@@ -149,7 +149,7 @@ inline HostCache build_cache(const DecodeCase& c, std::mt19937_64& rng) {
           const float shift =
               kv == 0 ? 0.0f : (s < c.seq_lens[r] / 2 ? c.v_half_offset : -c.v_half_offset);
           for (int d = 0; d < c.head_dim; ++d) {
-            // Stored values are round(x / scale) for quantized caches (DESIGN.md section 3).
+            // Stored values are round(x / scale) for quantized caches (docs/semantics.md).
             const float x = value(rng) + shift;
             h.pool.set(h.element(block, kv, head, s % h.tokens_per_block, d, c),
                        quantized ? x / scale : x);

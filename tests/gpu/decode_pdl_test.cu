@@ -60,9 +60,9 @@ const char* stale_name(Stale s) {
 // prefetches (decode_prefetch_keys; decode_prefetching_launches counts it). The stale table points
 // at other blocks (some of them the pool's NaN-poisoned spares) or at ids outside the pool
 // (negative and past its end), or the stale length moves the splits' ranges or only the last
-// key: attending over any of them is wrong. The oracle is the final table's. Session 21 ran it
-// against a build whose prologue issued its first copies from the values read before the wait
-// with their check after it switched off: every stale case failed there.
+// key: attending over any of them is wrong. The oracle is the final table's. Against a build whose
+// prologue issued its first copies from the values read before the wait, with their check after it
+// switched off, every stale case fails.
 TEST(DecodeFused, ProgrammaticLaunchSeesTheTableThePreviousKernelWrote) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   int major = 0;

@@ -168,7 +168,7 @@ TEST(DecodeSplit, GroupSizesAndHeadDims) {
   }
 }
 
-// The merge's staging walks (split, vector) pairs by fixed steps without a division (session 11):
+// The merge's staging walks (split, vector) pairs by fixed steps without a division:
 // 10 and 12 vectors a head (head_dim 80 / 96) and 8 (64) in groups of 1, 3, 5 and 6 heads, so that
 // a split's vectors (10-72) do not divide the CTA's 128 threads and the steps wrap (powers of two
 // and groups of 16-32 heads, whose vectors reach or exceed the threads, are in the tests above),
@@ -241,8 +241,9 @@ TEST(DecodeSplit, CapturedGraphReplays) {
 
 // Outputs near 1e6 (bf16 queries over a cache whose V scale puts them beyond f16's range, so f16
 // partials would overflow), forced and heuristic counts, both workspaces. The splits' means are
-// larger than the rows' where they cancel: partials rounded to the query's type (the kernels up to
-// session 14) failed DESIGN.md 6's bound here for some seeds (388.7 against 366.9); f32 partials.
+// larger than the rows' where they cancel: partials rounded to the query's type (as FlashInfer
+// keeps them) failed docs/testing.md's bound here for some seeds (388.7 against 366.9); f32
+// partials.
 TEST(DecodeSplit, PartialsKeepTheRangeOfTheOutputType) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   auto ws = make_workspace(8, 2);

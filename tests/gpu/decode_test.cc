@@ -3,7 +3,7 @@
 // chosen by the heuristic, sliding window + sinks over a cyclic cache, ALiBi, soft-cap, beams,
 // cross attention, split calls in flight on two streams and inside a CUDA graph, 8-bit caches on
 // wide and narrow grids. Outputs and unused cache slots are poisoned with NaN so that unwritten
-// outputs and out-of-range reads fail. Tolerance (DESIGN.md 6): max |out - ref64| <=
+// outputs and out-of-range reads fail. Tolerance (docs/testing.md): max |out - ref64| <=
 // 2 * max |naive_same_precision - ref64| + 1e-3.
 #include <gtest/gtest.h>
 
@@ -325,9 +325,9 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
 // per head, split means far from the row's (the partials stay f32), forced and heuristic splits
 // (its partials merged by decode_merge.cu), rows whose keys end inside a tile or a page; then its
 // 3-CTA build (a grid whose splits keep >= 1024 keys). Every call must have run the build the rule
-// names; calls out of its scope (ALiBi, a window, an 8-bit cache) must not run it. Its test in
-// session 17 with the V descriptor's two byte offsets exchanged failed every case (0.54-1.97
-// against bounds of ~0.006-0.012).
+// names; calls out of its scope (ALiBi, a window, an 8-bit cache) must not run it. With the V
+// descriptor's two byte offsets exchanged every case fails (0.54-1.97 against bounds of
+// ~0.006-0.012).
 TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   int major = 0;
@@ -345,7 +345,7 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   for (int g = 0; g < 5; ++g) {
     for (int pi = 0; pi < 6; ++pi) {
       // Half of the (group, page) pairs, every group and every page among them: the fp64 oracle
-      // on the host is most of the test's time (~50 s on the H200 machine with all 30 pairs).
+      // on the host is most of the test's time (~50 s on an H200 with all 30 pairs).
       if ((g + pi) % 2 != 0) continue;
       DecodeCase c;
       c.hq = groups[g].first;
@@ -411,9 +411,9 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   }
 }
 
-// Which grids take the warpgroup-MMA kernel and which build (H200, 132 SMs; session 17 call 2's
-// rows): MQA 32/1 (pair_ctas = rows) and GQA 32/2 (group 16: ctas = rows x 2). Host logic only:
-// runs without a GPU.
+// Which grids take the warpgroup-MMA kernel and which build (H200, 132 SMs; the rows the rule was
+// measured on): MQA 32/1 (pair_ctas = rows) and GQA 32/2 (group 16: ctas = rows x 2). Host logic
+// only: runs without a GPU.
 TEST(DecodeSplitHeuristic, WarpgroupKernelGridsAndBuilds) {  // host logic: runs without a GPU
   const auto plan = [](int group, int64_t ctas, int64_t pair_ctas, int64_t keys, int forced = 0) {
     const cuda::DecodeWgmmaPlan p =

@@ -30,7 +30,7 @@ struct Step {
 
 // One forward() step on the CPU reference and on the GPU (caches persist across steps): the
 // caches must agree within one unit of the cache dtype and each side's outputs within the
-// DESIGN.md 6 tolerance of an fp64 oracle built from that side's rotated Q and cache.
+// docs/testing.md tolerance of an fp64 oracle built from that side's rotated Q and cache.
 void run_forward_step(const AttentionSpec& spec_in, Backend backend, const Step& step,
                       OracleKvCache& cpu_cache, DeviceKvCache& gpu_cache, std::mt19937_64& rng,
                       const std::string& what) {

@@ -1,6 +1,6 @@
 // Shared pieces of the CUDA backend tests (append_kv, vanilla, forward, merge_states): a device
-// mirror of the oracle's KV cache, random cache contents per dtype, and the DESIGN.md 6 tolerance
-// check against an fp64 oracle and the CPU reference.
+// mirror of the oracle's KV cache, random cache contents per dtype, and the docs/testing.md
+// tolerance check against an fp64 oracle and the CPU reference.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -178,7 +178,7 @@ struct OracleAccumulator {
   }
 };
 
-// DESIGN.md 6: max |out - ref64| <= 2 * max |naive_same_precision - ref64| + 1e-3, for the GPU
+// docs/testing.md: max |out - ref64| <= 2 * max |naive_same_precision - ref64| + 1e-3, for the GPU
 // output and (as a cross-check of the oracle wiring) the CPU reference output; the LSE within
 // 1e-3 and with the same -inf pattern. cpu_oracle: the CPU output's own oracle where its inputs
 // may differ from the GPU's (forward(): caches and rotated Q within one unit); the GPU-vs-CPU

@@ -16,7 +16,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* src,
 
 // The same with the ignore-src operand: one predicate where the src-size form makes ptxas adjust
 // the address and compare (12 instructions a copy against ~20 in the wgmma decode kernel's copy
-// loop, session 17). Zero bytes when !valid; `src` is not read then.
+// loop). Zero bytes when !valid; `src` is not read then.
 __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const void* src,
                                                      bool valid) {
   asm volatile(

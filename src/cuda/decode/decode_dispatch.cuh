@@ -38,12 +38,10 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
   const dim3 grid(p.num_splits * p.head_blocks, p.num_kv_heads, p.num_rows);
   // 8-bit caches, head_dim 128, groups of up to 8 heads, plain logits, and a grid that fills four
   // CTAs per SM: 4 CTAs per SM (<= 128 registers; 128-key tiles in 3 swizzled halves of 16 KB,
-  // two in flight) rather than 2 CTAs of 7 halves: more warps hide the per-tile latency. Measured
-  // on the H200 (same run, round 1 at 18:40 UTC, TB/s, 2 -> 4 CTAs of 128-key tiles): fp8 64 x 4k
-  // 4.11 -> 4.21, 128 x 2k 4.02 -> 4.12, 256 x 1k 3.83 -> 3.97; int8 64 x 4k 4.08 -> 4.21. Grids
-  // of about two CTAs per SM keep 2 (the earlier 64-key kernels: fp8 32 x 4k 3.24 TB/s with 4
-  // CTAs, 3.34 with 2; 16 x 8k 3.13 / 3.23). Other head_dims, tiles and logit policies were not
-  // measured and keep 2.
+  // two in flight) rather than 2 CTAs of 7 halves: more warps hide the per-tile latency. Against 2
+  // CTAs (H200): fp8 64 x 4k +2.4%, 128 x 2k +2.5%, 256 x 1k +3.7%; int8 64 x 4k +3.2%. Grids of
+  // about two CTAs per SM keep 2 (4 CTAs lost 3% at fp8 32 x 4k and 16 x 8k). Other head_dims,
+  // tiles and logit policies were not measured and keep 2.
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
     if (!transformed && wide_grid) {
@@ -124,7 +122,8 @@ R with_traits(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice, F&& f) {
 }  // namespace decode_detail
 
 namespace decode_detail {
-// Functors for with_traits (C++17: no templated lambdas in this code).
+// Functors for with_traits: with_traits calls op.template operator()<Traits>() of the traits a
+// call selects.
 struct LaunchOp {
   const DecodeParams& p;
   bool transformed;

@@ -50,8 +50,7 @@ struct KvFp8E4M3 {
     }
   }
   // Both pairs of a word, bytes (0, 1) and (2, 3): the cvt reads the high half in place, where
-  // widen<Tag, 2, 3> needs a shift first (H200, round 2 at 21:22 UTC, same run, fp8 64 x 4k
-  // 4.187 -> 4.215 TB/s with both widenings by words).
+  // widen<Tag, 2, 3> needs a shift first (both widenings by words: fp8 64 x 4k +0.7%, H200).
   template <typename Tag>
   __device__ __forceinline__ static void widen_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -126,11 +125,10 @@ constexpr int kDecodeSmemPerSm = 228 * 1024;
 enum class DecodePipe { kStages, kSwizzledHalves };
 
 // The pipeline of a tile configuration: swizzled halves for keys as rows with 8 or more chunks a
-// row, for 16-bit caches and for the 8-bit kernels at head_dim 128. Measured on the H200 (same
-// run, 2026-11-29 16:27, against kStages with CTA barriers): bf16 64 x 4k 4.03 -> 4.32 TB/s,
-// 32 x 32k 4.16 -> 4.48, 1 x 32k 2.85 -> 3.02; fp8 1 x 32k 2.01 -> 2.04. Padded halves (6) and warp
-// barriers alone were within 0.5%. The 8-bit kernels at head_dim 128 take 128-key tiles
-// (decode_default_keys_per_warp), whose halves are 16 KB as well.
+// row, for 16-bit caches and for the 8-bit kernels at head_dim 128. Against kStages with CTA
+// barriers (H200): bf16 64 x 4k +7%, 32 x 32k +8%, 1 x 32k +6%; fp8 1 x 32k +1.5%. Padded halves
+// (6) and warp barriers alone were within 0.5%. The 8-bit kernels at head_dim 128 take 128-key
+// tiles (decode_default_keys_per_warp), whose halves are 16 KB as well.
 constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_per_cta) {
   if (heads_per_cta != 8 || (head_dim * kv_bytes / 16) % 8 != 0) return DecodePipe::kStages;
   if (kv_bytes == 2 || head_dim == 128) return DecodePipe::kSwizzledHalves;
@@ -140,10 +138,9 @@ constexpr DecodePipe decode_default_pipe(int head_dim, int kv_bytes, int heads_p
 // Keys a warp takes from each tile (the tile is 4 warps of them): 32 (128-key tiles, two 16-key
 // MMA blocks a warp) for 8-bit caches at head_dim 128 with groups of up to 8 heads, so that one
 // swizzled half holds 16 KB as with 16-bit caches and the per-tile work (softmax update, waits,
-// block-table reads, copy setup) is spread over twice the bytes. Measured on the H200 (same run,
-// round 2 at 19:12 UTC, TB/s, 64-key tiles -> 128-key tiles): fp8 64 x 4k 3.93 -> 4.21, 128 x 2k
-// 3.81 -> 4.09, 256 x 1k 3.68 -> 3.99, 32 x 32k 4.28 -> 4.26, 1 x 32k 2.17 -> 2.35; int8 64 x 4k
-// 3.91 -> 4.21; fp8 64 x 4k page 16 3.91 -> 4.11, page 64 3.90 -> 4.22.
+// block-table reads, copy setup) is spread over twice the bytes. Against 64-key tiles (H200):
+// fp8 64 x 4k / 128 x 2k / 256 x 1k +7% / +7% / +8%, 1 x 32k +8%, 32 x 32k -0.5%; int8 64 x 4k
+// +8%; fp8 64 x 4k at pages 16 / 64 +5% / +8%.
 constexpr int decode_default_keys_per_warp(int head_dim, int kv_bytes, int heads_per_cta) {
   return kv_bytes == 1 && head_dim == 128 && heads_per_cta == 8 ? 32 : 16;
 }
@@ -233,8 +230,8 @@ struct DecodeTraits {
   // weight per (head, split) there. O's rows are padded by 4 floats: the accumulator layouts store
   // lanes (g, t) at rows 2t (keys as rows) or g (heads as rows) and the same column, which an
   // unpadded 128- or 256-float row puts in one bank (4- and 8-way conflicts; 4 floats make them 1-
-  // and 2-way). H200, same run (session 10 call 7, TB/s): bf16 1 x 32k 3.487 -> 3.523, fp8 1 x 32k
-  // 2.832 -> 2.871, fp8 64 x 4k 4.235 -> 4.256, MQA 32/1 64 x 4k 2.501 -> 2.559; no row slower.
+  // and 2-way). H200: bf16 1 x 32k +1.0%, fp8 1 x 32k +1.4%, fp8 64 x 4k +0.5%, MQA 32/1 64 x 4k
+  // +2.3%; no row slower.
   static constexpr int kMergeStride = kHeadDim + 4;
   static constexpr int kMergeBytes =
       (kWarps * kDecodeHeadsPerCta * (kMergeStride + 2) + kM * (kKeyWarps + 2)) *
@@ -250,15 +247,15 @@ struct DecodeTraits {
 };
 
 // Logit transforms as a compile-time policy: kPlain is q.k * scale; kTransformed applies the
-// soft-cap (when softcap > 0) and the ALiBi bias (slope 0 when off), in DESIGN.md's order.
+// soft-cap (when softcap > 0) and the ALiBi bias (slope 0 when off), in the order of
+// docs/semantics.md.
 enum class DecodeLogits { kPlain, kTransformed };
 
 // The softmax's lazy rescale (decode_update_max): a row's reference max rises only when a tile's
 // max passes it by more than this many log2 units, so that once a row has settled its tiles skip
 // the O and l rescale. 8 bounds the probabilities by 2^8, which f16 and bf16 P operands hold with
-// their full relative precision. H200, session 16 call 3 (TB/s, exact max -> lazy, same build):
-// MQA 32/1 128 x 2k 2.943 -> 3.020, 16 x 8k 2.307 -> 2.359, GQA 64/2 64 x 4k 3.306 -> 3.382;
-// GQA 32/8 rows (one-M-block kernel) within 0.2%.
+// their full relative precision. Against the exact max (H200): MQA 32/1 128 x 2k +2.6%, 16 x 8k
+// +2.3%, GQA 64/2 64 x 4k +2.3%; GQA 32/8 rows (one-M-block kernel) within 0.2%.
 constexpr float kDecodeRescaleSlack = 8.0f;
 
 // One row's softmax reference after a tile whose max is m_tile (log2 units), with the slack above;
@@ -316,11 +313,10 @@ __device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, cons
 // and at batch 1 x 32k the call streams 67-134 MB through the 50 MB L2: with the default policy
 // that stream pushes out what the call reads again at its end (the epilogue's and merge's code,
 // whose fetches ncu's sampling put first among the last CTA's stalls; the block table; the
-// partials) and the next call's prefetched first tiles. H200, session 21 call 8, same run, TB/s
-// (main -> evict_first): bf16 1 x 32k 3.650 -> 3.822, fp8 1 x 32k 2.966 -> 3.133, int8 2.885 ->
-// 2.981, page 16 3.535 -> 3.646, 1 x 8k 2.430 -> 2.514, 1 x 128k 4.184 -> 4.218, fp8 256 x 1k
-// 4.249 -> 4.342; 64 x 4k and MQA even. Only the linear copies take it (copy_tile): the
-// zero-fill form with a cache hint met the ptxas fault described at copy_tile (session 21 call 6).
+// partials) and the next call's prefetched first tiles. Against the default policy (H200): bf16
+// 1 x 32k +4.7%, fp8 1 x 32k +5.6%, int8 +3.3%, page 16 +3.1%, 1 x 8k +3.5%, 1 x 128k +0.8%, fp8
+// 256 x 1k +2.2%; 64 x 4k and MQA even. Only the linear copies take it (copy_tile): the
+// zero-fill form with a cache hint met the ptxas fault described at copy_tile.
 __device__ __forceinline__ uint64_t decode_kv_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0;\n" : "=l"(policy));
@@ -356,10 +352,9 @@ __device__ __forceinline__ bool decode_split_arrival_is_last(const DecodeParams&
     // One thread counts with release / acquire semantics: release publishes the CTA's partial
     // writes (ordered before this thread by the barrier above), acquire makes the other splits'
     // writes visible to the merge (ordered after it by the barrier below). Against a
-    // __threadfence() in every thread before the count and after it, H200, same run (dec10 round
-    // 1, 21:20 UTC, two repetitions, TB/s): bf16 1 x 32k 3.350 / 3.348 -> 3.368 / 3.368, 2 x 32k
-    // 3.832 -> 3.846, 1 x 8k 1.99 -> 2.01, fp8 1 x 32k 2.61 -> 2.64 (thread 0 alone fencing
-    // around a relaxed atomicAdd: 3.357 / 3.359).
+    // __threadfence() in every thread before the count and after it (H200): bf16 1 x 32k +0.6%,
+    // 2 x 32k +0.4%, 1 x 8k +1%, fp8 1 x 32k +1.1% (thread 0 alone fencing around a relaxed
+    // atomicAdd: +0.3%).
     int32_t arrived;
     asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
                  : "=r"(arrived)
@@ -486,8 +481,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
   // The first head of each warp has its LSEs loaded first, before any arithmetic and before the
   // partials are staged, so that the LSE pass does not queue behind them (the last CTA's LSE pass
-  // 2.34 -> 1.57 us at bf16 1 x 32k; with the register epilogue and the 16-bit partials of the
-  // time 3.449 / 3.442 -> 3.458 / 3.461 TB/s).
+  // 2.34 -> 1.57 us at bf16 1 x 32k: +0.4% on the call).
   constexpr int kLsePerLane = kDecodeMaxSplits / 32;
   float first_lse[kLsePerLane];
   if (warp < heads_here) {
@@ -507,8 +501,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // The partial outputs are staged in shared memory by cp.async (.cg: through L2, never a stale L1
   // line), two buffers of splits after the weights, the first two issued before the LSE pass: the
   // merge waits for about one L2 round trip per chunk, and the first ones overlap the LSE pass
-  // (batch 1 x 32k, same run: 2.75 -> 2.85 TB/s against loading 16 float4s per thread into
-  // registers at a time; f32 partials then).
+  // (bf16 1 x 32k +3.6% against loading 16 float4s per thread into registers at a time).
   constexpr int kWeightFloats = Traits::kM * kDecodeMaxSplits;
   constexpr int kBufferVecs = (Traits::kPipelineBytes - kWeightFloats * 4) / 16 / 2;
   static_assert(kBufferVecs >= Traits::kM * kVecs,
@@ -516,11 +509,9 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // Chunks are sized by the heads this CTA has (groups of 4 heads in the kM = 8 kernel: twice the
   // splits per buffer), and all splits go in one chunk over both buffers when they fit (head_dim
   // 128, kM = 8, f32 partials: up to 54 splits of 4 heads, 27 of 8), instead of chunks sized
-  // for kM heads (13 splits: 3 chunks, three round trips, for the 32 splits of batch 1). Measured
-  // on the H200 (round 4, 19:53 UTC, same run, two repetitions, TB/s): bf16 1 x 32k 3.12 / 3.11
-  // -> 3.18 / 3.17, 1 x 16k 2.38 / 2.38 -> 2.45 / 2.46, 1 x 8k 1.67 / 1.66 -> 1.74 / 1.75, 2 x
-  // 32k 3.71 / 3.70 -> 3.72 / 3.72, 4 x 32k 4.06 -> 4.06 (one chunk before as well); fp8 1 x
-  // 32k 2.33 / 2.33 -> 2.40 / 2.41.
+  // for kM heads (13 splits: 3 chunks, three round trips, for the 32 splits of batch 1). H200:
+  // bf16 1 x 32k +1.9%, 1 x 16k +3.2%, 1 x 8k +4.8%, 2 x 32k +0.4%, 4 x 32k even (one chunk
+  // before as well); fp8 1 x 32k +3.2%.
   int chunk_splits = num_splits, num_chunks = 1;
   if (num_splits * split_vecs > 2 * kBufferVecs) {
     chunk_splits = kBufferVecs / split_vecs;
@@ -531,8 +522,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // advance by a fixed step, found once by subtraction (at most kThreads / kVecs steps: one or
   // two for groups of 4 heads), so that the issue loop has no integer division: one warp a
   // scheduler runs it, and with a division a vector it took ~120 instructions per four copies, the
-  // last copy of batch 1 x 32k's 32 KB issued ~1000 cycles after the count (bf16 1 x 32k 3.572 ->
-  // 3.636 TB/s, H200, same run; docs/decode_design.md session 11).
+  // last copy of batch 1 x 32k's 32 KB issued ~1000 cycles after the count (division-free: bf16 1
+  // x 32k +1.8%, H200; docs/decode_design.md, "Split-KV and the merge").
   int first_s = 0, first_i = threadIdx.x;
   while (first_i >= split_vecs) first_i -= split_vecs, ++first_s;
   int step_s = 0, step_i = Traits::kThreads;
@@ -587,8 +578,8 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   // fewer vectors than threads (4 heads x 16 vectors at head_dim 128: 64 of 128 threads) keeps
   // every thread busy; each thread owns up to kItems vectors. The merging CTA runs alone at the
   // end of the call: its serial chain of shared loads and adds is the call's tail. Deriving the
-  // weights per thread from the LSEs instead of the pass above was slower (session 10 call 4:
-  // bf16 1 x 32k 3.487 -> 3.390: an exponential in every split's chain).
+  // weights per thread from the LSEs instead of the pass above was slower (bf16 1 x 32k -2.8%: an
+  // exponential in every split's chain).
   constexpr int kItems = (Traits::kM * kVecs + Traits::kThreads - 1) / Traits::kThreads;
   // Splits in flight a thread: two where a thread owns several vectors (the two-M-block kernel,
   // held to 128 registers a thread), four otherwise.
@@ -849,8 +840,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     const int64_t first = __shfl_sync(0xffffffffu, my_offset, 0);
     // With 32 keys a warp (8-bit caches at head_dim 128), keys 16-31 may start a run of their
     // own: pages of 16 keys are copied linearly as well, not through the per-token shuffles.
-    // H200, same run (21:22 UTC, next to an experimental early refill that was dropped): fp8
-    // 64 x 4k page 16 4.10 -> 4.20 TB/s (page 32: 4.20); the final code at 21:40: 4.25 (4.28).
+    // fp8 64 x 4k at page 16 +2.4% (H200), within 1% of page 32.
     constexpr bool kTwoRuns = kCopyKeys == 32;
     int64_t second = first + 16 * kTokenBytes;
     bool linear;
@@ -859,9 +849,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const int64_t run_first = lane >= 16 ? second : first;
       linear = __all_sync(0xffffffffu,
                           my_offset >= 0 && my_offset == run_first + (lane % 16) * kTokenBytes);
-#if defined(ATTNKIT_DECODE_BREAK_TWO_RUNS)
-      second = first + 16 * kTokenBytes;  // deliberate break (tests only): the second run's start
-#endif
     } else {
       linear =
           __all_sync(0xffffffffu, lane >= kCopyKeys ||
@@ -883,7 +870,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       // 13.0) moved the warp-uniform buffer base of some kernels (16- and 32-head 16-bit ones at
       // head_dim 128, those of head_dim 256) into a uniform register, and its [R + UR + imm] form
       // of the hinted LDGSTS names a descriptor register nothing writes: an illegal instruction
-      // at run time (session 21; scripts/check_sass_descriptors.py checks every kernel).
+      // at run time (scripts/check_sass_descriptors.py checks every kernel).
       const uint32_t k_lane = __shfl_sync(0xffffffffu, smem_u32(k_dst) + lane_dst, lane);
       const uint32_t v_lane = __shfl_sync(0xffffffffu, smem_u32(v_dst) + lane_dst, lane);
 #pragma unroll
@@ -1414,10 +1401,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // warp's O and the head's LSE, then every thread sums its (head, d) outputs from them. One warp
   // a scheduler runs this, so it is a chain of latencies: one (head, d) at a time, each with its
   // own max and exponentials, took ~2000 cycles from the first output to the written partials
-  // (batch 1 x 32k's per-CTA timeline), on the call's tail. With the split merge over all
-  // threads, H200, same run against the one-at-a-time form (session 10 call 3, TB/s): bf16 1 x
-  // 32k 3.520 -> 3.540, 1 x 8k 2.295 -> 2.346, fp8 1 x 32k 2.790 -> 2.849, MQA 32/1 64 x 4k 2.372
-  // -> 2.519, 64 x 4k 4.465 -> 4.472.
+  // (batch 1 x 32k's per-CTA timeline), on the call's tail. Against that form (H200): bf16 1 x
+  // 32k +0.6%, 1 x 8k +2.2%, fp8 1 x 32k +2.1%, MQA 32/1 64 x 4k +6.2%, 64 x 4k +0.2%.
   if (threadIdx.x < kM) {
     const int r = threadIdx.x;
     // Row r belongs to M block r / 16, whose key warps are w0 .. w0 + 3.
@@ -1487,10 +1472,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
     } else {
       // The split's output stays f32: rounding it to the query's type (as FlashInfer's tmp_v in
-      // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%, session 8) but
-      // rounded every output twice, and that extra rounding, relative to the split's mean (larger
-      // than the row's where the splits' means cancel), broke DESIGN.md 6's bound on fresh data
-      // (`DecodeSplit.PartialsKeepTheRangeOfTheOutputType`, session 15: 388.7 against 366.9).
+      // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%) but rounded every
+      // output twice, and that extra rounding, relative to the split's mean (larger than the
+      // row's where the splits' means cancel), broke the error bound of docs/testing.md on fresh
+      // data (`DecodeSplit.PartialsKeepTheRangeOfTheOutputType`: 388.7 against a bound of 366.9).
       float* out =
           p.partial_out +
           ((static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head) * kD;

@@ -96,13 +96,12 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 // 16-bit caches on grids of at least SMs / 16 CTAs; otherwise, and for 8-bit caches, head blocks
 // of 8 on the keys-as-rows kernel (the later head blocks' K/V reads mostly hit L2). Its tuned
 // 8-bit path beats the two-M-block 8-bit kernel, and on small grids the 32-head CTAs need so
-// many splits that their merge dominates (one 32-head CTA at 1 x 32k: 128 splits). H200, same
-// run (04:24 UTC, MQA 32/1, D 128, page 32, TB/s, 32-head CTAs -> head blocks of 8 -> of 16):
-// bf16 64 x 4k 2.360 -> 2.184 -> 2.091, 8 x 32k 2.065 -> 2.020 -> 1.945, 1 x 32k 0.306 -> 0.769
-// -> 0.565; fp8 64 x 4k 1.276 -> 1.492 -> 1.347. This rule against main's build (04:28 UTC): bf16
-// 1 / 2 / 4 / 8 x 32k 0.306 / 0.773 / 1.244 / 2.087 -> 0.760 / 1.273 / 1.695 / 2.010 (8 rows, 128
-// CTAs on 132 SMs, is its one loss: the crossover lies between 4 and 8 rows), 64 x 4k 2.366 both;
-// fp8 1 x 32k 0.160 -> 0.473, int8 8 x 32k 1.032 -> 1.265.
+// many splits that their merge dominates (one 32-head CTA at 1 x 32k: 128 splits). MQA 32/1, head
+// blocks of 8 against 32-head CTAs (H200, when the rule was chosen): bf16 1 x 32k 2.5x, fp8 64 x
+// 4k +17%, but bf16 64 x 4k -7% and 8 x 32k -2% (head blocks of 16 lost to 8 everywhere). This
+// rule against 32-head CTAs for every grid: bf16 1 / 2 / 4 x 32k 2.5x / 1.65x / 1.36x, fp8 1 x
+// 32k 3x, int8 8 x 32k +23%, 64 x 4k even; bf16 8 x 32k (128 CTAs on 132 SMs) is its one loss
+// (-3.7%: the crossover lies between 4 and 8 rows).
 int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
                          int sm_count) {
   if (group_size <= 8) return 8;
@@ -129,12 +128,10 @@ int32_t whole_tile_splits(int64_t tiles, int64_t splits) {
 // smallest split count whose waves fill >= 95% of the resident-CTA slots, with at least four
 // tiles of keys per split (the prologue and the combine are not free). On the two-M-block kernel
 // (one_wave), splits that short (at most kShortSplitKeys keys) take one CTA per SM instead: fewer,
-// longer splits, fewer partials for the merge. The other kernels did so too until session 20
-// (H200, dec12 round 2: 1 x 8k 2.185 with 16 splits, one CTA an SM, vs 2.056 with 32); since
-// then (the split epilogue of sessions 10-11, the prefetch of session 19, which takes calls of 32
-// splits) two CTAs an SM win: session 20 call 6, TB/s, 16 -> 32 splits, bf16 1 x 8k 2.355 ->
-// 2.428, 1 x 16k 2.946 -> 3.049, fp8 1 x 16k 2.163 -> 2.310 (24 splits lost everywhere: 2.015,
-// 2.572, 1.891).
+// longer splits, fewer partials for the merge. The other kernels did so too until the split
+// epilogue's changes and the prefetch before the programmatic wait (which takes calls of 32
+// splits) made two CTAs an SM win there (H200, 32 splits against 16): bf16 1 x 8k +3.1%, 1 x 16k
+// +3.5%, fp8 1 x 16k +6.8% (24 splits lost 13-14% against 16 everywhere).
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
                           bool one_wave) {
   constexpr int64_t kShortSplitKeys = 512;
@@ -169,15 +166,14 @@ int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int
   return whole_tile_splits(tiles, most);
 }
 
-// H200, session 17 call 2 (TB/s, the mma.sync kernels / this kernel built for 2 / for 3 CTAs an
-// SM, each with its split rule): MQA 32/1 64 x 4k 2.708 / 2.952 / 2.853, 96 x 4k 2.755 / 2.595 /
-// 3.152, 48 x 8k 2.921 / 3.108 / 3.262, 16 x 8k 2.359 / 2.588 / 2.064, 256 x 2k 3.411 / 3.582 /
-// 3.660, 32 x 32k 3.584 / 3.794 / 3.822, 128 x 8k 3.560 / 3.659 / 3.735; GQA 32/2 64 x 4k 3.397 /
-// 3.483 / 3.540, 8 x 8k 2.605 / 2.719 / 2.398. The two-M-block kernel keeps the grids it covers
-// without a split at <= 4096 keys and up to 1.6 CTAs an SM (one CTA of it streams as fast as two,
-// one of this kernel does not): MQA 128 x 2k 3.024 / 2.687 / 2.679 (2.775 with 2 splits), 200 x 2k
-// 3.141 / 2.905 / 2.968, GQA 64/2 64 x 4k 3.385 / 3.275 / 3.285. The 3-CTA build (4 units of 16 KB
-// in flight a CTA against 6) pays where its one-wave split count leaves >= 1024 keys a split.
+// This kernel built for 2 / for 3 CTAs an SM against the mma.sync kernels, each with its split
+// rule (H200): MQA 32/1 64 x 4k +9% / +5%, 96 x 4k -6% / +14%, 48 x 8k +6% / +12%, 16 x 8k +10% /
+// -12%, 256 x 2k +5% / +7%, 32 x 32k +6% / +7%, 128 x 8k +3% / +5%; GQA 32/2 64 x 4k +2.5% / +4%,
+// 8 x 8k +4% / -8%. The two-M-block kernel keeps the grids it covers without a split at <= 4096
+// keys and up to 1.6 CTAs an SM (one CTA of it streams as fast as two, one of this kernel does
+// not): there this kernel lost, MQA 128 x 2k -11% (-8% with 2 splits), 200 x 2k -6 to -8%, GQA
+// 64/2 64 x 4k -3%. The 3-CTA build (4 units of 16 KB in flight a CTA against 6) pays where its
+// one-wave split count leaves >= 1024 keys a split.
 DecodeWgmmaPlan decode_wgmma_plan(int32_t group_size, int64_t ctas, int64_t pair_ctas, int sm_count,
                                   int64_t max_keys, int32_t forced_splits) {
   DecodeWgmmaPlan plan;
@@ -371,9 +367,9 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
                                 /*one_wave=*/choice.heads_per_cta == 32);
     // 8-bit caches at head_dim 128 (plain logits): when counting their 4-CTA kernel's slots fills
     // that kernel with splits of at least 32 tiles (4k keys), take that count: the 4-CTA kernel
-    // beats the 2-CTA one by more than the merge costs. H200, round 2 at 21:22 UTC, same run, fp8
-    // TB/s: 32 x 32k 4.24 (1 split, 2 CTAs per SM) -> 4.36 (2 splits, 4), 16 x 32k 4.17 (2) ->
-    // 4.28 (4); 1 x 32k keeps its 32 splits (52 at 4 CTAs per SM did not fill it: 2.61 -> 2.17).
+    // beats the 2-CTA one by more than the merge costs. H200, fp8: 32 x 32k +2.8% (2 splits at 4
+    // CTAs an SM against 1 at 2), 16 x 32k +2.6% (4 splits against 2); 1 x 32k keeps its 32 splits
+    // (52 at 4 CTAs an SM did not fill it: -17%).
     if (has_four_cta_kernel) {
       const int32_t wide =
           decode_num_splits(ctas, info.wide_ctas_per_sm, sm_count, max_keys, info.tile_n);
@@ -389,11 +385,10 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       decode_split_keys<int64_t>(p.max_seq_len, params.num_splits, info.tile_n));
 
   // Programmatic dependent launch on sm_90+ (decode_programmatic_launch): the next kernel's CTAs
-  // become resident while this one's tail runs. H200, same run (dec10, 21:20 UTC, two
-  // repetitions, TB/s, through a caller workspace, without -> with): bf16 1 x 32k 3.368 -> 3.401 /
-  // 3.399, 2 x 32k 3.846 -> 3.865, 1 x 8k 2.01 -> 2.08, fp8 1 x 32k 2.64 -> 2.68; 64 x 4k 4.366
-  // -> 4.372. The resident CTAs are those of the kernel the call takes (launch_traits: the 4-CTA
-  // 8-bit kernel on wide grids with plain logits).
+  // become resident while this one's tail runs. Through a caller workspace (H200): bf16 1 x 32k
+  // +1.0%, 2 x 32k +0.5%, 1 x 8k +3.5%, fp8 1 x 32k +1.5%; 64 x 4k +0.1%. The resident CTAs are
+  // those of the kernel the call takes (launch_traits: the 4-CTA 8-bit kernel on wide grids with
+  // plain logits).
   const bool four_ctas = choice.wide_grid && has_four_cta_kernel;
   const int64_t resident =
       static_cast<int64_t>(four_ctas ? info.wide_ctas_per_sm : info.ctas_per_sm) * sm_count;
@@ -462,11 +457,9 @@ void check_workspace(const DecodeWorkspace& ws, const DecodePlan& plan, const ch
 
 // PDL lets the next grid's CTAs become resident while this one's tail runs. That pays for a grid of
 // more than one wave and for a call of many splits (its merge tail), not for a grid resident at
-// once without splits or with two: H200, same run (round 2 at 00:20 UTC, A B B A, TB/s, this
-// rule against PDL for every grid / none): bf16 32 x 32k (256 CTAs in 264 slots) 4.488 / 4.487
-// vs 4.411 / 4.410 always; fp8 64 x 4k (512 in 528) 4.215 / 4.215 vs 4.189 / 4.188 always; fp8
-// 32 x 32k (2 splits, 512 in 528) 4.374 / 4.375 never vs 4.345 / 4.345 with PDL; fp8 256 x 1k (4
-// waves) 4.069 / 4.067 vs 4.050 / 4.051 never; bf16 1 x 32k (32 splits) 3.380 vs 3.351 never.
+// once without splits or with two. This rule against PDL for every grid (H200): bf16 32 x 32k
+// (256 CTAs in 264 slots) +1.7%, fp8 64 x 4k (512 in 528) +0.6%, fp8 32 x 32k (2 splits) +0.7%;
+// against none: fp8 256 x 1k (4 waves) +0.4%, bf16 1 x 32k (32 splits) +0.9%.
 namespace {
 std::atomic<int> g_merge_mode{static_cast<int>(DecodeMergeMode::kAuto)};
 }  // namespace

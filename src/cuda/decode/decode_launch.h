@@ -31,7 +31,8 @@ struct DecodeKernelChoice {
 // or more splits of groups of at most 8 heads (their merge tail leaves DRAM idle) or of the wgmma
 // kernel (wgmma_kernel) with groups of 32 or more heads (the previous call's merge kernel runs
 // meanwhile); else 0. Multi-wave grids, mma.sync calls of fewer splits or of groups of 16 and 32
-// heads, and wgmma calls of groups of 16 lost or tied with it (docs/decode_design.md, session 19).
+// heads, and wgmma calls of groups of 16 lost or tied with it (docs/decode_design.md, "Prefetch
+// before the programmatic wait").
 int32_t decode_prefetch_keys(bool wgmma_kernel, int32_t num_splits, int64_t grid_ctas,
                              int64_t resident_ctas, int32_t group_size, int32_t token_bytes);
 
@@ -64,17 +65,16 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
 // CTAs read at most 4096 keys. With its pairs of warps meeting on their own barriers that kernel
 // streams as fast from one CTA an SM as from two, so a split only pays where the SMs it fills
 // outweigh its cost (a merge, and a prologue a CTA), which weighs more the shorter the splits.
-// H200, session 16 calls 1 and 4, MQA 32/1, TB/s, 1 split vs 2: 96 x 4k (73% of the SMs) 2.615
-// vs 2.779, 104 x 2k (79%) 2.572 vs 2.334, 120 x 4k (91%) 3.198 vs 3.044, 112 x 2k (85%) 2.742
-// vs 2.356, but 112 x 8k 3.179 vs 3.310 and 104 x 8k 2.975 vs 3.288; session 15 call 4: 128 x 2k
-// 2.942 vs 2.490, GQA 64/2 64 x 4k 3.281 vs 3.069. (GQA 64/2 52 x 4k, 104 CTAs: 2.851 vs 2.895.)
+// No split against 2 (H200, MQA 32/1): 96 x 4k (73% of the SMs) -6%, 104 x 2k (79%) +10%, 120 x
+// 4k (91%) +5%, 112 x 2k (85%) +16%, 128 x 2k +18%, but 112 x 8k -4% and 104 x 8k -10%; GQA 64/2
+// 64 x 4k +7% (52 x 4k, 104 CTAs: -1.5%).
 bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count, int64_t max_keys);
 
 // The split-KV heuristic (decode_launch.cu): splits per (row, KV head, head block) CTA given the
 // CTA count, resident CTAs per SM, the SM count and the longest key range. one_wave: only counts
 // whose CTAs are resident at once (the two-M-block kernel, whose extra waves of splits cost more
-// than the slots they fill. H200, session 16 call 3, MQA 32/1, TB/s, the fill rule's count -> one
-// wave: 96 x 4k 8 -> 2 splits 2.466 -> 2.752, 48 x 8k 11 -> 5 2.734 -> 2.929).
+// than the slots they fill. Against the fill rule's count (H200, MQA 32/1): 96 x 4k 8 -> 2 splits
+// +12%, 48 x 8k 11 -> 5 +7%).
 int32_t decode_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int64_t max_keys, int tile_n,
                           bool one_wave = false);
 
@@ -87,11 +87,10 @@ enum class DecodeMergeMode { kAuto, kInKernel, kSeparate, kAccumulate };
 
 // Whether a call of num_splits > 1 splits over KV heads of group_size query heads of head_dim
 // merges in a kernel of its own: groups of 16 or more heads (one CTA merging a 32-head item was
-// the tail of MQA 32/1 64 x 4k: ~6.7 of 51.5 us, session 13; MQA's head blocks of 8 gain too,
-// session 14) or a KV head's splits of more than 64 KB of (f32) partials (up to 64 KB, the
-// in-kernel merge stages them in one chunk). The group, not the CTA's head block, decides: MQA
-// 32/1 2 x 32k 1.420 -> 1.541 TB/s, 4 x 16k 1.479 -> 1.547, 8 x 32k 2.093 -> 2.151 with head
-// blocks of 8 merged apart (session 14 call 5, the rest within 0.2%).
+// the tail of MQA 32/1 64 x 4k: ~6.7 of 51.5 us; MQA's head blocks of 8 gain too) or a KV head's
+// splits of more than 64 KB of (f32) partials (up to 64 KB, the in-kernel merge stages them in
+// one chunk). The group, not the CTA's head block, decides: with head blocks of 8 merged apart,
+// MQA 32/1 2 x 32k +8.5%, 4 x 16k +4.6%, 8 x 32k +2.8% (H200; the other rows within 0.2%).
 bool decode_separate_merge(int32_t num_splits, int group_size, int head_dim);
 
 // Tests: forces the merge path of the split calls that follow (process-wide; kAuto: the rule).
@@ -104,10 +103,9 @@ void set_decode_merge_mode(DecodeMergeMode mode);
 // only when a test forces the merge), on the mma.sync kernels of up to 16 heads a CTA at two CTAs
 // an SM (other_kernel: the wgmma or 4-CTA 8-bit kernel), where the rule keeps the merge in the
 // kernel, and on grids of more CTAs than SMs: where one CTA an SM runs splits of equal length they
-// end together and their reductions queue at L2. H200, session 20 call 2 (TB/s, the last CTA's
-// merge -> accumulated): bf16 1 x 32k 3.604 -> 3.674, fp8 1 x 32k 2.948 -> 3.025, int8 2.869
-// -> 2.921, page 16 3.489 -> 3.562, fp8 1 x 64k 3.364 -> 3.439, 2 x 32k 3.914 -> 3.929, head_dim
-// 64 3.109 -> 3.150; one CTA an SM: 1 x 8k 2.351 -> 2.333, fp8 1 x 16k 2.168 -> 2.127.
+// end together and their reductions queue at L2. Against the last CTA's merge (H200): bf16 1 x
+// 32k +1.9%, fp8 1 x 32k +2.6%, int8 +1.8%, page 16 +2.1%, fp8 1 x 64k +2.2%, 2 x 32k +0.4%,
+// head_dim 64 +1.3%; one CTA an SM: 1 x 8k -0.8%, fp8 1 x 16k -1.9%.
 bool decode_accumulate_merge(bool deterministic, int compute_major, int32_t num_splits,
                              int group_size, int head_dim, int heads_per_cta, bool other_kernel,
                              int64_t grid_ctas, int sm_count);
@@ -117,10 +115,9 @@ bool decode_accumulate_merge(bool deterministic, int compute_major, int32_t num_
 void set_decode_accumulate_range(float min_lse2, float max_lse2);
 
 // Warps of the separate merge per (row, query head) for `items` of them: one, or a CTA of four
-// for fewer items than SMs (batch 1 of MQA or GQA-16: 32 items, 64-128 partials each). H200,
-// session 14 call 2 (TB/s, one warp -> four): MQA 32/1 1 x 32k 1.086 -> 1.149, GQA 32/2 1 x 32k
-// 1.918 -> 2.047, but MQA 16 x 8k (512 items) 2.143 -> 1.603, GQA 32/2 8 x 8k (256) 2.623 ->
-// 2.564.
+// for fewer items than SMs (batch 1 of MQA or GQA-16: 32 items, 64-128 partials each). Four warps
+// against one (H200): MQA 32/1 1 x 32k +5.8%, GQA 32/2 1 x 32k +6.7%, but MQA 16 x 8k (512 items)
+// -25%, GQA 32/2 8 x 8k (256) -2.2%.
 int decode_merge_warps_per_item(int64_t items, int sm_count);
 
 // Launches the separate split merge (decode_merge.cu) of the partials `p` describes, into p.out and

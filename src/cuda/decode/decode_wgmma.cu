@@ -4,14 +4,14 @@
 // Why: the mma.sync kernels cover a group of 32 heads with two M blocks on 8 warps (the pair
 // kernel), whose per-tile instructions (HMMA, ldmatrix, copies, softmax) bound its stream at
 // ~3.5 TB/s on the H200 where the one-M-block kernels read at ~4.5 (docs/decode_design.md,
-// sessions 15-17). A warpgroup MMA reads K and V from shared memory itself: S = Q K^T is eight
-// m64n64k16 MMAs per 64-key tile (Q in registers), O += P V four m64n128k16 (P in registers: the
-// S accumulator's layout is the A operand's), so a tile costs a few dozen instructions a thread
-// besides the softmax. Heads past the group are zero rows (MQA 32/1: half the rows), which the
-// tensor cores have time for. H200, session 17 (TB/s, mma.sync kernels -> this one): MQA 32/1
-// 64 x 4k 2.71 -> 2.95, 96 x 4k 2.76 -> 3.15, 256 x 2k 3.41 -> 3.66, 32 x 32k 3.58 -> 3.82; GQA
-// 32/2 64 x 4k 3.40 -> 3.54. One CTA of it streams slower than one pair-kernel CTA, so grids that
-// kernel covers with one CTA an SM keep it (decode_wgmma_plan, decode_launch.cu).
+// "The warpgroup-MMA kernel for large groups"). A warpgroup MMA reads K and V from shared memory
+// itself: S = Q K^T is eight m64n64k16 MMAs per 64-key tile (Q in registers), O += P V four
+// m64n128k16 (P in registers: the S accumulator's layout is the A operand's), so a tile costs a few
+// dozen instructions a thread besides the softmax. Heads past the group are zero rows (MQA 32/1:
+// half the rows), which the tensor cores have time for. Against the mma.sync kernels (H200): MQA
+// 32/1 64 x 4k +9%, 96 x 4k +14%, 256 x 2k +7%, 32 x 32k +7%; GQA 32/2 64 x 4k +4%. One CTA of it
+// streams slower than one pair-kernel CTA, so grids that kernel covers with one CTA an SM keep it
+// (decode_wgmma_plan, decode_launch.cu).
 //
 // Shape: 128 threads, two or three CTAs an SM (kCtasPerSm: a ring of six or four units). K and V
 // of a 64-key tile are separate 16 KB units of the ring (K(t), V(t), K(t+1), ...), copied by
@@ -232,10 +232,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   // 1024 j. Keys past the split are zero-filled by the copy's ignore-src operand (their V rows meet
   // probability 0, which must not meet a NaN). Every thread commits one group per unit, copies or
   // not, so that the wait counts hold. This form (12 instructions a copy) against the address
-  // computed per key with a src-size operand (~20), H200, same build (session 17 call 4, TB/s): MQA
-  // 32/1 64 x 4k 2.955 -> 3.040, 256 x 2k 3.663 -> 3.761, 16 x 8k 2.596 -> 2.679, 32 x 32k 3.817
-  // -> 3.863, GQA 32/2 64 x 4k 3.529 -> 3.602. (Leaving a tile's O MMAs in flight until the next
-  // tile's S MMAs, both refills after the V barrier, lost: 256 x 2k 3.663 -> 3.417.)
+  // computed per key with a src-size operand (~20), H200: MQA 32/1 64 x 4k +2.9%, 256 x 2k +2.7%,
+  // 16 x 8k +3.2%, 32 x 32k +1.2%, GQA 32/2 64 x 4k +2.1%. (Leaving a tile's O MMAs in flight
+  // until the next tile's S MMAs, both refills after the V barrier, lost: 256 x 2k -6.7%.)
   const int copy_key = tid >> 4;
   const int copy_chunk = tid & 15;
   const uint32_t copy_dst = (copy_chunk >> 3) * kWgColumnBlockBytes + copy_key * 128 +

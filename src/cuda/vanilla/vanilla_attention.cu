@@ -28,7 +28,7 @@ __device__ float block_reduce(float value, float* scratch, bool is_max) {
   return result;
 }
 
-// Whether a query at position p attends key position j (DESIGN.md section 3).
+// Whether a query at position p attends key position j (docs/semantics.md).
 __device__ bool attends(const VanillaAttentionParams& params, int64_t p, int64_t j) {
   switch (params.mask) {
     case MaskKind::kNone:

@@ -3,7 +3,7 @@
 // head); the scores of a chunk of kVanillaChunk keys are materialized in shared memory and folded
 // into the output with an exact fp32 rescaling, so any key length fits. Everything (dtypes, mask,
 // ALiBi, soft-cap, paging, beams) is a runtime value: this kernel is the plain reading of
-// DESIGN.md section 3, not a fast path.
+// docs/semantics.md, not a fast path.
 #pragma once
 
 #include <cuda_runtime.h>
