@@ -23,7 +23,10 @@ void print_matrix(const Device& device) {
                                       {DType::kF16, DType::kF16},
                                       {DType::kBF16, DType::kFp8E4M3},
                                       {DType::kBF16, DType::kInt8}};
-  std::printf("\nsupport matrix on %s (y = served; otherwise the reason)\n", device.str().c_str());
+  std::printf(
+      "\nsupport matrix on %s (y = served; prefill and dense on the fused backend name the kernel "
+      "of a 4096-token call: sm90 or a portable tile; otherwise the reason)\n",
+      device.str().c_str());
   std::printf("%-9s %-13s %-16s", "backend", "op", "q / kv dtype");
   for (int32_t d : head_dims) std::printf(" D=%-4d", d);
   std::printf("\n");
@@ -39,7 +42,10 @@ void print_matrix(const Device& device) {
         for (int32_t d : head_dims) {
           SupportQuery query{op, backend, device, dt.q, dt.kv, d};
           const std::string reason = unsupported_reason(query);
-          std::printf(" %-6s", reason.empty() ? "y" : "-");
+          // The fused context attention names its kernel (sm90 or a portable tile).
+          const std::string kernel =
+              backend == Backend::kFused && reason.empty() ? selected_kernel(query) : std::string();
+          std::printf(" %-6s", reason.empty() ? (kernel.empty() ? "y" : kernel.c_str()) : "-");
           if (!reason.empty() && (reasons.empty() || reasons.back() != reason)) {
             reasons.push_back(reason);
           }

@@ -40,5 +40,10 @@ struct SupportQuery {
 };
 // "" when supported, else the reason. Backend::kAuto answers for what auto would pick.
 std::string unsupported_reason(const SupportQuery& query);
+// The kernel the fused backend runs for a prefill (causal) or dense call of `seqlen` tokens a
+// sequence: "sm90" (the Hopper warpgroup kernel) or a portable mma.sync tile ("m128w4", ...);
+// "" for the other ops and where the fused backend does not serve the query. Dispatch uses the
+// same selector.
+std::string selected_kernel(const SupportQuery& query, int32_t seqlen = 4096);
 
 }  // namespace attnkit

@@ -85,4 +85,29 @@ std::string unsupported_reason(const SupportQuery& query) {
   return reason;
 }
 
+std::string selected_kernel(const SupportQuery& query, int32_t seqlen) {
+  if (query.device.is_cpu() || !built_with_cuda()) return "";
+  AttentionSpec spec;
+  spec.num_q_heads = 32;
+  spec.num_kv_heads = 8;
+  spec.head_dim = query.head_dim;
+  if (query.op == Op::kPrefill) {
+    detail::PrefillProblem p;
+    p.device = query.device;
+    p.dtype = query.q_dtype;
+    p.kv_dtype = query.kv_dtype;
+    p.paged = query.kv_dtype != query.q_dtype;
+    return cuda::fused_prefill_kernel(spec, p, seqlen);
+  }
+  if (query.op == Op::kDense) {
+    spec.num_kv_heads = spec.num_q_heads;
+    spec.mask.kind = MaskKind::kNone;
+    detail::DenseProblem p;
+    p.device = query.device;
+    p.dtype = query.q_dtype;
+    return cuda::fused_dense_kernel(spec, p, seqlen);
+  }
+  return "";
+}
+
 }  // namespace attnkit

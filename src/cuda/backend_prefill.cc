@@ -11,6 +11,14 @@ std::string fused_prefill_unsupported(const AttentionSpec& spec, const detail::P
 std::string fused_dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
   return prefill::dense_unsupported(spec, p);
 }
+std::string fused_prefill_kernel(const AttentionSpec& spec, const detail::PrefillProblem& p,
+                                 int32_t seqlen) {
+  return prefill::prefill_kernel_choice(spec, p, seqlen);
+}
+std::string fused_dense_kernel(const AttentionSpec& spec, const detail::DenseProblem& p,
+                               int32_t seqlen) {
+  return prefill::dense_kernel_choice(spec, p, seqlen);
+}
 void fused_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                    const detail::PrefillProblem& p, Stream stream) {
   prefill::run_prefill(spec, args, p, stream);

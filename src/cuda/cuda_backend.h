@@ -19,6 +19,12 @@ std::string fused_decode_unsupported(const AttentionSpec& spec, const detail::De
 std::string fused_append_kv_unsupported(const AttentionSpec& spec,
                                         const detail::AppendKvProblem& p);
 std::string fused_dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p);
+// The kernel the fused context attention runs for sequences of `seqlen` tokens ("sm90", "m128w4",
+// ...), "" where it does not serve the call.
+std::string fused_prefill_kernel(const AttentionSpec& spec, const detail::PrefillProblem& p,
+                                 int32_t seqlen);
+std::string fused_dense_kernel(const AttentionSpec& spec, const detail::DenseProblem& p,
+                               int32_t seqlen);
 
 // Fused (optimized) kernels.
 void fused_prefill(const AttentionSpec& spec, const PrefillArgs& args,

@@ -24,6 +24,12 @@ std::string fused_append_kv_unsupported(const AttentionSpec&, const detail::Appe
 std::string fused_dense_unsupported(const AttentionSpec&, const detail::DenseProblem&) {
   return kNoCuda;
 }
+std::string fused_prefill_kernel(const AttentionSpec&, const detail::PrefillProblem&, int32_t) {
+  return "";
+}
+std::string fused_dense_kernel(const AttentionSpec&, const detail::DenseProblem&, int32_t) {
+  return "";
+}
 std::string fused_forward_unsupported(const AttentionSpec&, const detail::ForwardProblem&) {
   return kNoCuda;
 }

@@ -963,6 +963,65 @@ TEST(PrefillDense, DenseMatchesFp64) {
   }
 }
 
+// ---- the selector: the kernel dispatch runs is the one `attnkit info` names --------------------
+TEST(PrefillSupport, SelectorNamesTheKernel) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  AttentionSpec spec;
+  spec.num_q_heads = 32;
+  spec.num_kv_heads = 8;
+  spec.head_dim = 128;
+  spec.mask.kind = MaskKind::kCausal;
+  detail::PrefillProblem p;
+  p.device = Device::cuda(0);
+  if (!compiled(128, DType::kBF16)) return;
+  const std::string auto_choice = cuda::prefill::prefill_kernel_choice(spec, p, 4096);
+  EXPECT_EQ(auto_choice == "sm90", has_sm90(128, DType::kBF16)) << auto_choice;
+  spec.fused_kernel = FusedKernel::kPortable;
+  const std::string portable = cuda::prefill::prefill_kernel_choice(spec, p, 4096);
+  EXPECT_FALSE(portable.empty());
+  EXPECT_NE(portable, "sm90");
+  // An 8-bit paged cache stays on the portable kernel under auto (docs/prefill_design.md).
+  spec.fused_kernel = FusedKernel::kAuto;
+  p.paged = true;
+  p.kv_dtype = DType::kFp8E4M3;
+  EXPECT_NE(cuda::prefill::prefill_kernel_choice(spec, p, 4096), "sm90");
+  // kHopper where the sm90 kernel cannot run (head_dim 80): not served, and a call raises.
+  p.paged = false;
+  p.kv_dtype = DType::kBF16;
+  spec.head_dim = 80;
+  spec.fused_kernel = FusedKernel::kHopper;
+  if (compiled(80, DType::kBF16)) {
+    EXPECT_EQ(cuda::prefill::prefill_kernel_choice(spec, p, 4096), "");
+    Case c;
+    c.head_dim = 80;
+    c.q_lens = {10};
+    Problem prob;
+    std::mt19937_64 rng(test_seed());
+    prob = make_problem(c, rng);
+    HostTensor cu(DType::kInt32, {2}), out(DType::kBF16, {10, c.hq, 80});
+    cu.data<int32_t>()[0] = 0;
+    cu.data<int32_t>()[1] = 10;
+    out.fill(NAN);
+    DeviceTensor d_q(prob.q), d_k(prob.k), d_v(prob.v), d_cu(cu), d_out(out);
+    PrefillArgs args;
+    args.q = d_q;
+    args.k = d_k;
+    args.v = d_v;
+    args.cu_seqlens_q = d_cu;
+    args.cu_seqlens_kv = d_cu;
+    args.out = d_out;
+    args.max_seqlen_q = args.max_seqlen_kv = 10;
+    AttentionSpec s80 = spec_of(c);
+    s80.fused_kernel = FusedKernel::kHopper;
+    try {
+      prefill(s80, args);
+      ADD_FAILURE() << "fused_kernel hopper at head_dim 80 did not raise";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("hopper"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // ---- what the fused path refuses, and says so ---------------------------------------------------
 TEST(PrefillSupport, UnsupportedReasons) {
   ATTNKIT_SKIP_WITHOUT_GPU();

@@ -17,6 +17,14 @@ namespace attnkit::cuda::prefill {
 std::string prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p);
 std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p);
 
+// The kernel (prefill_tile_name) the fused backend runs for the call shape of `p` with sequences
+// of `seqlen` tokens on p's device; "" where the fused prefill / dense does not serve it. The same
+// selector as run_prefill / run_dense: what `attnkit info` shows.
+std::string prefill_kernel_choice(const AttentionSpec& spec, const detail::PrefillProblem& p,
+                                  int32_t seqlen);
+std::string dense_kernel_choice(const AttentionSpec& spec, const detail::DenseProblem& p,
+                                int32_t seqlen);
+
 // Tiles compiled into this build for (head_dim, dtype); empty when none.
 std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype);
 

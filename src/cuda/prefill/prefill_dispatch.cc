@@ -484,6 +484,32 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
   return unsupported(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false});
 }
 
+namespace {
+std::string choice_name(const AttentionSpec& spec, const CallShape& shape, bool masked,
+                        int32_t seqlen) {
+  try {
+    const Sm90Call call = sm90_call(shape, spec, masked, 0);
+    return prefill_tile_name(pick_tile(shape, std::nullopt, 1, seqlen, spec.num_q_heads, masked,
+                                       seqlen, sm90_unsupported(call), spec.fused_kernel));
+  } catch (const Error&) {
+    return "";
+  }
+}
+}  // namespace
+
+std::string prefill_kernel_choice(const AttentionSpec& spec, const detail::PrefillProblem& p,
+                                  int32_t seqlen) {
+  if (!prefill_unsupported(spec, p).empty()) return "";
+  return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged},
+                     spec.mask.kind != MaskKind::kNone, seqlen);
+}
+
+std::string dense_kernel_choice(const AttentionSpec& spec, const detail::DenseProblem& p,
+                                int32_t seqlen) {
+  if (!dense_unsupported(spec, p).empty()) return "";
+  return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, false, seqlen);
+}
+
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  const detail::PrefillProblem& p, void* stream,
                  std::optional<PrefillTile> forced_tile, int forced_section_pairs,
