@@ -214,3 +214,19 @@ def test_info():
     info = attnkit.info()
     assert info["version"] == attnkit.__version__
     assert isinstance(info["cuda"], bool) and isinstance(info["devices"], list)
+
+
+def test_kernel_choice_validated_and_cpu_runs_reference(rng):
+    # kernel= picks the fused kernel family on CUDA tensors; CPU tensors run the reference with
+    # every choice, and a name outside the three raises attnkit.Error naming `kernel`.
+    q, k, v, cu_q, cu_k = _varlen(rng, [7, 3], [7, 3], 4, 2, 32, np.float32)
+    ref = attnkit.prefill(q, k, v, cu_q, cu_k)
+    for kernel in ("auto", "portable", "hopper"):
+        np.testing.assert_array_equal(attnkit.prefill(q, k, v, cu_q, cu_k, kernel=kernel), ref)
+    out = np.full_like(q, np.nan)
+    with pytest.raises(attnkit.Error, match="kernel: expected 'auto', 'portable' or 'hopper'"):
+        attnkit.prefill(q, k, v, cu_q, cu_k, kernel="fa3", out=out)
+    assert np.isnan(out).all()
+    qd = rng.standard_normal((1, 9, 2, 32)).astype(np.float32)
+    with pytest.raises(attnkit.Error, match="kernel"):
+        attnkit.dense(qd, qd, qd, kernel="sm90")

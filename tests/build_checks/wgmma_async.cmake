@@ -6,7 +6,8 @@
 # flight; the kernels stay correct and lose their overlap (docs/decode_design.md, "The
 # warpgroup-MMA kernel for large groups").
 #
-# Inputs (-D): NVCC, SOURCE_DIR, WORK_DIR, DEFINES ("|"-separated NAME=VALUE), SOURCES
+# Inputs (-D): NVCC, SOURCE_DIR, GENERATED_DIR (the build's generated/ folder), WORK_DIR,
+# DEFINES ("|"-separated NAME=VALUE), SOURCES
 # ("|"-separated paths).
 file(MAKE_DIRECTORY "${WORK_DIR}")
 string(REPLACE "|" ";" DEFINES "${DEFINES}")
@@ -21,7 +22,7 @@ foreach(src IN LISTS SOURCES)
   execute_process(
     COMMAND "${NVCC}" -std=c++20 --expt-relaxed-constexpr -O3 -cubin
             -gencode arch=compute_90a,code=sm_90a -Xptxas -v
-            -I${SOURCE_DIR}/include -I${SOURCE_DIR}/src ${defines}
+            -I${SOURCE_DIR}/include -I${SOURCE_DIR}/src -I${GENERATED_DIR} ${defines}
             "${src}" -o "${WORK_DIR}/${name}.cubin"
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   set(report "${out}${err}")

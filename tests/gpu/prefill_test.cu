@@ -1,6 +1,6 @@
 // The fused prefill (context FMHA) kernels against an independent fp64 loop on the host (small and
 // medium cases) and against a plain fp32 GPU kernel of this file (batches up to 8k tokens).
-// Tolerance (DESIGN.md 6): max|out - ref64| <= 2 * max|naive - ref64| + 1e-3, where the naive
+// Tolerance (docs/testing.md): max|out - ref64| <= 2 * max|naive - ref64| + 1e-3, where the naive
 // same-precision result is taken as ref64 rounded to the output dtype: the smallest error any
 // same-precision kernel can have, so the bound is at least as strict as the rule.
 #include <cuda_runtime.h>
@@ -197,7 +197,7 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   return p;
 }
 
-// fp64 attention of DESIGN.md section 3 over the exact input values.
+// fp64 attention of docs/semantics.md over the exact input values.
 void reference(const Problem& p, std::vector<double>& out, std::vector<double>& lse) {
   const Case& c = p.c;
   const int d = c.head_dim;

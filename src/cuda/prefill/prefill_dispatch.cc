@@ -147,13 +147,10 @@ Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked,
 constexpr int32_t kShortCausalKeys = 4096;
 
 // The packed causal kM128W4 kernel with interleaved row blocks and dead-block skip
-// (kSkipDeadBlocks, prefill_kernel.cuh). Measured on H200 (bf16 grid, same run, twice each,
-// TFLOP/s, contiguous rows -> interleaved with skip; session 6 round 3): head_dim 64 causal 512
-// 154.6 -> 169.5, 1k 208.5 -> 221.4; head_dim 128 causal 512 200.6 -> 216.6, 1k 264.0 -> 276.6, 2k
-// 317.7 -> 323.4, 4k 358.4 -> 358.4, but 8k 381.9 -> 377.2 and 16k 395.2 -> 389.6, so head_dim 128
-// takes it up to kShortCausalKeys keys. (Round 2: a whole warp's skip with contiguous rows reached
-// 162.9 / 215.7 at head_dim 64 512 / 1k, 205.6 at head_dim 128 512.) Whether a packed causal call
-// on tile kM128W4 takes it: head_dim 64 always, head_dim 128 up to kShortCausalKeys keys.
+// (kSkipDeadBlocks, prefill_kernel.cuh): +5-10% at 512 and 1k keys (head_dim 64 and 128), +2% at
+// 2k, even at 4k, and -1 to -1.5% from 8k at head_dim 128 (docs/prefill_design.md). Whether a
+// packed causal call on tile kM128W4 takes it: head_dim 64 always, head_dim 128 up to
+// kShortCausalKeys keys.
 bool skips_dead_blocks(int head_dim, PrefillTile tile, bool masked, bool paged,
                        int32_t max_seqlen_kv) {
   if (!masked || paged || tile != PrefillTile::kM128W4) return false;
@@ -162,12 +159,9 @@ bool skips_dead_blocks(int head_dim, PrefillTile tile, bool masked, bool paged,
 
 // The packed unmasked head_dim 256 kM64 kernel with split warps (kSplitWarps, prefill_kernel.cuh):
 // pairs of warps share 32 query rows, S by key halves, O by dim halves, so every K/V fragment read
-// from smem feeds two MMA row blocks. Measured on H200 (bf16, twice each, alternated, same run,
-// TFLOP/s, plain -> split): S=512 278.5 / 278.3 -> 285.5 / 285.4, 1k 307.8 / 307.5 -> 316.6 /
-// 316.8, 2k 325.1 / 324.7 -> 335.8 / 335.8, 16k 330.5 / 346.2 -> 345.3 / 345.1. Causal lost (512
-// 209.7 -> 204.0, with dead key halves skipped 206.7; 16k 357.1 -> 336.2), so masked calls keep the
-// plain kernel. The split kernel needs kSplitSmemBytes (105.5 KB; the plain 96 KB also fit the
-// 99 KB of sm86 / sm89).
+// from smem feeds two MMA row blocks: +2.5-4% from 512 to 16k keys. Causal lost 3-6%, so masked
+// calls keep the plain kernel. The split kernel needs kSplitSmemBytes (105.5 KB; the plain 96 KB
+// also fit the 99 KB of sm86 / sm89).
 bool uses_split_warps(int head_dim, PrefillTile tile, bool masked, bool paged, int smem_optin) {
   return head_dim == 256 && tile == PrefillTile::kM64 && !masked && !paged &&
          PrefillTraits<256, PrefillTile::kM64>::kSplitSmemBytes <= smem_optin;
@@ -268,17 +262,14 @@ std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
                 " bytes of shared memory per block; the device allows ", dev.smem_optin);
 }
 
-// Measured on H200 (bf16, 16k tokens; docs/performance.md): once the grid of 128-row CTAs fills
-// every SM, the 4-warp 128-row tiles win (two CTAs per SM, each smem fragment feeds two MMA row
-// blocks): kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit
-// cache). The 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel
-// subset. head_dim 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs.
-// Causal head_dim 64 with packed K/V and at most kShortCausalKeys keys per sequence takes kM128W4
-// (64 keys, with the dead-block skip): a CTA there visits few 128-key tiles and the diagonal one
-// is half masked; measured on H200 (bf16 grid, twice each, same run, TFLOP/s) kM128W4 vs
-// kM128W4N128: S=512 155.8 vs 150.0, 1k 210.0 vs 209.3 (before the skip); with the skip (session 6
-// round 3) 2k 264.7 / 264.6 vs 259.4 / 259.1, 4k 294.5 / 294.3 vs 293.3 / 293.2. Paged calls
-// keep kM128W4N128 (not measured there).
+// The portable tiles (docs/prefill_design.md): once the grid of 128-row CTAs fills every SM, the
+// 4-warp 128-row tiles win (two CTAs per SM, each smem fragment feeds two MMA row blocks):
+// kM128W4N128 at head_dim 64 (+1-3% over kM128W4), kM128W4 at 128 (also over an 8-bit cache). The
+// 8-warp kM128 lost to them by 10-25%; it stays for head_dim 80/96 and the kernel subset. head_dim
+// 256 builds kM64 only. A grid smaller than the GPU takes kM64's extra CTAs. Causal head_dim 64
+// with packed K/V and at most kShortCausalKeys keys per sequence takes kM128W4 (64 keys, with the
+// dead-block skip): a CTA there visits few 128-key tiles and the diagonal one is half masked
+// (+0.4-4% over kM128W4N128 up to 4k). Paged calls keep kM128W4N128.
 PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128, int sm_count,
                         bool masked, int32_t max_seqlen_kv) {
   if (tiles.size() == 1) return tiles[0];
@@ -340,7 +331,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
     return PrefillTile::kSm90;
   }
   // 8-bit caches: the sm90 kernel widens them in its producer warpgroup (gathered loads), which
-  // ran at 78-93 TFLOP/s against the portable kernel's 221-233 (H200, D=128 causal paged64 fp8,
+  // ran at 77-92 TFLOP/s against the portable kernel's 233-269 (H200, D=128 causal paged64 fp8,
   // 2k / 8k): auto keeps them on the portable kernel until they are read natively in fp8.
   if (choice == FusedKernel::kAuto && sm90_reason.empty() && !quant_kv &&
       sm90_preferred(c.head_dim, masked, max_seqlen_kv)) {
