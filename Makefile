@@ -1,7 +1,10 @@
 # The two commands of the README:
 #   make run   builds and runs the main job (attnkit on the best available backend)
 #   make test  builds and runs every test (C++ cpu + gpu labels, Python, clang-format check)
-# Both install what is missing first (Debian packages, PyPI packages).
+# Both install what is missing first (Debian packages, PyPI packages). CI also runs
+#   make test-sanitize  the cpu tests of an ASan + UBSan build without CUDA (clang, build-sanitize/)
+#   make fuzz-smoke     the libFuzzer targets of that build, FUZZ_SECONDS (60) each
+# (docs/safety.md).
 
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
@@ -11,7 +14,8 @@ ifeq ($(CI),true)
 CMAKE_FLAGS += -DATTNKIT_KERNEL_SUBSET=ON
 endif
 
-.PHONY: all deps build run test test-cpp test-python format-check format clean
+.PHONY: all deps build run test test-cpp test-python format-check format clean test-sanitize \
+	fuzz-smoke
 
 all: build
 
@@ -51,5 +55,30 @@ format:
 test: format-check test-cpp
 	$(MAKE) --no-print-directory test-python
 
+# Host code under AddressSanitizer + UndefinedBehaviorSanitizer, CPU only, in one clang build
+# (docs/safety.md): the library, the attnkit program, the C++ cpu tests and the libFuzzer targets.
+# test-sanitize runs the cpu tests there (every sanitizer report fails its test); fuzz-smoke runs
+# each fuzz target for FUZZ_SECONDS over a scratch copy of its committed corpus.
+SANITIZE_BUILD_DIR ?= build-sanitize
+SANITIZE_CXX ?= clang++
+FUZZ_SECONDS ?= 60
+SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=1:check_initialization_order=1:strict_init_order=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+$(SANITIZE_BUILD_DIR)/build.ninja:
+	cmake -S . -B $(SANITIZE_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_CXX_COMPILER=$(SANITIZE_CXX) -DATTNKIT_WITH_CUDA=OFF \
+	  -DATTNKIT_SANITIZE=address,undefined \
+	  -DATTNKIT_BUILD_FUZZERS=$(if $(findstring clang,$(SANITIZE_CXX)),ON,OFF) \
+	  -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_BENCH=OFF
+
+test-sanitize: deps $(SANITIZE_BUILD_DIR)/build.ninja
+	cmake --build $(SANITIZE_BUILD_DIR) -j $(JOBS)
+	cd $(SANITIZE_BUILD_DIR) && $(SANITIZE_ENV) ctest --output-on-failure -j $(JOBS) -L cpu
+
+fuzz-smoke: deps $(SANITIZE_BUILD_DIR)/build.ninja
+	cmake --build $(SANITIZE_BUILD_DIR) -j $(JOBS) --target attnkit_fuzz_config attnkit_fuzz_entry
+	$(SANITIZE_ENV) scripts/fuzz_smoke.sh $(SANITIZE_BUILD_DIR) $(FUZZ_SECONDS)
+
 clean:
-	rm -rf $(BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(SANITIZE_BUILD_DIR)

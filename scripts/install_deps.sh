@@ -5,8 +5,9 @@ set -euo pipefail
 
 need=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+# clang and libclang-rt-dev (libFuzzer and the sanitizer runtimes) build `make fuzz-smoke`.
 for pkg in cmake ninja-build g++ make nlohmann-json3-dev libcli11-dev libgtest-dev clang-format \
-  python3-dev python3-venv; do
+  clang libclang-rt-dev python3-dev python3-venv; do
   have_pkg "$pkg" || need+=("$pkg")
 done
 # pip for the python3 on PATH when it is Debian's (a pyenv / venv python brings its own).

@@ -219,9 +219,10 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
     a.cu_seqlens_q = TensorView(d_cu.get(), DType::kInt32, {s.batch + 1}, gpu);
     a.max_seqlen_q = a.max_seqlen_kv = s.seqlen;
     if (s.page) {
-      x.pool = DeviceBuffer(2 * kv_bytes);
-      fill_random(x.pool, kv_dtype, 10 * i + 2);
+      // Whole pages: a seqlen that is not a multiple of the page still fills its last block.
       const int64_t block_bytes = int64_t{s.kv_heads} * s.page * d * kv_elt;
+      x.pool = DeviceBuffer(static_cast<size_t>(2 * block_bytes * num_blocks));
+      fill_random(x.pool, kv_dtype, 10 * i + 2);
       KvCacheView& v = x.view;
       v.k_base = x.pool.get();
       v.v_base = x.pool.as<uint8_t>() + block_bytes;

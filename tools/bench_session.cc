@@ -1,5 +1,8 @@
 #include "bench_session.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -97,8 +100,29 @@ const std::vector<uint8_t>& host_pattern(DType dtype, float shift) {
   return bytes;
 }
 
+// Self-test buffers end at an inaccessible page: a call that runs past a buffer the benchmark
+// sized too small faults at once (the program dies) instead of corrupting the heap unseen.
+struct GuardedSpan {
+  size_t offset;  // from the mapping's start to the buffer
+  size_t mapped;  // bytes mapped, the guard page included
+};
+GuardedSpan guarded_span(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t aligned = (bytes + 15) / 16 * 16;
+  const size_t usable = (aligned + page - 1) / page * page;
+  return {usable - aligned, usable + page};
+}
+
 void* raw_alloc(size_t bytes) {
-  if (g_host_memory) return ::operator new(bytes);
+  if (g_host_memory) {
+    const GuardedSpan span = guarded_span(bytes);
+    void* base =
+        mmap(nullptr, span.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) detail::fail("bench: cannot map ", bytes, " bytes of host memory");
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    mprotect(static_cast<uint8_t*>(base) + span.mapped - page, page, PROT_NONE);
+    return static_cast<uint8_t*>(base) + span.offset;
+  }
 #if defined(ATTNKIT_WITH_CUDA)
   void* data = nullptr;
   cuda_ok(cudaMalloc(&data, bytes), "cudaMalloc");
@@ -108,8 +132,12 @@ void* raw_alloc(size_t bytes) {
 #endif
 }
 
-void raw_free(void* data) {
-  if (g_host_memory) return ::operator delete(data);
+void raw_free(void* data, size_t bytes) {
+  if (g_host_memory) {
+    const GuardedSpan span = guarded_span(bytes);
+    munmap(static_cast<uint8_t*>(data) - span.offset, span.mapped);
+    return;
+  }
 #if defined(ATTNKIT_WITH_CUDA)
   cudaFree(data);
 #endif
@@ -141,7 +169,7 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
   if (bytes > 0) data_ = raw_alloc(bytes);
 }
 DeviceBuffer::~DeviceBuffer() {
-  if (data_ != nullptr) raw_free(data_);
+  if (data_ != nullptr) raw_free(data_, bytes_);
 }
 
 void fill_random(const DeviceBuffer& buffer, DType dtype, uint64_t seed, float shift) {

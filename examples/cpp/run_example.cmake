@@ -5,8 +5,10 @@ foreach(step IN ITEMS install configure build run)
     file(REMOVE_RECURSE ${WORK_DIR})
     set(cmd ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${WORK_DIR}/prefix)
   elseif(step STREQUAL "configure")
+    # CONSUMER_ARGS: "|"-separated (the compiler, and a sanitized build's flags).
+    string(REPLACE "|" ";" consumer_args "${CONSUMER_ARGS}")
     set(cmd ${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build
-            -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+            -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix ${consumer_args})
   elseif(step STREQUAL "build")
     set(cmd ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
   else()

@@ -2,7 +2,9 @@
 // anything and throws attnkit::Error naming the argument; CPU tensors run on the reference
 // backend, CUDA tensors on the backend that spec.backend selects (docs/configuration.md).
 // `stream` is a cudaStream_t passed as void* (nullptr = the legacy default stream); it is
-// ignored for CPU tensors. No entry point synchronizes the stream on the host.
+// ignored for CPU tensors. No entry point synchronizes the stream on the host, except in checked
+// mode (docs/safety.md: metadata in device memory is checked by the kernels, which record a
+// fault for attnkit::check_device_errors() in include/attnkit/device_errors.h).
 //
 // Shapes use: B sequences (requests), Hq query heads, Hkv KV heads, D head_dim, and packed
 // ("varlen") token dimensions without padding.
@@ -39,6 +41,10 @@ struct PrefillArgs {
   // cu_seqlens live on the device and are never read back; computed from the data on the CPU.
   int32_t max_seqlen_q = 0;
   int32_t max_seqlen_kv = 0;
+  // Checked mode for this call (docs/safety.md; also on for every call with ATTNKIT_CHECKED=1):
+  // a CUDA call synchronizes its stream after enqueueing its work and throws DeviceFaultError at
+  // once for a fault the kernels recorded. No effect on CPU calls.
+  bool checked = false;
 };
 void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream = nullptr);
 
@@ -124,6 +130,7 @@ struct DecodeArgs {
   // long contexts, docs/decode_design.md); outputs then vary in their last bits from run to run,
   // within the same error bound.
   bool deterministic = true;
+  bool checked = false;  // checked mode for this call (see PrefillArgs::checked)
 };
 void decode(const AttentionSpec& spec, const DecodeArgs& args, Stream stream = nullptr);
 
@@ -142,6 +149,7 @@ struct AppendKvArgs {
   TensorView row_of_token;  // int32 [num_tokens]: block-table row of each token
   KvCacheView kv_cache;     // destination (seq_lens is not read)
   TensorView q_out;         // [num_tokens, Hq, D], same dtype as the input
+  bool checked = false;     // checked mode for this call (see PrefillArgs::checked)
 };
 void append_kv(const AttentionSpec& spec, const AppendKvArgs& args, Stream stream = nullptr);
 
@@ -171,6 +179,7 @@ struct ForwardArgs {
   int32_t num_splits = 0;        // decode split-KV override (see DecodeArgs)
   DecodeWorkspace* decode_workspace = nullptr;  // optional, for the decode rows (see DecodeArgs)
   bool deterministic = true;                    // for the decode rows (see DecodeArgs)
+  bool checked = false;  // checked mode for this call (see PrefillArgs::checked)
 };
 void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream = nullptr);
 
@@ -195,6 +204,7 @@ struct DenseArgs {
   int32_t block_m = 128;
   int32_t block_n = 128;
   DenseStats* stats = nullptr;  // optional: filled with the skip statistics of the call
+  bool checked = false;         // checked mode for this call (see PrefillArgs::checked)
 };
 void dense(const AttentionSpec& spec, const DenseArgs& args, Stream stream = nullptr);
 
@@ -203,12 +213,13 @@ void dense(const AttentionSpec& spec, const DenseArgs& args, Stream stream = nul
 // lse = log(exp(lse_a) + exp(lse_b)), out = (exp(lse_a) out_a + exp(lse_b) out_b) / exp(lse).
 // Rows where both lse are -inf give zeros and -inf.
 struct MergeStatesArgs {
-  TensorView out_a;  // [N, H, D]
-  TensorView lse_a;  // float32 [N, H]
-  TensorView out_b;  // [N, H, D]
-  TensorView lse_b;  // float32 [N, H]
-  TensorView out;    // [N, H, D]
-  TensorView lse;    // optional float32 [N, H]
+  TensorView out_a;      // [N, H, D]
+  TensorView lse_a;      // float32 [N, H]
+  TensorView out_b;      // [N, H, D]
+  TensorView lse_b;      // float32 [N, H]
+  TensorView out;        // [N, H, D]
+  TensorView lse;        // optional float32 [N, H]
+  bool checked = false;  // checked mode for this call (see PrefillArgs::checked)
 };
 void merge_states(const MergeStatesArgs& args, Stream stream = nullptr);
 

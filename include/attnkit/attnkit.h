@@ -3,6 +3,7 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/config.h"
+#include "attnkit/device_errors.h"
 #include "attnkit/info.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/kv_cache_manager.h"

@@ -62,9 +62,11 @@ struct KvCacheView {
 };
 
 // The cyclic capacity W' for a window of `window` tokens (docs/semantics.md): the window
-// rounded up to whole blocks plus one block.
+// rounded up to whole blocks plus one block. Windows up to INT32_MAX - 2 * tokens_per_block
+// give a W' that fits (KvCacheManager rejects larger ones).
 inline int32_t cyclic_window_slots(int32_t window, int32_t tokens_per_block) {
-  return ((window + tokens_per_block - 1) / tokens_per_block + 1) * tokens_per_block;
+  const int64_t t = tokens_per_block;
+  return static_cast<int32_t>(((int64_t{window} + t - 1) / t + 1) * t);
 }
 
 }  // namespace attnkit

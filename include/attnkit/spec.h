@@ -85,7 +85,7 @@ struct SageQuantSpec {
 };
 
 struct AttentionSpec {
-  int32_t num_q_heads = 0;
+  int32_t num_q_heads = 0;     // 1 .. 65536
   int32_t num_kv_heads = 0;    // divides num_q_heads (MHA: equal, GQA: fewer, MQA: 1)
   int32_t head_dim = 0;        // 64, 80, 96, 128, 256 (the reference takes any multiple of 8)
   double softmax_scale = 0.0;  // 0 means 1 / sqrt(head_dim)

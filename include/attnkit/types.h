@@ -60,10 +60,11 @@ struct TensorView {
              std::initializer_list<int64_t> strides, Device device = {});
 
   bool defined() const { return data != nullptr || ndim > 0; }
+  // Throws Error when ndim is outside [0, kMaxDims] or the count overflows int64.
   int64_t numel() const;
-  bool is_contiguous() const;  // row-major with no gaps
+  bool is_contiguous() const;  // row-major with no gaps (false for an ndim outside the view)
   int64_t size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
-  std::string shape_str() const;  // "[2, 3, 4]"
+  std::string shape_str() const;  // "[2, 3, 4]"; "[ndim 9]" for an ndim outside [0, kMaxDims]
 
   template <typename T>
   T* ptr() const {

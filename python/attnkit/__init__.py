@@ -18,10 +18,14 @@ from . import _attnkit as _C
 
 Error = _C.Error
 Error.__module__ = "attnkit"
+DeviceFaultError = _C.DeviceFaultError
+DeviceFaultError.__module__ = "attnkit"
 AttentionConfig = _C.AttentionConfig
 
 __all__ = [
     "Error",
+    "DeviceFaultError",
+    "check_errors",
     "AttentionConfig",
     "KvView",
     "KvCache",
@@ -49,6 +53,29 @@ def info() -> dict:
     compute_capability, sm_count, total_memory, l2_bytes; empty without a GPU).
     """
     return _C.info()
+
+
+def check_errors(stream: Optional[int] = None) -> None:
+    """Raises :class:`attnkit.DeviceFaultError` for a device fault recorded since the last check.
+
+    Kernels check the metadata they read from device memory (block tables, seq_lens, positions,
+    cu_seqlens, cache_indirection); a value that would take them outside a tensor is skipped, its
+    row written as zeros, and the first such fault is kept in a per-device status word. This
+    synchronizes ``stream`` (default: PyTorch's current stream when torch has initialized CUDA,
+    else the legacy default stream), reads the word of its device, clears it and raises naming
+    the op, argument, row and value. Also raises :class:`attnkit.Error` for an asynchronous CUDA
+    error of earlier work. Returns at once without CUDA work (CPU calls never fault). Calls with
+    ``checked=True`` (or ``ATTNKIT_CHECKED=1``) check after every call instead. See
+    docs/safety.md.
+    """
+    if stream is None:
+        stream = 0
+        import sys
+
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            stream = torch.cuda.current_stream().cuda_stream
+    _C.check_device_errors(int(stream))
 
 
 def default_alibi_slopes(num_heads: int) -> list:
@@ -121,6 +148,21 @@ def _int32(x: Any, like: Any, name: str) -> Any:
             return cupy.asarray(host)
         return host
     return x
+
+
+def _host_int32(x: Any, name: str) -> Any:
+    """A host int32 NumPy copy of ``x`` (list, NumPy or torch CPU array); values outside int32
+    raise instead of wrapping."""
+    import numpy as np
+
+    if _library(x) == "torch":
+        x = x.cpu()
+    host = np.asarray(x)
+    if host.dtype.kind not in "iu":
+        host = np.asarray(x, dtype=np.int64)
+    if host.size and (host.min() < -(2**31) or host.max() >= 2**31):
+        raise Error(f"{name}: values must fit in int32")
+    return np.ascontiguousarray(host, dtype=np.int32)
 
 
 def _stream(x: Any, stream: Optional[int]) -> int:
@@ -311,6 +353,7 @@ def prefill(
     lse: Any = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
     """Packed variable-length context attention (FlashAttention's varlen forward).
@@ -326,6 +369,7 @@ def prefill(
     kernel: the fused kernel on CUDA tensors: "auto" (the Hopper kernel on an H100 / H200 where
     it serves the call), "portable" (the mma.sync kernel of sm80+) or "hopper" (raises where the
     Hopper kernel cannot serve the call).
+    checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     total_q, hq, d = _shape(q, "q", 3)
@@ -371,6 +415,7 @@ def prefill(
         lse=lse,
         max_seqlen_q=int(max_seqlen_q or 0),
         max_seqlen_kv=int(max_seqlen_k or 0),
+        checked=bool(checked),
         stream=_stream(q, stream),
     )
     return (out, lse) if lse is not None else out
@@ -402,6 +447,7 @@ def decode(
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
+    checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
     """Generation attention: one new token per row over a paged (or contiguous) KV cache.
@@ -417,6 +463,7 @@ def decode(
     deterministic=False lets split calls merge over f32 sums added in L2 in arrival order (a
     little faster at batch 1; output bits may vary from run to run).
     out: [rows, Hq, D]; lse: float32 [rows, Hq].
+    checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     rows, hq, d = _shape(q, "q", 3)
@@ -449,6 +496,7 @@ def decode(
         max_seq_len=int(max_seq_len),
         workspace=_workspace(workspace, "workspace"),
         deterministic=bool(deterministic),
+        checked=bool(checked),
         stream=_stream(q, stream),
     )
     return (out, lse) if lse is not None else out
@@ -475,6 +523,7 @@ def append_kv(
     original_max_position: int = 8192,
     backend: str = "auto",
     q_out: Any = None,
+    checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
     """Fused QKV pre-processing: bias, RoPE at explicit positions, K/V written into the cache
@@ -485,6 +534,7 @@ def append_kv(
     qkv_bias: [(Hq + 2 * Hkv) * D]. positions: int32 [num_tokens] absolute positions;
     row_of_token: int32 [num_tokens] block-table row of each token. rope: "none", "gpt_neox" or
     "gptj" (rotary_dim 0 = D; rope_scaling "none", "linear" or "llama3").
+    checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns q_out [num_tokens, Hq, D] (allocated if None).
     """
     hkv, d = kv_cache.num_kv_heads, kv_cache.head_dim
@@ -526,6 +576,7 @@ def append_kv(
         k=k,
         v=v,
         qkv_bias=qkv_bias,
+        checked=bool(checked),
         stream=_stream(src, stream),
     )
     return q_out
@@ -563,6 +614,7 @@ def forward(
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
+    checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
     """The in-flight-batching op: append_kv on every token, prefill over the cache for the first
@@ -575,6 +627,7 @@ def forward(
     decode_workspace: a DecodeWorkspace for the generation rows' split-KV calls (see decode);
     deterministic: as in decode, for the generation rows.
     out: [num_tokens, Hq, D]; lse: float32 [num_tokens, Hq].
+    checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     num_tokens, width = _shape(qkv, "qkv", 2)
@@ -596,8 +649,8 @@ def forward(
     )
     import numpy as np
 
-    host_cu = np.asarray(cu_seqlens_q, dtype=np.int32)
-    host_past = np.asarray(past_lens, dtype=np.int32)
+    host_cu = _host_int32(cu_seqlens_q, "cu_seqlens_q")
+    host_past = _host_int32(past_lens, "past_lens")
     if out is None:
         out = _empty(qkv, (num_tokens, hq, d))
     if lse is None and return_lse:
@@ -618,6 +671,7 @@ def forward(
         num_splits=int(num_splits),
         decode_workspace=_workspace(decode_workspace, "decode_workspace"),
         deterministic=bool(deterministic),
+        checked=bool(checked),
         stream=_stream(qkv, stream),
     )
     return (out, lse) if lse is not None else out
@@ -642,6 +696,7 @@ def dense(
     return_lse: bool = False,
     lse: Any = None,
     return_stats: bool = False,
+    checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
     """Unmasked [B, S, H, D] attention (diffusion, encoders, cross attention).
@@ -654,6 +709,7 @@ def dense(
     timestep: normalized diffusion timestep (skip-softmax gate); block_m / block_n: the tiles of
     the skip decisions. kernel: the fused kernel on CUDA tensors, as for prefill(). out:
     [B, Sq, Hq, D]; lse: float32 [B, Sq, Hq].
+    checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, plus lse and/or the stats dict (tiles_total, tiles_skipped, skipped_fraction)
     in that order when asked for.
     """
@@ -682,6 +738,7 @@ def dense(
         timestep=float(timestep),
         block_m=int(block_m),
         block_n=int(block_n),
+        checked=bool(checked),
         stream=_stream(q, stream),
     )
     result = (out,) + ((lse,) if lse is not None else ()) + ((stats,) if return_stats else ())
@@ -697,12 +754,14 @@ def merge_states(
     out: Any = None,
     lse: Any = None,
     return_lse: bool = True,
+    checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
     """Combine two partial attention results of the same queries over disjoint key sets.
 
     out_a, out_b: [N, H, D]; lse_a, lse_b: float32 [N, H]. Result: lse = log(e^lse_a + e^lse_b),
     out = (e^lse_a out_a + e^lse_b out_b) / e^lse (zeros and -inf where both are -inf).
+    checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns (out, lse), or out alone with return_lse=False.
     """
     n, h, d = _shape(out_a, "out_a", 3)
@@ -710,7 +769,16 @@ def merge_states(
         out = _empty(out_a, (n, h, d))
     if lse is None and return_lse:
         lse = _empty(out_a, (n, h), float32=True)
-    _C.merge_states(out_a, lse_a, out_b, lse_b, out, lse=lse, stream=_stream(out_a, stream))
+    _C.merge_states(
+        out_a,
+        lse_a,
+        out_b,
+        lse_b,
+        out,
+        lse=lse,
+        checked=bool(checked),
+        stream=_stream(out_a, stream),
+    )
     return (out, lse) if lse is not None else out
 
 

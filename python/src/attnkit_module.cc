@@ -300,6 +300,14 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
     fail("v_cache: must have the block stride of k_cache (" + std::to_string(k.strides[0]) +
          " elements), got " + std::to_string(v.strides[0]));
   }
+  // The view's geometry is int32: larger extents are an error, never truncated.
+  const char* dims[4] = {"num_blocks", "Hkv", "T", "D"};
+  for (int dim = 0; dim < 4; ++dim) {
+    if (k.shape[dim] > INT32_MAX) {
+      fail(std::string("k_cache: ") + dims[dim] + " = " + std::to_string(k.shape[dim]) +
+           " is more than int32 holds (shape " + k.shape_str() + ")");
+    }
+  }
   KvCacheView c;
   c.k_base = k.data;
   c.v_base = v.data;
@@ -346,7 +354,7 @@ void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_s
                 const OutArray& out, const std::optional<InArray>& k,
                 const std::optional<InArray>& v, const std::optional<InArray>& cu_seqlens_kv,
                 const std::optional<nb::dict>& kv_cache, const std::optional<OutArray>& lse,
-                int32_t max_seqlen_q, int32_t max_seqlen_kv, uintptr_t stream) {
+                int32_t max_seqlen_q, int32_t max_seqlen_kv, bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   PrefillArgs args;
   args.q = to_view(q, "q");
@@ -358,6 +366,7 @@ void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_s
   args.lse = opt_view(lse, "lse");
   args.max_seqlen_q = max_seqlen_q;
   args.max_seqlen_kv = max_seqlen_kv;
+  args.checked = checked;
   KvCacheView cache;
   if (kv_cache) {
     cache = cache_from_dict(*kv_cache, true);
@@ -370,7 +379,7 @@ void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_s
 void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_cache,
                const OutArray& out, const std::optional<OutArray>& lse, int32_t beam_width,
                const std::optional<InArray>& cache_indirection, int32_t num_splits,
-               int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic,
+               int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic, bool checked,
                uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   DecodeArgs args;
@@ -384,6 +393,7 @@ void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_c
   args.max_seq_len = max_seq_len;
   args.workspace = workspace;
   args.deterministic = deterministic;
+  args.checked = checked;
   nb::gil_scoped_release release;
   decode(spec, args, to_stream(stream));
 }
@@ -392,9 +402,10 @@ void py_append_kv(const nb::dict& spec_dict, const nb::dict& kv_cache, const InA
                   const InArray& row_of_token, const OutArray& q_out,
                   const std::optional<InArray>& qkv, const std::optional<InArray>& q,
                   const std::optional<InArray>& k, const std::optional<InArray>& v,
-                  const std::optional<InArray>& qkv_bias, uintptr_t stream) {
+                  const std::optional<InArray>& qkv_bias, bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   AppendKvArgs args;
+  args.checked = checked;
   args.kv_cache = cache_from_dict(kv_cache, false);
   args.positions = to_view(positions, "positions");
   args.row_of_token = to_view(row_of_token, "row_of_token");
@@ -413,9 +424,11 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
                 const OutArray& out, int32_t beam_width, const std::optional<InArray>& qkv_bias,
                 const std::optional<InArray>& cache_indirection, const std::optional<OutArray>& lse,
                 const std::optional<OutArray>& workspace, int32_t num_splits,
-                DecodeWorkspace* decode_workspace, bool deterministic, uintptr_t stream) {
+                DecodeWorkspace* decode_workspace, bool deterministic, bool checked,
+                uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   ForwardArgs args;
+  args.checked = checked;
   args.qkv = to_view(qkv, "qkv");
   args.kv_cache = cache_from_dict(kv_cache, true);
   args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
@@ -436,9 +449,10 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
 
 nb::dict py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k, const InArray& v,
                   const OutArray& out, const std::optional<OutArray>& lse, double timestep,
-                  int32_t block_m, int32_t block_n, uintptr_t stream) {
+                  int32_t block_m, int32_t block_n, bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   DenseArgs args;
+  args.checked = checked;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
   args.v = to_view(v, "v");
@@ -462,8 +476,9 @@ nb::dict py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k,
 
 void py_merge_states(const InArray& out_a, const InArray& lse_a, const InArray& out_b,
                      const InArray& lse_b, const OutArray& out, const std::optional<OutArray>& lse,
-                     uintptr_t stream) {
+                     bool checked, uintptr_t stream) {
   MergeStatesArgs args;
+  args.checked = checked;
   args.out_a = to_view(out_a, "out_a");
   args.lse_a = to_view(lse_a, "lse_a");
   args.out_b = to_view(out_b, "out_b");
@@ -680,7 +695,9 @@ void bind_manager(nb::module_& m) {
 NB_MODULE(_attnkit, m) {
   using namespace attnkit::python;
   m.doc() = "attnkit C++ bindings (use the `attnkit` package, not this module directly)";
-  nb::exception<attnkit::Error>(m, "Error", PyExc_ValueError);
+  // Translators are tried newest first: the subclass is registered after its base.
+  const nb::exception<attnkit::Error> error(m, "Error", PyExc_ValueError);
+  nb::exception<attnkit::DeviceFaultError>(m, "DeviceFaultError", error.ptr());
 
   nb::class_<attnkit::DecodeWorkspace>(
       m, "DecodeWorkspace",
@@ -703,26 +720,38 @@ NB_MODULE(_attnkit, m) {
   m.def("prefill", &py_prefill, "spec"_a, "q"_a, "cu_seqlens_q"_a, "out"_a.noconvert(),
         "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "cu_seqlens_kv"_a.none() = nb::none(),
         "kv_cache"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
-        "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "stream"_a = 0);
+        "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "checked"_a = false, "stream"_a = 0);
   m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "beam_width"_a = 1,
         "cache_indirection"_a.none() = nb::none(), "num_splits"_a = 0, "max_seq_len"_a = 0,
-        "workspace"_a.none() = nb::none(), "deterministic"_a = true, "stream"_a = 0);
+        "workspace"_a.none() = nb::none(), "deterministic"_a = true, "checked"_a = false,
+        "stream"_a = 0);
   m.def("append_kv", &py_append_kv, "spec"_a, "kv_cache"_a, "positions"_a, "row_of_token"_a,
         "q_out"_a.noconvert(), "qkv"_a.none() = nb::none(), "q"_a.none() = nb::none(),
         "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "qkv_bias"_a.none() = nb::none(),
-        "stream"_a = 0);
+        "checked"_a = false, "stream"_a = 0);
   m.def("forward", &py_forward, "spec"_a, "qkv"_a, "kv_cache"_a, "cu_seqlens_q"_a, "past_lens"_a,
         "num_context"_a, "out"_a.noconvert(), "beam_width"_a = 1, "qkv_bias"_a.none() = nb::none(),
         "cache_indirection"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
         "workspace"_a.noconvert().none() = nb::none(), "num_splits"_a = 0,
-        "decode_workspace"_a.none() = nb::none(), "deterministic"_a = true, "stream"_a = 0);
+        "decode_workspace"_a.none() = nb::none(), "deterministic"_a = true, "checked"_a = false,
+        "stream"_a = 0);
   m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "timestep"_a = 0.0, "block_m"_a = 128,
-        "block_n"_a = 128, "stream"_a = 0);
+        "block_n"_a = 128, "checked"_a = false, "stream"_a = 0);
   m.def("merge_states", &py_merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a,
-        "out"_a.noconvert(), "lse"_a.noconvert().none() = nb::none(), "stream"_a = 0);
+        "out"_a.noconvert(), "lse"_a.noconvert().none() = nb::none(), "checked"_a = false,
+        "stream"_a = 0);
   m.def("info", &py_info);
+  m.def(
+      "check_device_errors",
+      [](uintptr_t stream) {
+        nb::gil_scoped_release release;
+        attnkit::check_device_errors(to_stream(stream));
+      },
+      "stream"_a = 0,
+      "Synchronizes `stream` and raises DeviceFaultError for the first device fault recorded on "
+      "its device since the last check (clearing it); see docs/safety.md.");
 
   m.def("default_alibi_slopes", &attnkit::default_alibi_slopes, "num_heads"_a);
 

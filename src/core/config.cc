@@ -2,6 +2,7 @@
 // docs/configuration.md). Every rejection names the key path, the value and what is accepted.
 #include "attnkit/config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -34,6 +35,12 @@ constexpr const char* kRoleNameAccepted =
     "non-empty names separated by '.' (e.g. \"self.video\"), none of whose parts is backend, "
     "skip_softmax or quant";
 constexpr const char* kBlockSizeAccepted = "1, 4 or 16 (integers: the block sizes with a kernel)";
+
+// Limits that keep parsing and resolution linear in the input: a role name has at most
+// kMaxRoleParts dot-separated parts (nested or dotted), and JSON nests at most kMaxJsonDepth
+// objects and arrays (the role parts plus config, per_role, skip_softmax and calibration).
+constexpr size_t kMaxRoleParts = 16;
+constexpr size_t kMaxJsonDepth = kMaxRoleParts + 4;
 
 std::string join_keys(std::initializer_list<const char*> keys) {
   std::string out;
@@ -118,9 +125,15 @@ double read_number(const json& value, const std::string& path, const std::string
   return number;
 }
 
-// Role names: dot-separated non-empty parts; spec keys are reserved so that a nested role
-// object can never be confused with a setting.
+// Role names: dot-separated non-empty parts, at most kMaxRoleParts of them; spec keys are
+// reserved so that a nested role object can never be confused with a setting.
 void check_role_name(const std::string& name, const std::string& path) {
+  const size_t parts = static_cast<size_t>(std::count(name.begin(), name.end(), '.')) + 1;
+  if (parts > kMaxRoleParts) {
+    fail_at(path, "role name \"" + truncated(name) + "\" has " + std::to_string(parts) + " parts",
+            "at most " + std::to_string(kMaxRoleParts) +
+                " dot-separated parts, counting the parts of the enclosing roles");
+  }
   size_t start = 0;
   while (true) {
     const size_t dot = name.find('.', start);
@@ -282,6 +295,7 @@ void parse_role(const json& object, const std::string& path, const std::string& 
       fail_at(path, problem, kRoleObjectAccepted);
     }
     check_role_name(key, path);
+    check_role_name(name + "." + key, path);
     parse_role(value, at, name + "." + key, roles, defined_at);
   }
   const auto [it, inserted] = defined_at.emplace(name, path);
@@ -313,13 +327,20 @@ json parse_strict(const std::string& text) {
     for (const Frame& f : frames) keys.push_back(f.key);
     return join_frames(keys, depth);
   };
-  auto callback = [&](int, json::parse_event_t event, json& parsed) {
+  auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
     switch (event) {
       case json::parse_event_t::object_start:
-        frames.push_back({});
-        break;
       case json::parse_event_t::array_start:
-        frames.push_back({{}, "[]"});
+        // Deeper documents are no config; refusing them early keeps every later step (the
+        // recursive role flattening, messages that print a value) within a small stack.
+        if (static_cast<size_t>(depth) >= kMaxJsonDepth) {
+          fail_at(
+              current_path(frames.size()),
+              "objects and arrays nested deeper than " + std::to_string(kMaxJsonDepth) + " levels",
+              "at most " + std::to_string(kMaxJsonDepth) + " levels (" +
+                  std::to_string(kMaxRoleParts) + " levels of nested roles)");
+        }
+        frames.push_back({{}, event == json::parse_event_t::array_start ? "[]" : ""});
         break;
       case json::parse_event_t::object_end:
       case json::parse_event_t::array_end:

@@ -1,9 +1,12 @@
 // Entry points: validate, pick the backend (docs/configuration.md), run. An explicit backend that
-// cannot serve the call raises; only kAuto chooses.
+// cannot serve the call raises; only kAuto chooses. CUDA calls in checked mode synchronize and
+// raise a recorded device fault at once (docs/safety.md).
+#include <new>
 #include <string>
 
 #include "attnkit/attention.h"
 #include "core/check.h"
+#include "core/device_checks.h"
 #include "core/problem.h"
 #include "cuda/cuda_backend.h"
 #include "reference/reference.h"
@@ -35,82 +38,91 @@ Route choose_route(Backend requested, const Device& device, const std::string& w
   return fused_reason.empty() ? Route::kCudaFused : Route::kCudaVanilla;
 }
 
+// Runs the route's backend. The reference's scratch memory grows with the call: a host that
+// cannot give it is an Error like any other, not a std::bad_alloc.
+template <typename Reference, typename CudaVanilla, typename CudaFused>
+void run_route(Route route, const char* op, bool checked, Stream stream, Reference reference,
+               CudaVanilla cuda_vanilla, CudaFused cuda_fused) {
+  const bool check = detail::checked_call(checked);  // an invalid ATTNKIT_CHECKED raises here
+  if (route == Route::kReference) {
+    try {
+      reference();
+    } catch (const std::bad_alloc&) {
+      detail::fail(op, ": the reference backend could not allocate its host scratch memory");
+    }
+    return;
+  }
+  cuda::note_cuda_call();
+  if (route == Route::kCudaVanilla) {
+    cuda_vanilla();
+  } else {
+    cuda_fused();
+  }
+  if (check) detail::check_after_cuda_call(op, stream);
+}
+
 }  // namespace
 
 void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream) {
   const detail::PrefillProblem p = detail::validate_prefill(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_prefill_unsupported(spec, p) : std::string();
-  switch (choose_route(spec.backend, p.device, "prefill", reason)) {
-    case Route::kReference:
-      return reference::prefill(spec, args, p);
-    case Route::kCudaVanilla:
-      return cuda::vanilla_prefill(spec, args, p, stream);
-    case Route::kCudaFused:
-      return cuda::fused_prefill(spec, args, p, stream);
-  }
+  run_route(
+      choose_route(spec.backend, p.device, "prefill", reason), "prefill", args.checked, stream,
+      [&] { reference::prefill(spec, args, p); },
+      [&] { cuda::vanilla_prefill(spec, args, p, stream); },
+      [&] { cuda::fused_prefill(spec, args, p, stream); });
 }
 
 void decode(const AttentionSpec& spec, const DecodeArgs& args, Stream stream) {
   const detail::DecodeProblem p = detail::validate_decode(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_decode_unsupported(spec, p) : std::string();
-  switch (choose_route(spec.backend, p.device, "decode", reason)) {
-    case Route::kReference:
-      return reference::decode(spec, args, p);
-    case Route::kCudaVanilla:
-      return cuda::vanilla_decode(spec, args, p, stream);
-    case Route::kCudaFused:
-      return cuda::fused_decode(spec, args, p, stream);
-  }
+  run_route(
+      choose_route(spec.backend, p.device, "decode", reason), "decode", args.checked, stream,
+      [&] { reference::decode(spec, args, p); },
+      [&] { cuda::vanilla_decode(spec, args, p, stream); },
+      [&] { cuda::fused_decode(spec, args, p, stream); });
 }
 
 void append_kv(const AttentionSpec& spec, const AppendKvArgs& args, Stream stream) {
   const detail::AppendKvProblem p = detail::validate_append_kv(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_append_kv_unsupported(spec, p) : std::string();
-  switch (choose_route(spec.backend, p.device, "append_kv", reason)) {
-    case Route::kReference:
-      return reference::append_kv(spec, args, p);
-    case Route::kCudaVanilla:
-      return cuda::vanilla_append_kv(spec, args, p, stream);
-    case Route::kCudaFused:
-      return cuda::fused_append_kv(spec, args, p, stream);
-  }
+  run_route(
+      choose_route(spec.backend, p.device, "append_kv", reason), "append_kv", args.checked, stream,
+      [&] { reference::append_kv(spec, args, p); },
+      [&] { cuda::vanilla_append_kv(spec, args, p, stream); },
+      [&] { cuda::fused_append_kv(spec, args, p, stream); });
 }
 
 void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream) {
   const detail::ForwardProblem p = detail::validate_forward(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_forward_unsupported(spec, p) : std::string();
-  switch (choose_route(spec.backend, p.device, "forward", reason)) {
-    case Route::kReference:
-      return reference::forward(spec, args, p);
-    case Route::kCudaVanilla:
-      return cuda::forward(spec, args, p, /*fused=*/false, stream);
-    case Route::kCudaFused:
-      return cuda::forward(spec, args, p, /*fused=*/true, stream);
-  }
+  run_route(
+      choose_route(spec.backend, p.device, "forward", reason), "forward", args.checked, stream,
+      [&] { reference::forward(spec, args, p); },
+      [&] { cuda::forward(spec, args, p, /*fused=*/false, stream); },
+      [&] { cuda::forward(spec, args, p, /*fused=*/true, stream); });
 }
 
 void dense(const AttentionSpec& spec, const DenseArgs& args, Stream stream) {
   const detail::DenseProblem p = detail::validate_dense(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_dense_unsupported(spec, p) : std::string();
-  switch (choose_route(spec.backend, p.device, "dense", reason)) {
-    case Route::kReference:
-      return reference::dense(spec, args, p);
-    case Route::kCudaVanilla:
-      return cuda::vanilla_dense(spec, args, p, stream);
-    case Route::kCudaFused:
-      return cuda::fused_dense(spec, args, p, stream);
-  }
+  run_route(
+      choose_route(spec.backend, p.device, "dense", reason), "dense", args.checked, stream,
+      [&] { reference::dense(spec, args, p); }, [&] { cuda::vanilla_dense(spec, args, p, stream); },
+      [&] { cuda::fused_dense(spec, args, p, stream); });
 }
 
 void merge_states(const MergeStatesArgs& args, Stream stream) {
   const detail::MergeStatesProblem p = detail::validate_merge_states(args);
-  if (p.device.is_cpu()) return reference::merge_states(args, p);
-  cuda::merge_states(args, p, stream);
+  const auto cuda_merge = [&] { cuda::merge_states(args, p, stream); };
+  run_route(
+      p.device.is_cpu() ? Route::kReference : Route::kCudaFused, "merge_states", args.checked,
+      stream, [&] { reference::merge_states(args, p); }, cuda_merge, cuda_merge);
 }
 
 }  // namespace attnkit

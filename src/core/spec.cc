@@ -61,7 +61,10 @@ double AttentionSpec::effective_scale() const {
 
 void AttentionSpec::validate() const {
   using detail::fail;
-  ATTNKIT_CHECK(num_q_heads >= 1, "spec.num_q_heads: must be >= 1, got ", num_q_heads);
+  // An upper bound keeps per-head tables (ALiBi slopes) small for any accepted spec.
+  constexpr int32_t kMaxHeads = 1 << 16;
+  ATTNKIT_CHECK(num_q_heads >= 1 && num_q_heads <= kMaxHeads, "spec.num_q_heads: must be in [1, ",
+                kMaxHeads, "], got ", num_q_heads);
   ATTNKIT_CHECK(num_kv_heads >= 1, "spec.num_kv_heads: must be >= 1, got ", num_kv_heads);
   ATTNKIT_CHECK(num_q_heads % num_kv_heads == 0, "spec.num_kv_heads: must divide num_q_heads (",
                 num_q_heads, "), got ", num_kv_heads);
@@ -70,6 +73,22 @@ void AttentionSpec::validate() const {
   ATTNKIT_CHECK(std::isfinite(softmax_scale) && softmax_scale >= 0.0,
                 "spec.softmax_scale: must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ",
                 softmax_scale);
+  // Enum fields are plain bytes to a caller (or a binding): only the named values are accepted.
+  ATTNKIT_CHECK(mask.kind == MaskKind::kNone || mask.kind == MaskKind::kCausal ||
+                    mask.kind == MaskKind::kSlidingWindow,
+                "spec.mask.kind: accepted none, causal or sliding_window, got value ",
+                static_cast<int>(mask.kind));
+  ATTNKIT_CHECK(
+      backend == Backend::kAuto || backend == Backend::kFused || backend == Backend::kVanilla,
+      "spec.backend: accepted auto, fused or vanilla, got value ", static_cast<int>(backend));
+  ATTNKIT_CHECK(rope.style == RopeStyle::kNone || rope.style == RopeStyle::kGptNeox ||
+                    rope.style == RopeStyle::kGptJ,
+                "spec.rope.style: accepted none, gpt_neox or gptj, got value ",
+                static_cast<int>(rope.style));
+  ATTNKIT_CHECK(rope.scaling == RopeScaling::kNone || rope.scaling == RopeScaling::kLinear ||
+                    rope.scaling == RopeScaling::kLlama3,
+                "spec.rope.scaling: accepted none, linear or llama3, got value ",
+                static_cast<int>(rope.scaling));
   switch (mask.kind) {
     case MaskKind::kSlidingWindow:
       ATTNKIT_CHECK(mask.window >= 1, "spec.mask.window: must be >= 1 for a sliding window, got ",

@@ -57,10 +57,12 @@ TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<int64_t>
                 " dimensions are accepted, got ", shape_.size());
   int i = 0;
   for (int64_t extent : shape_) shape[i++] = extent;
-  int64_t stride = 1;
+  // Wrapping products: a shape whose element count overflows int64 is rejected by numel() and
+  // the validation, its strides are never used.
+  uint64_t stride = 1;
   for (int d = ndim - 1; d >= 0; --d) {
-    strides[d] = stride;
-    stride *= shape[d];
+    strides[d] = static_cast<int64_t>(stride);
+    stride *= static_cast<uint64_t>(shape[d]);
   }
 }
 
@@ -74,12 +76,18 @@ TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<int64_t>
 }
 
 int64_t TensorView::numel() const {
+  ATTNKIT_CHECK(ndim >= 0 && ndim <= kMaxDims, "TensorView: ndim must be in [0, ", kMaxDims,
+                "], got ", ndim);
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim; ++d) {
+    ATTNKIT_CHECK(!__builtin_mul_overflow(n, shape[d], &n), "TensorView: shape ", shape_str(),
+                  " has more elements than int64 holds");
+  }
   return n;
 }
 
 bool TensorView::is_contiguous() const {
+  if (ndim < 0 || ndim > kMaxDims) return false;
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
@@ -90,6 +98,10 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::shape_str() const {
   std::ostringstream out;
+  if (ndim < 0 || ndim > kMaxDims) {
+    out << "[ndim " << ndim << ']';
+    return out.str();
+  }
   out << '[';
   for (int d = 0; d < ndim; ++d) out << (d ? ", " : "") << shape[d];
   out << ']';

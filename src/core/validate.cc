@@ -57,6 +57,8 @@ PrefillProblem validate_prefill(const AttentionSpec& spec, const PrefillArgs& ar
   v.check(args.cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q", "needs B + 1 >= 1 entries, got shape ",
           args.cu_seqlens_q.shape_str());
   const int64_t batch = args.cu_seqlens_q.shape[0] - 1;
+  v.check(batch <= kMaxInt32, "cu_seqlens_q", "B = ", batch,
+          " sequences, more than int32 holds (shape ", args.cu_seqlens_q.shape_str(), ")");
   p.batch = static_cast<int32_t>(batch);
 
   p.paged = args.kv_cache != nullptr;
@@ -147,6 +149,8 @@ DecodeProblem validate_decode(const AttentionSpec& spec, const DecodeArgs& args)
   v.expect_shape(args.q, "q", {Dim("num_rows"), Dim("Hq", hq), Dim("D", d)});
   v.expect_layout(args.q, "q", Access::kInput);
   p.num_rows = args.q.shape[0];
+  v.check(p.num_rows <= kMaxInt32, "q", "num_rows = ", p.num_rows,
+          " rows, more than int32 holds (shape ", args.q.shape_str(), ")");
   const Dim rows("num_rows", p.num_rows);
   v.expect_tensor(args.out, "out", {p.dtype}, {rows, Dim("Hq", hq), Dim("D", d)}, p.device,
                   Access::kOutput, "the dtype of q");

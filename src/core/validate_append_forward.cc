@@ -162,6 +162,8 @@ ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& ar
   v.check(args.cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q",
           "needs num_requests + 1 >= 1 entries, got shape ", args.cu_seqlens_q.shape_str());
   const int64_t requests = args.cu_seqlens_q.shape[0] - 1;
+  v.check(requests <= std::numeric_limits<int32_t>::max(), "cu_seqlens_q", requests,
+          " requests, more than int32 holds (shape ", args.cu_seqlens_q.shape_str(), ")");
   v.expect_tensor(args.past_lens, "past_lens", {DType::kInt32}, {Dim("num_requests", requests)},
                   Device::cpu(), Access::kSmallInput);
   v.check(args.num_context >= 0 && args.num_context <= requests, "num_context",
@@ -172,6 +174,9 @@ ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& ar
                           "num_tokens = qkv.shape[0]");
   p.num_context_tokens = host_i32(args.cu_seqlens_q, args.num_context);
   const int64_t num_rows = int64_t{p.num_context} + int64_t{p.num_generation} * args.beam_width;
+  v.check(num_rows <= std::numeric_limits<int32_t>::max(), "beam_width",
+          "num_context + num_generation * beam_width = ", num_rows,
+          " block-table rows, more than int32 holds");
 
   const KvCacheView& cache = args.kv_cache;
   const KvCacheFacts facts = check_kv_cache(v, cache, "kv_cache", spec, p.dtype, p.device, true);
@@ -205,7 +210,7 @@ ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& ar
     } else {
       v.check(n == args.beam_width, "cu_seqlens_q", "generation request ", i, " has ", n,
               " tokens; each generation request has exactly beam_width = ", args.beam_width);
-      longest_generation = std::max<int64_t>(longest_generation, past + 1);
+      longest_generation = std::max<int64_t>(longest_generation, int64_t{past} + 1);
     }
     const int64_t total = past + (i < p.num_context ? n : 1);
     v.check(total <= std::numeric_limits<int32_t>::max(), "past_lens", "request ", i, " grows to ",

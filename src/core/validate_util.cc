@@ -9,6 +9,7 @@ namespace {
 
 std::string strides_str(const TensorView& t) {
   std::ostringstream out;
+  if (t.ndim < 0 || t.ndim > TensorView::kMaxDims) return "[ndim " + std::to_string(t.ndim) + "]";
   out << '[';
   for (int d = 0; d < t.ndim; ++d) out << (d ? ", " : "") << t.strides[d];
   out << ']';
@@ -34,7 +35,15 @@ bool is_pow2_page(int32_t tokens) {
 
 void Validator::expect_given(const TensorView& t, const std::string& name) const {
   check(t.defined(), name, "required, not given");
-  check(t.data != nullptr || t.numel() == 0, name,
+  check(t.ndim >= 0 && t.ndim <= TensorView::kMaxDims, name, "ndim must be in [0, ",
+        TensorView::kMaxDims, "], got ", t.ndim);
+  int64_t numel = 1;
+  for (int d = 0; d < t.ndim; ++d) {
+    check(t.shape[d] >= 0, name, "extents must be >= 0, got shape ", t.shape_str());
+    check(!__builtin_mul_overflow(numel, t.shape[d], &numel), name, "shape ", t.shape_str(),
+          " has more elements than int64 holds");
+  }
+  check(t.data != nullptr || numel == 0, name,
         "data is null; a tensor with elements needs a data pointer (shape ", t.shape_str(), ")");
 }
 
@@ -84,11 +93,16 @@ void Validator::expect_layout(const TensorView& t, const std::string& name, Acce
   const bool output = access == Access::kOutput || access == Access::kSmallOutput;
   const bool vector = access == Access::kInput || access == Access::kOutput;
   check(t.device.index >= 0, name, "device ordinal must be >= 0, got ", t.device.index);
+  check(t.ndim >= 0 && t.ndim <= TensorView::kMaxDims, name, "ndim must be in [0, ",
+        TensorView::kMaxDims, "], got ", t.ndim);
   if (t.ndim == 0) return;
   const int last = t.ndim - 1;
   check(t.strides[last] == 1 || t.shape[last] <= 1, name,
         "the last dimension must be contiguous (stride 1), got strides ", strides_str(t),
         " for shape ", t.shape_str());
+  const int64_t elt = static_cast<int64_t>(dtype_size(t.dtype));
+  // The byte offset of the last element must fit in int64: every address is computed in it.
+  int64_t last_byte = elt;
   for (int d = 0; d < t.ndim; ++d) {
     check(t.strides[d] >= 0, name, "strides must be >= 0, got strides ", strides_str(t));
     if (output && t.shape[d] > 1) {
@@ -96,9 +110,15 @@ void Validator::expect_layout(const TensorView& t, const std::string& name, Acce
             "an output may not broadcast (stride 0 over an extent > 1), got strides ",
             strides_str(t), " for shape ", t.shape_str());
     }
+    int64_t step = 0;
+    const bool fits =
+        t.shape[d] <= 1 || (!__builtin_mul_overflow(t.shape[d] - 1, t.strides[d], &step) &&
+                            !__builtin_mul_overflow(step, elt, &step) &&
+                            !__builtin_add_overflow(last_byte, step, &last_byte));
+    check(fits, name, "strides ", strides_str(t), " address more than int64 bytes for shape ",
+          t.shape_str());
   }
   if (t.data == nullptr) return;
-  const int64_t elt = static_cast<int64_t>(dtype_size(t.dtype));
   const auto address = reinterpret_cast<uintptr_t>(t.data);
   check(address % elt == 0, name, "data must be aligned to its ", elt,
         "-byte elements, got address 0x", std::hex, address);
@@ -196,6 +216,13 @@ KvCacheFacts check_kv_cache(const Validator& v, const KvCacheView& cache, const 
   }
   v.check(cache.block_stride_bytes % elt == 0, n + "block_stride_bytes",
           "must be a multiple of the element size (", elt, "), got ", cache.block_stride_bytes);
+  // Every block's byte offset is computed in int64: the last block must end within it.
+  int64_t pool_bytes = 0;
+  v.check(!__builtin_mul_overflow(int64_t{cache.num_blocks} - 1, cache.block_stride_bytes,
+                                  &pool_bytes) &&
+              !__builtin_add_overflow(pool_bytes, cache.block_stride_bytes, &pool_bytes),
+          n + "block_stride_bytes", "num_blocks x block_stride_bytes = ", cache.num_blocks, " x ",
+          cache.block_stride_bytes, " bytes is more than int64 holds");
   if (cache.device.is_cuda()) {
     for (const auto& [base, what] : {std::pair{cache.k_base, "k_base"}, {cache.v_base, "v_base"}}) {
       const auto address = reinterpret_cast<uintptr_t>(base);
@@ -219,7 +246,10 @@ KvCacheFacts check_kv_cache(const Validator& v, const KvCacheView& cache, const 
     v.expect_device(cache.block_table, bt, device);
     v.expect_layout(cache.block_table, bt, Access::kSmallInput);
     facts.rows = cache.block_table.shape[0];
-    facts.row_capacity = cache.block_table.shape[1] * cache.tokens_per_block;
+    v.check(!__builtin_mul_overflow(cache.block_table.shape[1], int64_t{cache.tokens_per_block},
+                                    &facts.row_capacity),
+            bt, "max_blocks_per_seq x tokens_per_block overflows int64, got shape ",
+            cache.block_table.shape_str());
   } else {
     facts.rows = cache.num_blocks;  // row r lives in block r
     facts.row_capacity = cache.tokens_per_block;

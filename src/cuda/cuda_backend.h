@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/device_errors.h"
 #include "attnkit/info.h"
 #include "core/problem.h"
 
@@ -60,5 +61,15 @@ void merge_states(const MergeStatesArgs& args, const detail::MergeStatesProblem&
 
 // Device queries (empty / 0 without a driver).
 std::vector<DeviceInfo> devices();
+
+// Device faults (include/attnkit/device_errors.h). note_cuda_call() marks that a call reached the
+// CUDA backend; until then take_device_fault() makes no CUDA call. take_device_fault()
+// synchronizes `stream`, reads the status word of its device and, when a fault is recorded,
+// clears the word, fills `fault` / `device` and returns true. A CUDA error throws Error prefixed
+// by `what`; a capturing stream throws when capture_is_error, else returns false. Without CUDA:
+// false.
+void note_cuda_call();
+bool take_device_fault(Stream stream, const char* what, bool capture_is_error, DeviceFault* fault,
+                       int* device);
 
 }  // namespace attnkit::cuda

@@ -71,6 +71,9 @@ void forward(const AttentionSpec&, const ForwardArgs&, const detail::ForwardProb
 }
 void merge_states(const MergeStatesArgs&, const detail::MergeStatesProblem&, Stream) { no_cuda(); }
 std::vector<DeviceInfo> devices() { return {}; }
+// Nothing runs on a device without CUDA: there is never a fault to report.
+void note_cuda_call() {}
+bool take_device_fault(Stream, const char*, bool, DeviceFault*, int*) { return false; }
 
 }  // namespace attnkit::cuda
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <new>
 #include <set>
 #include <tuple>
 #include <unordered_map>
@@ -33,7 +34,8 @@ uint64_t block_hash(uint64_t parent, const int32_t* tokens, int32_t count) {
   return h;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// a >= 0, b > 0; no a + b - 1 that could overflow (max_tokens may be INT64_MAX).
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 }  // namespace
 
@@ -103,7 +105,8 @@ struct KvCacheManager::Impl {
   std::unordered_map<uint64_t, int32_t> index;     // hash -> registered pool block
   std::unordered_map<uint64_t, int32_t> children;  // parent hash -> registered pool children
   int64_t host_capacity = 0;
-  std::vector<int64_t> host_free;
+  int64_t host_untouched = 0;      // slots [host_untouched, host_capacity) were never used
+  std::vector<int64_t> host_free;  // used slots given back
   std::unordered_map<uint64_t, HostEntry> host_index;
   std::set<std::pair<int64_t, uint64_t>> host_lru;  // (tick, hash) of unpinned entries
   std::unordered_map<SeqId, Sequence> seqs;
@@ -189,6 +192,7 @@ struct KvCacheManager::Impl {
       host_free.pop_back();
       return slot;
     }
+    if (host_untouched < host_capacity) return host_untouched++;
     if (host_lru.empty()) return -1;
     const uint64_t hash = host_lru.begin()->second;
     host_lru.erase(host_lru.begin());
@@ -344,8 +348,20 @@ KvCacheManager::Impl::Impl(const KvCacheManagerConfig& c) : config(c) {
                   "]: must be >= 0 (0 = full attention), got ", c.layer_windows[i]);
   }
   T = t;
-  layer_bytes = 2LL * c.num_kv_heads * T * c.head_dim * static_cast<int64_t>(dtype_size(c.dtype));
-  block_bytes = layer_bytes * c.num_layers;
+  {
+    // 2 x Hkv x T x D x elt per layer, times the layers, in int64 or not at all (a count that
+    // wrapped to 0 was once divided by).
+    int64_t bytes = 2 * static_cast<int64_t>(dtype_size(c.dtype));
+    const bool fits = !__builtin_mul_overflow(bytes, int64_t{c.num_kv_heads}, &bytes) &&
+                      !__builtin_mul_overflow(bytes, int64_t{T}, &bytes) &&
+                      !__builtin_mul_overflow(bytes, int64_t{c.head_dim}, &bytes);
+    layer_bytes = bytes;
+    ATTNKIT_CHECK(fits && !__builtin_mul_overflow(bytes, int64_t{c.num_layers}, &block_bytes),
+                  "KvCacheManagerConfig: a block of num_layers x 2 x num_kv_heads x "
+                  "tokens_per_block x head_dim x element size = ",
+                  c.num_layers, " x 2 x ", c.num_kv_heads, " x ", T, " x ", c.head_dim, " x ",
+                  dtype_size(c.dtype), " bytes does not fit in int64");
+  }
 
   cyclic = !c.layer_windows.empty() && std::all_of(c.layer_windows.begin(), c.layer_windows.end(),
                                                    [](int32_t w) { return w > 0; });
@@ -353,7 +369,88 @@ KvCacheManager::Impl::Impl(const KvCacheManagerConfig& c) : config(c) {
                 "KvCacheManagerConfig.sink_tokens: only meaningful when every layer has a "
                 "window (a cyclic cache); got ",
                 c.sink_tokens, " sink tokens without one");
-  layer_slots.assign(c.num_layers, 0);
+  if (cyclic) {
+    // Every slot index (sinks + window slots) must stay an int32: they are table positions.
+    for (size_t i = 0; i < c.layer_windows.size(); ++i) {
+      const int64_t w = c.layer_windows[i];
+      const int64_t slots = ((w + T - 1) / T + 1) * T;
+      ATTNKIT_CHECK(slots <= INT32_MAX, "KvCacheManagerConfig.layer_windows[", i, "]: a window of ",
+                    w, " tokens needs ", slots,
+                    " cyclic slots (the window rounded up to whole blocks plus one block), more "
+                    "than int32 holds; windows up to ",
+                    INT32_MAX - 2 * int64_t{T}, " (INT32_MAX - 2 x tokens_per_block) fit");
+      ATTNKIT_CHECK(int64_t{c.sink_tokens} + slots <= INT32_MAX,
+                    "KvCacheManagerConfig.sink_tokens: sink_tokens + the cyclic slots of "
+                    "layer_windows[",
+                    i, "] = ", c.sink_tokens, " + ", slots, " is more than int32 holds");
+    }
+  }
+  // Pool sizing: the smallest of the given limits.
+  int64_t limit = -1;
+  const char* limited_by = "max_tokens";
+  auto take_min = [&](int64_t n, const char* field) {
+    if (limit < 0 || n < limit) {
+      limit = n;
+      limited_by = field;
+    }
+  };
+  if (c.max_tokens > 0) take_min(ceil_div(c.max_tokens, T), "max_tokens");
+  if (c.max_bytes > 0) take_min(c.max_bytes / block_bytes, "max_bytes");
+  if (c.device.is_cuda()) {
+    const int64_t free_bytes = detail::cuda_free_memory_bytes(c.device.index);
+    take_min(static_cast<int64_t>(c.free_gpu_memory_fraction * static_cast<double>(free_bytes)) /
+                 block_bytes,
+             "free_gpu_memory_fraction");
+  }
+  ATTNKIT_CHECK(limit >= 0,
+                "KvCacheManagerConfig: a cpu pool needs max_tokens or max_bytes (> 0); both are 0");
+  ATTNKIT_CHECK(limit >= 1, "KvCacheManagerConfig: the pool holds no block of ", block_bytes,
+                " bytes (max_tokens ", c.max_tokens, ", max_bytes ", c.max_bytes,
+                ", free_gpu_memory_fraction ", c.free_gpu_memory_fraction, ")");
+  ATTNKIT_CHECK(limit <= INT32_MAX, "KvCacheManagerConfig: the pool would hold ", limit,
+                " blocks; at most ", INT32_MAX, " are addressable by int32 block tables");
+  num_blocks = static_cast<int32_t>(limit);
+  host_capacity = c.host_cache_bytes / block_bytes;
+
+  // Host memory. A cpu pool and the host tier are mapped without committing their pages (they
+  // are committed as blocks are written), but neither may exceed the host's memory, and neither
+  // may the bookkeeping, which grows with the blocks and layers.
+  const int64_t host_memory = detail::host_memory_bytes();
+  if (c.device.is_cpu()) {
+    int64_t pool_bytes = 0;
+    const bool fits = !__builtin_mul_overflow(int64_t{num_blocks}, block_bytes, &pool_bytes);
+    ATTNKIT_CHECK(fits && pool_bytes <= host_memory, "KvCacheManagerConfig.", limited_by,
+                  ": a cpu pool of ", num_blocks, " blocks of ", block_bytes,
+                  " bytes is more than the host's memory (", host_memory, " bytes)");
+  }
+  const int64_t host_tier_bytes = host_capacity * block_bytes;  // <= host_cache_bytes
+  ATTNKIT_CHECK(host_tier_bytes <= host_memory,
+                "KvCacheManagerConfig.host_cache_bytes: a host tier of ", host_tier_bytes,
+                " bytes (", host_capacity, " blocks) is more than the host's memory (", host_memory,
+                " bytes)");
+  constexpr int64_t kBookkeepingBytesPerBlock = 256;  // Block, free list, eviction and index nodes
+  const int64_t bookkeeping =
+      int64_t{num_blocks} * kBookkeepingBytesPerBlock + int64_t{c.num_layers} * 4;
+  ATTNKIT_CHECK(bookkeeping <= host_memory / 2, "KvCacheManagerConfig.", limited_by, ": ",
+                num_blocks, " blocks and ", c.num_layers, " layers need about ", bookkeeping,
+                " bytes of host memory for their bookkeeping, more than the host's memory allows (",
+                host_memory, " bytes)");
+
+  try {
+    layer_slots.resize(c.num_layers, 0);
+    memory = c.device.is_cuda()
+                 ? detail::make_cuda_kv_memory(c.device.index, num_blocks, host_capacity,
+                                               block_bytes, c.stream)
+                 : detail::make_host_kv_memory(num_blocks, host_capacity, block_bytes);
+    blocks.resize(num_blocks);
+    free_list.reserve(num_blocks);
+  } catch (const std::bad_alloc&) {
+    detail::fail("KvCacheManagerConfig: out of host memory for a pool of ", num_blocks,
+                 " blocks of ", block_bytes, " bytes (", limited_by, ") and a host tier of ",
+                 host_capacity, " blocks");
+  }
+  // Low ids are handed out first (free_list is a stack).
+  for (int32_t b = num_blocks - 1; b >= 0; --b) free_list.push_back(b);
   if (cyclic) {
     sinks = c.sink_tokens;
     min_slots = INT32_MAX;
@@ -367,40 +464,12 @@ KvCacheManager::Impl::Impl(const KvCacheManagerConfig& c) : config(c) {
         distinct_slots.push_back(layer_slots[l]);
       }
     }
-    cyclic_entries = static_cast<int32_t>(ceil_div(sinks + max_slots, T));
+    cyclic_entries = static_cast<int32_t>(ceil_div(int64_t{sinks} + max_slots, T));
   }
   const int64_t linear_entries = ceil_div(c.max_seq_len, T);
   max_blocks = static_cast<int32_t>(cyclic ? std::min<int64_t>(linear_entries, cyclic_entries)
                                            : linear_entries);
 
-  // Pool sizing: the smallest of the given limits.
-  int64_t limit = -1;
-  auto take_min = [&](int64_t n) { limit = limit < 0 ? n : std::min(limit, n); };
-  if (c.max_tokens > 0) take_min(ceil_div(c.max_tokens, T));
-  if (c.max_bytes > 0) take_min(c.max_bytes / block_bytes);
-  if (c.device.is_cuda()) {
-    const int64_t free_bytes = detail::cuda_free_memory_bytes(c.device.index);
-    take_min(static_cast<int64_t>(c.free_gpu_memory_fraction * static_cast<double>(free_bytes)) /
-             block_bytes);
-  }
-  ATTNKIT_CHECK(limit >= 0,
-                "KvCacheManagerConfig: a cpu pool needs max_tokens or max_bytes (> 0); both are 0");
-  ATTNKIT_CHECK(limit >= 1, "KvCacheManagerConfig: the pool holds no block of ", block_bytes,
-                " bytes (max_tokens ", c.max_tokens, ", max_bytes ", c.max_bytes,
-                ", free_gpu_memory_fraction ", c.free_gpu_memory_fraction, ")");
-  ATTNKIT_CHECK(limit <= INT32_MAX, "KvCacheManagerConfig: the pool would hold ", limit,
-                " blocks; at most ", INT32_MAX, " are addressable by int32 block tables");
-  num_blocks = static_cast<int32_t>(limit);
-  host_capacity = c.host_cache_bytes / block_bytes;
-
-  memory = c.device.is_cuda() ? detail::make_cuda_kv_memory(c.device.index, num_blocks,
-                                                            host_capacity, block_bytes, c.stream)
-                              : detail::make_host_kv_memory(num_blocks, host_capacity, block_bytes);
-  blocks.resize(num_blocks);
-  free_list.reserve(num_blocks);
-  // Low ids are handed out first (free_list is a stack).
-  for (int32_t b = num_blocks - 1; b >= 0; --b) free_list.push_back(b);
-  for (int64_t s = host_capacity - 1; s >= 0; --s) host_free.push_back(s);
   counters.num_blocks = num_blocks;
   counters.host_blocks = host_capacity;
 }
@@ -608,18 +677,25 @@ void KvCacheManager::Impl::check_invariants() const {
     if (it == child_count.end() || it->second != count) broken("child counts are stale");
   }
   if (child_count.size() != children.size()) broken("child counts are stale");
-  std::vector<uint8_t> slot_used(host_capacity, 0);
+  if (host_untouched < 0 || host_untouched > host_capacity) {
+    broken("host tier: ", host_untouched, " slots touched of ", host_capacity);
+  }
+  std::vector<uint8_t> slot_used(static_cast<size_t>(host_untouched), 0);
   for (int64_t slot : host_free) {
-    if (slot < 0 || slot >= host_capacity || slot_used[slot]) broken("host slot ", slot, " twice");
+    if (slot < 0 || slot >= host_untouched || slot_used[slot]) {
+      broken("host slot ", slot, " twice");
+    }
     slot_used[slot] = 1;
   }
   for (const auto& [hash, entry] : host_index) {
-    if (slot_used[entry.slot]) broken("host slot ", entry.slot, " is both used and free");
+    if (entry.slot < 0 || entry.slot >= host_untouched || slot_used[entry.slot]) {
+      broken("host slot ", entry.slot, " is both used and free");
+    }
     slot_used[entry.slot] = 1;
   }
-  if (static_cast<int64_t>(host_free.size() + host_index.size()) != host_capacity) {
-    broken("host tier: free ", host_free.size(), " + cached ", host_index.size(), " != capacity ",
-           host_capacity);
+  if (static_cast<int64_t>(host_free.size() + host_index.size()) != host_untouched) {
+    broken("host tier: free ", host_free.size(), " + cached ", host_index.size(), " != used slots ",
+           host_untouched);
   }
   if (host_lru.size() != host_index.size()) broken("host LRU list is stale");
 }

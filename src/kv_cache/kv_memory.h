@@ -21,8 +21,12 @@ class KvMemory {
   virtual void read_block(int32_t block, void* out) const = 0;
 };
 
+// Host pools and host tiers are anonymous mappings: zero, and committed page by page as blocks
+// are written. Throws Error when the mapping cannot be made.
 std::unique_ptr<KvMemory> make_host_kv_memory(int32_t num_blocks, int64_t host_slots,
                                               int64_t block_bytes);
+// The host's physical memory in bytes.
+int64_t host_memory_bytes();
 // CUDA pools; throw Error in builds without CUDA.
 std::unique_ptr<KvMemory> make_cuda_kv_memory(int device, int32_t num_blocks, int64_t host_slots,
                                               int64_t block_bytes, void* stream);

@@ -32,25 +32,25 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
     if (num_q == 0) continue;
     // Bottom-right aligned: the queries are the last num_q of the kv_len positions.
     const int64_t first_position = kv_len - num_q;
-    k.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
-    v.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
+    // Load the keys some query attends once (never the others: their blocks may be gone).
+    const std::vector<int64_t> keys = rule.attended_keys(first_position, kv_len - 1, kv_len);
+    k.assign(keys.size() * head_dim, 0.0);
+    v.assign(keys.size() * head_dim, 0.0);
     for (int32_t kv_head = 0; kv_head < spec.num_kv_heads; ++kv_head) {
-      // Load the keys some query attends once (never the others: their blocks may be gone).
-      for (int64_t j = 0; j < kv_len; ++j) {
-        if (!rule.attended_by_any(first_position, kv_len - 1, j)) continue;
+      for (size_t n = 0; n < keys.size(); ++n) {
         if (paged) {
-          cache.load_k(i, j, kv_head, &k[j * head_dim]);
-          cache.load_v(i, j, kv_head, &v[j * head_dim]);
+          cache.load_k(i, keys[n], kv_head, &k[n * head_dim]);
+          cache.load_v(i, keys[n], kv_head, &v[n * head_dim]);
         } else {
-          load_head(args.k, kv_begin + j, kv_head, &k[j * head_dim]);
-          load_head(args.v, kv_begin + j, kv_head, &v[j * head_dim]);
+          load_head(args.k, kv_begin + keys[n], kv_head, &k[n * head_dim]);
+          load_head(args.v, kv_begin + keys[n], kv_head, &v[n * head_dim]);
         }
       }
       for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         for (int64_t t = 0; t < num_q; ++t) {
           load_head(args.q, q_begin + t, h, q.data());
           double lse = 0.0;
-          attend_row(rule, q.data(), head_dim, h, first_position + t, kv_len, k.data(), v.data(),
+          attend_row(rule, q.data(), head_dim, h, first_position + t, keys, k.data(), v.data(),
                      out.data(), &lse);
           store_row(args.out, args.lse, q_begin + t, h, out.data(), lse);
         }
@@ -82,18 +82,18 @@ void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
           static_cast<const int32_t*>(ind.data)[detail::offset_of(ind, {seq, beam, j})];
       return seq * beam_width + src_beam;
     };
-    k.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
-    v.assign(static_cast<size_t>(kv_len * head_dim), 0.0);
+    const std::vector<int64_t> keys = rule.attended_keys(position, position, kv_len);
+    k.assign(keys.size() * head_dim, 0.0);
+    v.assign(keys.size() * head_dim, 0.0);
     for (int32_t kv_head = 0; kv_head < spec.num_kv_heads; ++kv_head) {
-      for (int64_t j = 0; j < kv_len; ++j) {
-        if (!rule.attends(position, j)) continue;
-        cache.load_k(source_row(j), j, kv_head, &k[j * head_dim]);
-        cache.load_v(source_row(j), j, kv_head, &v[j * head_dim]);
+      for (size_t n = 0; n < keys.size(); ++n) {
+        cache.load_k(source_row(keys[n]), keys[n], kv_head, &k[n * head_dim]);
+        cache.load_v(source_row(keys[n]), keys[n], kv_head, &v[n * head_dim]);
       }
       for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         load_head(args.q, r, h, q.data());
         double lse = 0.0;
-        attend_row(rule, q.data(), head_dim, h, position, kv_len, k.data(), v.data(), out.data(),
+        attend_row(rule, q.data(), head_dim, h, position, keys, k.data(), v.data(), out.data(),
                    &lse);
         store_row(args.out, args.lse, r, h, out.data(), lse);
       }

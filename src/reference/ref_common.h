@@ -2,6 +2,7 @@
 // shared accessor (KvLayout), and the fp64 attention of one query row (docs/semantics.md).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -96,34 +97,39 @@ struct LogitRule {
     return x;
   }
 
-  // Whether any query at a position in [first, last] attends key j (which keys to load).
-  bool attended_by_any(int64_t first, int64_t last, int64_t j) const {
-    switch (mask.kind) {
-      case MaskKind::kNone:
-        return true;
-      case MaskKind::kCausal:
-        return j <= last;
-      case MaskKind::kSlidingWindow:
-        return j <= last && (j > first - mask.window || j < mask.sink_tokens);
+  // The key positions in [0, kv_len) that some query at a position in [first, last] attends, in
+  // increasing order (which keys to load): never more than the sinks, the window and the queries
+  // under a sliding window, however long the row (a cyclic cache's row may be INT32_MAX long).
+  std::vector<int64_t> attended_keys(int64_t first, int64_t last, int64_t kv_len) const {
+    std::vector<int64_t> keys;
+    const int64_t end = mask.kind == MaskKind::kNone ? kv_len : std::min(kv_len, last + 1);
+    int64_t window_begin = 0;
+    if (mask.kind == MaskKind::kSlidingWindow) {
+      const int64_t sinks = std::min<int64_t>(mask.sink_tokens, end);
+      for (int64_t j = 0; j < sinks; ++j) keys.push_back(j);
+      window_begin = std::max<int64_t>(sinks, first - mask.window + 1);
     }
-    return false;
+    for (int64_t j = window_begin; j < end; ++j) keys.push_back(j);
+    return keys;
   }
 };
 
-// Attention of query vector q (head `head`, position p) over keys 0 .. kv_len-1 in fp64.
-// k / v hold key/value j at [j * head_dim, (j + 1) * head_dim); only attended keys are read.
-// A row with no attended key gives zeros and lse = -inf.
+// Attention of query vector q (head `head`, position p) over the keys at `positions` (in
+// increasing order) in fp64. k / v hold the key/value of positions[i] at
+// [i * head_dim, (i + 1) * head_dim); only attended keys are read. A row with no attended key
+// gives zeros and lse = -inf.
 inline void attend_row(const LogitRule& rule, const double* q, int32_t head_dim, int32_t head,
-                       int64_t p, int64_t kv_len, const double* k, const double* v, double* out,
-                       double* lse) {
-  std::vector<int64_t> keys;
+                       int64_t p, const std::vector<int64_t>& positions, const double* k,
+                       const double* v, double* out, double* lse) {
+  std::vector<size_t> keys;
   std::vector<double> logits;
-  for (int64_t j = 0; j < kv_len; ++j) {
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const int64_t j = positions[i];
     if (!rule.attends(p, j)) continue;
-    const double* kj = k + j * head_dim;
+    const double* kj = k + i * head_dim;
     double dot = 0.0;
     for (int32_t d = 0; d < head_dim; ++d) dot += q[d] * kj[d];
-    keys.push_back(j);
+    keys.push_back(i);
     logits.push_back(rule.logit(dot, head, p, j));
   }
   for (int32_t d = 0; d < head_dim; ++d) out[d] = 0.0;

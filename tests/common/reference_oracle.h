@@ -77,6 +77,8 @@ inline OracleResult brute_force_attention(const OracleProblem& pr) {
       }
     }
   }
+  // Without keys every row keeps its zeros and -inf (and `scores` is empty: no row to point at).
+  if (num_k == 0) return res;
   for (int64_t h = 0; h < hq; ++h) {
     const int64_t kh = pr.kv_head_of.empty() ? h / (hq / hkv) : pr.kv_head_of[h];
     for (int64_t i = 0; i < num_q; ++i) {

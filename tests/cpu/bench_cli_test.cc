@@ -457,6 +457,16 @@ TEST(BenchCommand, SelfTestRunsEverySubcommandOnTheReference) {
   EXPECT_EQ(r["rows"][4]["variant"], "vanilla");
 }
 
+// A paged row whose seqlen is not a multiple of the page: the pool holds whole pages (it was sized
+// from the tokens, and the last page of each sequence ran past it: a heap overflow that the
+// sanitized build of this test reports).
+TEST(BenchCommand, PagedPrefillPoolHoldsWholePages) {
+  run_self_test(
+      "prefill --seqlen 62 --batch 2 --heads 4 --kv-heads 1 --head-dim 64 --page 16 "
+      "--kv-dtype bf16",
+      1);
+}
+
 // A forced split merge is a knob of the fused kernels: a row on the reference says so and fails.
 TEST(BenchCommand, ForcedMergeNeedsTheFusedBackend) {
   for (const char* merge : {"in-kernel", "separate", "accumulate"}) {

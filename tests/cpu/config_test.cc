@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -569,6 +570,55 @@ TEST(ConfigInvalid, NotJson) {
 
 // ---- the attnkit program --------------------------------------------------------------------
 
+// `depth` role objects nested in one another, {"per_role": {"r": {"r": ... {} ...}}}: the roles
+// "r", "r.r", ... with up to `depth` parts.
+std::string nested_roles(int depth) {
+  std::string text = R"({"per_role": )";
+  for (int i = 0; i < depth; ++i) text += R"({"r": )";
+  text += "{}";
+  for (int i = 0; i < depth; ++i) text += "}";
+  return text + "}";
+}
+
+TEST(ConfigLimits, RoleNamesHaveAtMostSixteenParts) {
+  // Sixteen parts nested, dotted or mixed are accepted; one more is not (the flattening recursed
+  // per level and resolution was cubic in the depth: a segfault at 15000 levels, 125 s at 5000).
+  const AttentionConfig deep = AttentionConfig::from_json(nested_roles(16));
+  EXPECT_EQ(deep.roles().size(), 16u);
+  const std::string sixteen = "r.r.r.r.r.r.r.r.r.r.r.r.r.r.r.r";
+  EXPECT_EQ(deep.resolve(sixteen).backend, Backend::kAuto);
+  EXPECT_NO_THROW(AttentionConfig::from_json(R"({"per_role": {")" + sixteen + R"(": {}}})"));
+  expect_rejected(nested_roles(17), {"role name \"r.r.r.r.r.r.r.r.r.r.r.r.r.r.r.r.r\" has 17 parts",
+                                     "at most 16 dot-separated parts"});
+  expect_rejected(R"({"per_role": {")" + sixteen + R"(.r": {}}})", {"has 17 parts"});
+  expect_rejected(R"({"per_role": {"a.b.c.d.e.f.g.h": {"i.j.k.l.m.n.o.p.q": {}}}})",
+                  {"has 17 parts"});
+  try {
+    deep.resolve(sixteen + ".r");
+    ADD_FAILURE() << "resolve accepted a 17-part role";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("role: role name"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ConfigLimits, DeeplyNestedJsonIsRejectedQuickly) {
+  // 15000 levels of roles, 100000 levels of arrays: rejected at the limit, in well under a
+  // second, without recursing through the whole document.
+  const auto start = std::chrono::steady_clock::now();
+  expect_rejected(nested_roles(15000),
+                  {"objects and arrays nested deeper than 20 levels", "accepted: at most 20"});
+  const std::string arrays =
+      R"({"default": )" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  expect_rejected(arrays, {"default", "nested deeper than 20 levels"});
+  std::string roles = R"({"per_role": {)";
+  for (int i = 0; i < 2000; ++i) {
+    roles +=
+        std::string(i ? ", " : "") + "\"" + std::to_string(i) + std::string(4000, '.') + "x\": {}";
+  }
+  expect_rejected(roles + "}}", {"parts"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
 #ifdef ATTNKIT_PROGRAM
 struct RunResult {
   int status = -1;
@@ -628,6 +678,15 @@ TEST(ConfigCommand, InvalidConfigExitsOneWithTheMessage) {
   const RunResult bare = run_program("config validate attnkit.json");
   EXPECT_EQ(bare.status, 1);
   EXPECT_NE(bare.err.find("@attnkit.json"), std::string::npos) << bare.err;
+}
+TEST(ConfigCommand, DeepNestingIsAnErrorNotACrash) {
+  // `attnkit config validate` segfaulted at about 15000 levels of nested roles.
+  const auto path = temp_file("deep");
+  write_file(path, nested_roles(15000));
+  const RunResult r = run_program("config validate @'" + path.string() + "'");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("nested deeper than 20 levels"), std::string::npos) << r.err;
+  std::filesystem::remove(path);
 }
 #else
 TEST(ConfigCommand, ValidatePrintsTheResolvedSpecs) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -198,6 +199,60 @@ TEST(ReferenceCyclicCache, MatchesDenseMaskedWindow) {
                              : decode_over_cache(spec, q, cyclic.view());
       check(r.out, q, p, n);
       p += n;
+    }
+  }
+}
+
+// Rows of 2^24 and INT32_MAX tokens in a cyclic cache: the reference reads the sinks and the
+// window only (it once allocated and scanned the whole row: 2 GB at 16.7M tokens, std::bad_alloc
+// at INT32_MAX). The result equals the oracle over the same keys at small positions (no RoPE or
+// ALiBi: attention depends on positions only through the mask).
+TEST(ReferenceCyclicCache, RowsOfBillionsOfTokensReadOnlyTheWindow) {
+  std::mt19937_64 rng(test_seed());
+  const int32_t hq = 2, hkv = 1, d = 16, tpb = 8, window = 6, sinks = 2, written = 8;
+  AttentionSpec spec = make_spec(hq, hkv, d, {MaskKind::kSlidingWindow, window, sinks});
+  spec.rope.style = RopeStyle::kNone;
+  const int32_t slots = cyclic_window_slots(window, tpb);
+  for (const int64_t len : {int64_t{1} << 24, int64_t{std::numeric_limits<int32_t>::max()}}) {
+    SCOPED_TRACE(::testing::Message() << "row of " << len << " tokens");
+    OracleKvCache cache =
+        OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 1, (sinks + slots + tpb - 1) / tpb, rng);
+    cache.make_cyclic(slots, sinks);
+    // The sinks and the last `written` tokens; the oracle sees them at positions 0 .. 9.
+    std::vector<int64_t> positions = {0, 1};
+    for (int64_t p = len - written; p < len; ++p) positions.push_back(p);
+    OracleProblem pr;
+    pr.num_q_heads = hq;
+    pr.num_kv_heads = hkv;
+    pr.head_dim = d;
+    pr.mask = spec.mask;
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (int64_t p : positions) {
+      for (int kv = 0; kv < 2; ++kv) {
+        std::vector<double> x(d);
+        for (double& e : x) e = u(rng);
+        cache.write(0, p, 0, kv, x.data());
+        for (int32_t e = 0; e < d; ++e) (kv ? pr.v : pr.k).push_back(cache.read(0, p, 0, e, kv));
+      }
+    }
+    cache.set_seq_len(0, static_cast<int32_t>(len));
+    const int32_t n = 3;  // queries at len - 3 .. len - 1 (oracle positions 7 .. 9)
+    HostTensor q(DType::kF32, {n, hq, d});
+    q.fill_uniform(rng, -1, 1);
+    pr.q = q.to_double();
+    for (int32_t t = 0; t < n; ++t) pr.q_positions.push_back(sinks + written - n + t);
+    const OracleResult ref = brute_force_attention(pr);
+
+    const Result chunk = prefill_over_cache(spec, q, {0, n}, cache.view());
+    HostTensor last = copy_rows(q, n - 1, 1);
+    const Result step = decode_over_cache(spec, last, cache.view());
+    const std::vector<double> got = chunk.out.to_double(), got_step = step.out.to_double();
+    for (size_t e = 0; e < got.size(); ++e) {
+      ASSERT_LE(std::fabs(got[e] - ref.out[e]), rounding_bound(DType::kF32, ref.out[e])) << e;
+    }
+    for (size_t e = 0; e < got_step.size(); ++e) {
+      const double expected = ref.out[(n - 1) * hq * d + e];
+      ASSERT_LE(std::fabs(got_step[e] - expected), rounding_bound(DType::kF32, expected)) << e;
     }
   }
 }
