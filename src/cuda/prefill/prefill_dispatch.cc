@@ -443,16 +443,15 @@ std::vector<PrefillTile> compiled_tiles(int head_dim, DType dtype) {
 
 std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device) {
   const DeviceLimits dev = device_limits(device);
+  AttentionSpec spec;
+  spec.head_dim = head_dim;
+  const Sm90Call call = sm90_call({device, head_dim, dtype, dtype, false}, spec, false, 0);
   std::vector<PrefillTile> tiles;
   for (PrefillTile tile : compiled_tiles(head_dim, dtype)) {
-    if (tile == PrefillTile::kSm90) {
-      if (dev.cc_major == 9 && dev.cc_minor == 0 &&
-          sm90_smem_bytes(head_dim, false) <= dev.smem_optin) {
-        tiles.push_back(tile);
-      }
-    } else if (prefill_smem_bytes(head_dim, tile, false) <= dev.smem_optin) {
-      tiles.push_back(tile);
-    }
+    const bool runs = tile == PrefillTile::kSm90
+                          ? sm90_unsupported(call).empty()
+                          : prefill_smem_bytes(head_dim, tile, false) <= dev.smem_optin;
+    if (runs) tiles.push_back(tile);
   }
   return tiles;
 }

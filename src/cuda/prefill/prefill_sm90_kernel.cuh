@@ -14,6 +14,7 @@
 
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/ldmatrix_sm80.cuh"
 #include "cuda/common/mbarrier_sm90.cuh"
 #include "cuda/common/warpgroup_sm90.cuh"
 #include "cuda/prefill/prefill_sm90_consumer.cuh"
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked>::kThreads
   using T = Sm90PrefillTraits<kHeadDim, kMasked>;
   using namespace sm90_detail;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const Sm90Smem<T> smem{(sm90::smem_addr(smem_raw) + 1023u) & ~1023u};
+  const Sm90Smem<T> smem{(smem_u32(smem_raw) + 1023u) & ~1023u};
   constexpr uint32_t kConsumerWarps = 4 * T::kConsumerWarpgroups;
   if (threadIdx.x == 0) {
     sm90::mbarrier_init(smem.q_full(), 1);
