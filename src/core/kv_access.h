@@ -16,6 +16,8 @@ struct KvLayout {
   int64_t block_stride_bytes = 0;
   const int32_t* block_table = nullptr;  // [rows, block_table_row_stride]; nullptr: contiguous
   int64_t block_table_row_stride = 0;    // elements between rows of block_table
+  int32_t num_blocks = 0;                // valid block ids: [0, num_blocks)
+  int32_t table_cols = 1;                // block-table columns (max blocks of a row); 1: contiguous
   int32_t tokens_per_block = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
@@ -23,6 +25,10 @@ struct KvLayout {
   int32_t window_slots = 0;  // 0: not cyclic
   int32_t sink_tokens = 0;
 
+  // Slots of a row: what a linear row's length may reach (a cyclic row wraps inside it).
+  ATTNKIT_HD int64_t row_capacity() const {
+    return static_cast<int64_t>(table_cols) * tokens_per_block;
+  }
   ATTNKIT_HD int64_t slot_of(int64_t position) const {
     if (window_slots == 0 || position < sink_tokens) return position;
     return sink_tokens + (position - sink_tokens) % window_slots;
@@ -67,6 +73,8 @@ inline KvLayout make_kv_layout(const KvCacheView& view) {
     layout.block_table = static_cast<const int32_t*>(view.block_table.data);
     layout.block_table_row_stride = view.block_table.strides[0];
   }
+  layout.num_blocks = view.num_blocks;
+  layout.table_cols = static_cast<int32_t>(view.max_blocks_per_row());
   layout.tokens_per_block = view.tokens_per_block;
   layout.num_kv_heads = view.num_kv_heads;
   layout.head_dim = view.head_dim;

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "attnkit/device_errors.h"
+#include "core/kv_access.h"
 
 namespace attnkit::cuda {
 
@@ -52,6 +53,17 @@ __device__ __forceinline__ bool guard_block_id(const FaultSite& site, int32_t bl
   if (static_cast<uint32_t>(block) < static_cast<uint32_t>(num_blocks)) return true;
   record_fault(site, FaultKind::kBlockId, FaultArg::kBlockTable, row, column, block, num_blocks);
   return false;
+}
+
+// The block that holds page `page` (< kv.table_cols: the caller checked the row's length) of
+// block-table row `row`, or -1 after recording a fault when the entry is not a block of the pool.
+// A contiguous cache (no table) answers `row`. One load and one compare per page.
+__device__ __forceinline__ int32_t guarded_block(const FaultSite& site,
+                                                 const detail::KvLayout& kv, int64_t row,
+                                                 int64_t page) {
+  if (kv.block_table == nullptr) return static_cast<int32_t>(row);
+  const int32_t block = kv.block_table[row * kv.block_table_row_stride + page];
+  return guard_block_id(site, block, kv.num_blocks, row, page) ? block : -1;
 }
 
 // A row length in [0, capacity] (capacity = max_blocks_per_seq x tokens_per_block for a linear
