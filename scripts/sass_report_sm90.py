@@ -18,11 +18,11 @@ def main() -> int:
         return 2
     sass = subprocess.run(["cuobjdump", "-sass", sys.argv[1]], capture_output=True, text=True,
                           check=True).stdout
-    print("| kernel (head_dim, dtype, masked, logit mods) | HGMMA | consumer LDL/STL | producer LDL/STL |")
+    print("| kernel (head_dim, dtype, masked, logit mods, skip) | HGMMA | consumer LDL/STL | producer LDL/STL |")
     print("|---|---|---|---|")
     for func in re.split(r"\n\s*Function : ", sass)[1:]:
         name = func.split("\n", 1)[0]
-        m = re.search(r"prefill_sm90_kernelILi(\d+)ELNS_5DTypeE(\d)ELb(\d)ELb(\d)E", name)
+        m = re.search(r"prefill_sm90_kernelILi(\d+)ELNS_5DTypeE(\d)ELb(\d)ELb(\d)ELb(\d)E", name)
         if not m:
             continue
         lines = func.split("\n")
@@ -30,7 +30,8 @@ def main() -> int:
         spills = [bool(re.search(r"\b(LDL|STL)\b", l)) for l in lines]
         dtype = {"2": "bf16", "1": "f16"}.get(m.group(2), m.group(2))
         print(f"| {m.group(1)}, {dtype}, {'yes' if m.group(3) == '1' else 'no'}, "
-              f"{'yes' if m.group(4) == '1' else 'no'} | {sum('HGMMA' in l for l in lines)} | "
+              f"{'yes' if m.group(4) == '1' else 'no'}, {'yes' if m.group(5) == '1' else 'no'} | "
+              f"{sum('HGMMA' in l for l in lines)} | "
               f"{sum(spills[:split])} | {sum(spills[split:])} |")
     return 0
 

@@ -189,6 +189,10 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream =
 struct DenseStats {
   int64_t tiles_total = 0;    // tiles of block_m x block_n considered
   int64_t tiles_skipped = 0;  // tiles skipped by skip-softmax
+  // The tile the counts refer to: args.block_m x block_n on the reference and vanilla backends,
+  // the kernel's own skip tile on the fused one (sm90: 64 rows x its key tile).
+  int32_t block_m = 0;
+  int32_t block_n = 0;
   double skipped_fraction() const {
     return tiles_total ? static_cast<double>(tiles_skipped) / tiles_total : 0.0;
   }
@@ -203,8 +207,13 @@ struct DenseArgs {
   // Tile sizes the skip decisions are taken on (the fused kernel reports its own).
   int32_t block_m = 128;
   int32_t block_n = 128;
-  DenseStats* stats = nullptr;  // optional: filled with the skip statistics of the call
-  bool checked = false;         // checked mode for this call (see PrefillArgs::checked)
+  // Optional: filled with the skip statistics of the call. On CUDA, a call that skips tiles
+  // synchronizes the stream to fill it; skip_stats gives the counts without a synchronization.
+  DenseStats* stats = nullptr;
+  // Optional int64 [2] on q's device: overwritten, in stream order, with {tiles_total,
+  // tiles_skipped} (the tiles of DenseStats::block_m x block_n). No host synchronization.
+  TensorView skip_stats;
+  bool checked = false;  // checked mode for this call (see PrefillArgs::checked)
 };
 void dense(const AttentionSpec& spec, const DenseArgs& args, Stream stream = nullptr);
 

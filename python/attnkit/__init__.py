@@ -696,6 +696,7 @@ def dense(
     return_lse: bool = False,
     lse: Any = None,
     return_stats: bool = False,
+    skip_stats: Any = None,
     checked: bool = False,
     stream: Optional[int] = None,
 ) -> Any:
@@ -710,8 +711,11 @@ def dense(
     the skip decisions. kernel: the fused kernel on CUDA tensors, as for prefill(). out:
     [B, Sq, Hq, D]; lse: float32 [B, Sq, Hq].
     checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
-    Returns out, plus lse and/or the stats dict (tiles_total, tiles_skipped, skipped_fraction)
-    in that order when asked for.
+    Returns out, plus lse and/or the stats dict (tiles_total, tiles_skipped, skipped_fraction,
+    block_m, block_n: the tile the counts refer to, the kernel's own on CUDA) in that order when
+    asked for. On CUDA, return_stats with tiles actually skipped synchronizes the stream; for the
+    counts without a synchronization pass skip_stats, an int64 tensor [2] on q's device that is
+    overwritten in stream order with (tiles_total, tiles_skipped).
     """
     b, sq, hq, d = _shape(q, "q", 4)
     hkv = _shape(k, "k", 4)[2]
@@ -738,6 +742,8 @@ def dense(
         timestep=float(timestep),
         block_m=int(block_m),
         block_n=int(block_n),
+        stats=bool(return_stats),
+        skip_stats=skip_stats,
         checked=bool(checked),
         stream=_stream(q, stream),
     )

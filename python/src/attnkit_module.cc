@@ -447,9 +447,12 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
   forward(spec, args, to_stream(stream));
 }
 
-nb::dict py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k, const InArray& v,
-                  const OutArray& out, const std::optional<OutArray>& lse, double timestep,
-                  int32_t block_m, int32_t block_n, bool checked, uintptr_t stream) {
+// stats: fill the returned dict (on CUDA, a call that skips tiles then synchronizes its stream);
+// skip_stats: an int64 [2] tensor the counts are written to in stream order.
+nb::object py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k, const InArray& v,
+                    const OutArray& out, const std::optional<OutArray>& lse, double timestep,
+                    int32_t block_m, int32_t block_n, bool stats, const std::optional<OutArray>& skip_stats,
+                    bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   DenseArgs args;
   args.checked = checked;
@@ -458,19 +461,23 @@ nb::dict py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k,
   args.v = to_view(v, "v");
   args.out = to_view(out, "out");
   args.lse = opt_view(lse, "lse");
+  args.skip_stats = opt_view(skip_stats, "skip_stats");
   args.timestep = timestep;
   args.block_m = block_m;
   args.block_n = block_n;
-  DenseStats stats;
-  args.stats = &stats;
+  DenseStats counts;
+  if (stats) args.stats = &counts;
   {
     nb::gil_scoped_release release;
     dense(spec, args, to_stream(stream));
   }
+  if (!stats) return nb::none();
   nb::dict d;
-  d["tiles_total"] = stats.tiles_total;
-  d["tiles_skipped"] = stats.tiles_skipped;
-  d["skipped_fraction"] = stats.skipped_fraction();
+  d["tiles_total"] = counts.tiles_total;
+  d["tiles_skipped"] = counts.tiles_skipped;
+  d["skipped_fraction"] = counts.skipped_fraction();
+  d["block_m"] = counts.block_m;
+  d["block_n"] = counts.block_n;
   return d;
 }
 
@@ -738,7 +745,8 @@ NB_MODULE(_attnkit, m) {
         "stream"_a = 0);
   m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "timestep"_a = 0.0, "block_m"_a = 128,
-        "block_n"_a = 128, "checked"_a = false, "stream"_a = 0);
+        "block_n"_a = 128, "stats"_a = true, "skip_stats"_a.noconvert().none() = nb::none(),
+        "checked"_a = false, "stream"_a = 0);
   m.def("merge_states", &py_merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a,
         "out"_a.noconvert(), "lse"_a.noconvert().none() = nb::none(), "checked"_a = false,
         "stream"_a = 0);

@@ -48,6 +48,12 @@ DenseProblem validate_dense(const AttentionSpec& spec, const DenseArgs& args) {
     v.expect_tensor(args.lse, "lse", {DType::kF32}, {b, Dim("Sq", seqlen_q), Dim("Hq", hq)},
                     p.device, Access::kSmallOutput);
   }
+  if (args.skip_stats.defined()) {
+    v.expect_tensor(args.skip_stats, "skip_stats", {DType::kInt64}, {2}, p.device,
+                    Access::kSmallOutput);
+    v.check(args.skip_stats.strides[0] == 1, "skip_stats", "must be contiguous, got stride ",
+            args.skip_stats.strides[0]);
+  }
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   v.check(batch <= kMax && seqlen_q <= kMax, "q", "B and Sq must fit in int32, got shape ",
           args.q.shape_str());

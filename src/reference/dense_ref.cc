@@ -77,7 +77,9 @@ DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const d
     row_max.assign(rows, kNegInf);
     row_sum.assign(rows, 0.0);
     acc.assign(static_cast<size_t>(rows * dim), 0.0);
-    for (int64_t n0 = 0; n0 < skv; n0 += rule.block_n) {
+    const int64_t num_tiles = (skv + rule.block_n - 1) / rule.block_n;
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t n0 = (rule.last_tile_first ? num_tiles - 1 - t : t) * rule.block_n;
       const int64_t cols = std::min<int64_t>(rule.block_n, skv - n0);
       ++counts.total;
       // Q*K^T runs for every tile, skipped or not: the skip test needs the tile's row maxima.
@@ -232,7 +234,12 @@ void dense(const AttentionSpec& spec, const DenseArgs& args, const detail::Dense
       }
     }
   }
-  if (args.stats) *args.stats = {counts.total, counts.skipped};
+  if (args.stats) *args.stats = {counts.total, counts.skipped, args.block_m, args.block_n};
+  if (args.skip_stats.defined()) {
+    int64_t* dst = static_cast<int64_t*>(args.skip_stats.data);
+    dst[0] = counts.total;
+    dst[args.skip_stats.strides[0]] = counts.skipped;
+  }
 }
 
 }  // namespace attnkit::reference

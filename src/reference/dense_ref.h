@@ -41,6 +41,10 @@ struct DenseTileRule {
   bool skip = false;           // skip-softmax active for this call
   double log_lambda = 0.0;     // ln(lambda), used when skip
   bool quantize_p = false;     // SAGE: P*V uses fp8(p * 448)
+  // The order the key tiles of a query tile are walked in (it decides which tiles skip): first to
+  // last (dense() on the reference), or last to first, the order of the sm90 kernel (its partial
+  // last tile, the one that needs a mask, comes first).
+  bool last_tile_first = false;
 };
 
 struct DenseTileCounts {

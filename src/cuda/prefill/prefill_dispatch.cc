@@ -4,13 +4,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "core/check.h"
 #include "core/kv_access.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/host_upload.h"
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_build_set.h"
 #include "cuda/prefill/prefill_launch.h"
@@ -465,7 +468,16 @@ std::string prefill_unsupported(const AttentionSpec& spec, const detail::Prefill
 
 std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
   if (spec.skip_softmax) {
-    return "skip_softmax: the plain fused dense kernel (prefill family) does not skip tiles";
+    if (spec.fused_kernel == FusedKernel::kPortable) {
+      return "skip_softmax: the portable kernel does not skip tiles (the sm90 kernel does: "
+             "fused_kernel 'auto' or 'hopper' on an sm90 GPU)";
+    }
+    if (spec.quant) return "skip_softmax with quant (SAGE): the fused kernels do not quantize";
+    Sm90Call call = sm90_call({p.device.index, spec.head_dim, p.dtype, p.dtype, false}, spec,
+                              /*masked=*/false, 0);
+    call.skip = true;
+    const std::string why = sm90_unsupported(call);
+    if (!why.empty()) return "skip_softmax runs on the sm90 kernel, which cannot serve it: " + why;
   }
   if (spec.quant) {
     return "quant (SAGE): the plain fused dense kernel (prefill family) does not quantize";
@@ -602,6 +614,68 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   launch(prm, as_cuda_stream(stream));
 }
 
+namespace {
+
+// The skip statistics of a fused dense call (DenseArgs::stats on the host, DenseArgs::skip_stats
+// on the device). A skipping kernel adds its counts [tiles visited, tiles skipped] to device
+// counters: skip_stats' own memory (zeroed first; no host synchronization) or, for host stats
+// alone, a stream-ordered scratch pair that finish() copies back after synchronizing the stream.
+// A call that skips nothing knows its counts on the host: {tiles_total, 0}.
+class DenseSkipCounts {
+ public:
+  DenseSkipCounts(const DenseArgs& args, void* stream, int64_t tiles_total, bool kernel_counts)
+      : args_(args), stream_(as_cuda_stream(stream)), total_(tiles_total) {
+    if (!kernel_counts || (args.stats == nullptr && !args.skip_stats.defined())) return;
+    if (args.skip_stats.defined()) {
+      counts_ = static_cast<unsigned long long*>(args.skip_stats.data);
+    } else {
+      check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&counts_),
+                                         2 * sizeof(unsigned long long), stream_),
+                         "dense: skip statistics scratch");
+      owned_ = true;
+    }
+    check_cuda(cudaMemsetAsync(counts_, 0, 2 * sizeof(unsigned long long), stream_),
+                       "dense: zeroing the skip statistics");
+  }
+  DenseSkipCounts(const DenseSkipCounts&) = delete;
+  DenseSkipCounts& operator=(const DenseSkipCounts&) = delete;
+  ~DenseSkipCounts() {
+    if (owned_) cudaFreeAsync(counts_, stream_);
+  }
+
+  unsigned long long* device_counts() const { return counts_; }
+
+  // After the launch: the statistics of tiles of block_m x block_n.
+  void finish(int block_m, int block_n) {
+    unsigned long long host[2] = {static_cast<unsigned long long>(total_), 0};
+    if (counts_ == nullptr && args_.skip_stats.defined()) {
+      int32_t words[4];
+      std::memcpy(words, host, sizeof(host));
+      upload_int32_async(words, 4, static_cast<int32_t*>(args_.skip_stats.data), stream_);
+    }
+    if (args_.stats == nullptr) return;
+    if (counts_ != nullptr) {
+      check_cuda(
+          cudaMemcpyAsync(host, counts_, sizeof(host), cudaMemcpyDeviceToHost, stream_),
+          "dense: reading the skip statistics");
+      check_cuda(cudaStreamSynchronize(stream_), "dense: reading the skip statistics");
+    }
+    args_.stats->tiles_total = static_cast<int64_t>(host[0]);
+    args_.stats->tiles_skipped = static_cast<int64_t>(host[1]);
+    args_.stats->block_m = block_m;
+    args_.stats->block_n = block_n;
+  }
+
+ private:
+  const DenseArgs& args_;
+  cudaStream_t stream_;
+  int64_t total_;
+  unsigned long long* counts_ = nullptr;
+  bool owned_ = false;
+};
+
+}  // namespace
+
 void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
                void* stream, std::optional<PrefillTile> forced_tile, int forced_section_pairs,
                int forced_ctas) {
@@ -612,18 +686,37 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   call.q = &args.q;
   call.k = &args.k;
   call.v = &args.v;
+  // Skip-softmax is active when the gate is open and lambda > 0; otherwise the call is the plain
+  // one (the same kernel as without skip_softmax, bit for bit).
+  const double lambda = spec.skip_softmax ? spec.skip_softmax->lambda(p.seqlen_kv) : 0.0;
+  const bool skip = spec.skip_softmax && spec.skip_softmax->active_at(args.timestep) &&
+                    lambda > 0.0 && p.seqlen_kv > 0;
+  call.skip = skip;
+  if (skip) {
+    ATTNKIT_CHECK(!forced_tile || *forced_tile == PrefillTile::kSm90,
+                  "dense: skip_softmax runs on the sm90 kernel only, not on tile ",
+                  prefill_tile_name(*forced_tile));
+    forced_tile = PrefillTile::kSm90;
+    call.skip_log2_lambda = static_cast<float>(std::log2(lambda));
+  }
   const PrefillTile tile =
       pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
                 /*masked=*/false, p.seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile);
-  if (args.stats != nullptr) {
-    // No tile is skipped on this path; the count uses the kernel's own tile sizes.
-    const int bn = prefill_block_n(tile, spec.head_dim, /*masked=*/false);
-    args.stats->tiles_total = static_cast<int64_t>(p.batch) * spec.num_q_heads *
-                              ((p.seqlen_q + bm - 1) / bm) * ((p.seqlen_kv + bn - 1) / bn);
-    args.stats->tiles_skipped = 0;
+  // The tiles the statistics count: the skip tile of the sm90 kernel is one consumer warpgroup's
+  // 64 rows; the portable kernel's is its CTA tile.
+  const int stats_bm = tile == PrefillTile::kSm90 ? 64 : bm;
+  // (The sm90 skip kernels take the masked calls' narrower key tiles.)
+  const int stats_bn = prefill_block_n(tile, spec.head_dim, /*masked=*/skip);
+  const int64_t tiles_total = static_cast<int64_t>(p.batch) * spec.num_q_heads *
+                              ((p.seqlen_q + stats_bm - 1) / stats_bm) *
+                              ((p.seqlen_kv + stats_bn - 1) / stats_bn);
+  DenseSkipCounts counts(args, stream, tiles_total, skip && p.seqlen_q > 0);
+  call.skip_counts = counts.device_counts();
+  if (p.batch == 0 || p.seqlen_q == 0) {
+    counts.finish(stats_bm, stats_bn);
+    return;
   }
-  if (p.batch == 0 || p.seqlen_q == 0) return;
   ATTNKIT_CHECK(tile == PrefillTile::kSm90 || p.batch <= 65535,
                 "q: the fused dense kernel takes at most 65535 batch entries, got ", p.batch);
 
@@ -664,6 +757,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));
+    counts.finish(stats_bm, stats_bn);
     return;
   }
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
@@ -675,6 +769,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
       find_launcher(spec.head_dim, tile, p.dtype, false, false, false, false, false, split);
   ATTNKIT_CHECK(launch != nullptr, "dense: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
+  counts.finish(stats_bm, stats_bn);
 }
 
 }  // namespace attnkit::cuda::prefill

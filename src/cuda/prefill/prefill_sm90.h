@@ -26,6 +26,11 @@ struct Sm90Call {
   const TensorView* v = nullptr;
   const KvCacheView* cache = nullptr;
   int forced_ctas = 0;  // > 0: this many persistent CTAs (tests: more work items than CTAs)
+  // Skip-softmax (unmasked calls): the kSkip kernel with log2(lambda), adding its tile counts
+  // [visited, skipped] to skip_counts (device; nullptr: not counted).
+  bool skip = false;
+  float skip_log2_lambda = 0.f;
+  unsigned long long* skip_counts = nullptr;
 };
 
 // Whether this build has the sm90 kernels of (head_dim, dtype).

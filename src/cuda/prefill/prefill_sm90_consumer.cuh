@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/fast_math.cuh"
 #include "cuda/common/mbarrier_sm90.cuh"
@@ -38,7 +39,11 @@ struct RowStats {
   float sum[2];  // this thread's partial sums (a quad holds a row)
 };
 
-template <class T, DType kDType, bool kMods>
+// kSkip: the skip-softmax policy (docs/diffusion.md). A warpgroup's 64 query rows x kBlockN keys
+// are the skip tile: after S = Q K^T, the warpgroup votes (one bar.red.and) whether every valid
+// row's tile maximum is below its running maximum by more than ln(lambda); a skipped tile takes no
+// exponentials, no rescale and no P V, and its V stage is released unused.
+template <class T, DType kDType, bool kMods, bool kSkip = false>
 struct Sm90Consumer {
   using Tag = typename TagOf<kDType>::Type;
   static constexpr int kSRegs = T::kBlockN / 2;
@@ -112,11 +117,12 @@ struct Sm90Consumer {
   // ---- softmax --------------------------------------------------------------------------------
   // Mask and modifiers on the raw S of the tile at key0, then the online softmax: s becomes
   // exp2(logit - max) (fp32), stats absorb the tile, corr[r] is the factor O must be multiplied
-  // by before this tile's P V is added.
+  // by before this tile's P V is added. With kSkip, returns true (with st as it was, corr = 1 and
+  // s not exponentiated) when the warpgroup skips the tile; row_valid[r] says whether row r votes.
   template <bool kMaskTile>
-  __device__ void softmax(float (&s)[kSRegs], RowStats& st, float (&corr)[2], int32_t key0,
-                          const int32_t (&pos)[2], int32_t kv_len, const LogitMods& mods,
-                          float exp_scale) const {
+  __device__ bool softmax(float (&s)[kSRegs], RowStats& st, float (&corr)[2], int32_t key0,
+                          const int32_t (&pos)[2], const bool (&row_valid)[2], int32_t kv_len,
+                          const LogitMods& mods, float exp_scale) const {
     const int t4 = wtid % 4;
     const PrefillParams& p = sp.base;
 #pragma unroll
@@ -134,6 +140,7 @@ struct Sm90Consumer {
         }
       }
     }
+    float tile_max[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -142,7 +149,23 @@ struct Sm90Consumer {
         mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(st.max[r], mx * exp_scale);
+      tile_max[r] = mx * exp_scale;
+    }
+    if constexpr (kSkip) {
+      const bool mine = (!row_valid[0] || skips_row(tile_max[0], st.max[0], sp.skip_log2_lambda)) &&
+                        (!row_valid[1] || skips_row(tile_max[1], st.max[1], sp.skip_log2_lambda));
+      const bool all = wg == 0 ? named_barrier_all<kConsumerBarrier0>(mine, 128)
+                               : named_barrier_all<kConsumerBarrier0 + 1>(mine, 128);
+      // The same in every thread; the warp vote tells ptxas so (a uniform predicate), without
+      // which it serializes the wgmma of the branches that depend on it (C7518).
+      if (__all_sync(0xffffffffu, all)) {
+        corr[0] = corr[1] = 1.f;
+        return true;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(st.max[r], tile_max[r]);
       // A row without a key so far keeps max -inf; 0 stands in so that exp2 gives 0, not NaN.
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       corr[r] = fast_exp2(st.max[r] - m_use);
@@ -156,6 +179,7 @@ struct Sm90Consumer {
       }
       st.sum[r] = st.sum[r] * corr[r] + sum;
     }
+    return false;
   }
 
   __device__ static void rescale(float (&o)[kORegs], const float (&corr)[2]) {
@@ -233,6 +257,8 @@ struct Sm90Consumer {
     const PersistentScheduler sched = PersistentScheduler::make(p);
     PipelineState<T::kStages> k_read, v_read;
     uint32_t q_iter = 0;
+    // Skip-softmax statistics of this warpgroup: key tiles visited and skipped.
+    unsigned long long tiles_visited = 0, tiles_skipped = 0;
     // Warpgroup 0 takes the first turn.
     if (wg == 1) named_barrier_arrive<kPingPongBarrier0>(256);
 
@@ -257,6 +283,11 @@ struct Sm90Consumer {
       const float exp_scale = kMods ? kLog2e : mods.logit_scale * kLog2e;
       const int32_t row0 = m0 + wg * 64 + warp * 16 + lane / 4;
       const int32_t pos[2] = {q_pos0 + row0, q_pos0 + row0 + 8};
+      const bool row_valid[2] = {row0 < seq.q_len, row0 + 8 < seq.q_len};
+      // A warpgroup whose rows all lie past the sequence still runs the loop (its turns pair with
+      // the other's) but counts no tiles.
+      const bool counts_tiles = m0 + wg * 64 < seq.q_len;
+      if (kSkip && counts_tiles) tiles_visited += num_tiles;
 
       float o[kORegs];
 #pragma unroll
@@ -278,7 +309,7 @@ struct Sm90Consumer {
       const int32_t first_valid = min(T::kBlockN, seq.kv_len - range.block(0) * T::kBlockN);
       const bool zero_first = first_valid < T::kBlockN && sp.kv_mode != Sm90KvMode::kGather;
 
-      // Tile 0: S alone.
+      // Tile 0: S alone. Its rows have seen no key yet, so skip-softmax never skips it.
       {
         const int32_t key0 = range.block(0) * T::kBlockN;
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
@@ -291,14 +322,20 @@ struct Sm90Consumer {
         k_read.advance();
         if (num_tiles == 1) release(smem.q_empty());
         if (tile_needs_mask<T::kMasked>(p, key0, T::kBlockN, seq.kv_len, p_lo, p_hi)) {
-          softmax<true>(s, st, corr, key0, pos, seq.kv_len, mods, exp_scale);
+          softmax<true>(s, st, corr, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
         } else {
-          softmax<false>(s, st, corr, key0, pos, seq.kv_len, mods, exp_scale);
+          softmax<false>(s, st, corr, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
         }
         to_p(s, pa);
       }
       // Tiles 1..n-1: S(j) and P(j-1) V(j-1) in flight together, the softmax of S(j) under P V.
-      for (int32_t it = 1; it < num_tiles; ++it) {
+      // After a skipped tile there is no P V to issue: S(j) runs alone. The two versions of a
+      // tile's step are straight-line code, each ending with nothing in flight, and the choice
+      // between them is made where nothing is in flight; a wgmma issued or awaited on one path
+      // of a branch inside the step would make ptxas serialize every wgmma (C7518).
+      // Returns whether the warpgroup skipped tile `it`.
+      const auto key_tile = [&](auto with_pv, int32_t it) -> bool {
+        constexpr bool kWithPv = decltype(with_pv)::value;
         const int32_t key0 = range.block(it) * T::kBlockN;
         if (it == 1 && zero_first) {
           mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
@@ -307,39 +344,69 @@ struct Sm90Consumer {
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
         turn_begin();
         issue_qk(s, k_read.index);
+        // The previous tile's V stage: consumed by its P V, or (skipped tile) released unused,
+        // but only once full (its TMA must have landed before the stage is refilled).
         mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
-        issue_pv(o, pa, v_read.index);
+        if constexpr (kWithPv) issue_pv(o, pa, v_read.index);
         turn_end();
-        wgmma_wait<1>();  // S(j) done; P V still in flight
+        wgmma_wait<kWithPv ? 1 : 0>();  // S(j) done; P V may still be in flight
         fence_operands(s);
         release(smem.k_empty(k_read.index));
         k_read.advance();
         if (it == num_tiles - 1) release(smem.q_empty());
         float corr_next[2];
+        bool skip;
         if (tile_needs_mask<T::kMasked>(p, key0, T::kBlockN, seq.kv_len, p_lo, p_hi)) {
-          softmax<true>(s, st, corr_next, key0, pos, seq.kv_len, mods, exp_scale);
+          skip = softmax<true>(s, st, corr_next, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
         } else {
-          softmax<false>(s, st, corr_next, key0, pos, seq.kv_len, mods, exp_scale);
+          skip =
+              softmax<false>(s, st, corr_next, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
         }
-        wgmma_wait<0>();  // P(j-1) V(j-1) done: O and the P registers are free
-        fence_operands(o);
+        if constexpr (kWithPv) {
+          wgmma_wait<0>();  // P(j-1) V(j-1) done: O and the P registers are free
+          fence_operands(o);
+        }
         release(smem.v_empty(v_read.index));
         v_read.advance();
+        // Also after a skipped tile (corr_next = 1; its P is never used): registers that a later
+        // wgmma reads are written on every path.
         rescale(o, corr_next);
         to_p(s, pa);
+        return skip;
+      };
+      // pending: the previous tile's P waits for its P V (always, without kSkip).
+      bool pending = true;
+      for (int32_t it = 1; it < num_tiles; ++it) {
+        if constexpr (kSkip) {
+          const bool skip = pending ? key_tile(std::true_type{}, it) : key_tile(std::false_type{}, it);
+          pending = !skip;
+          tiles_skipped += skip && counts_tiles;
+        } else {
+          key_tile(std::true_type{}, it);
+        }
       }
-      // The last P V.
+      // The last P V (none when the last tile was skipped). The turn is taken either way: both
+      // warpgroups take the same number of turns.
       mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
       if (num_tiles == 1 && zero_first) zero_v_tail(v_read.index, first_valid);
-      turn_begin();
-      issue_pv(o, pa, v_read.index);
-      turn_end();
-      wgmma_wait<0>();
-      fence_operands(o);
+      if (pending) {
+        turn_begin();
+        issue_pv(o, pa, v_read.index);
+        turn_end();
+        wgmma_wait<0>();
+        fence_operands(o);
+      } else {
+        turn_begin();
+        turn_end();
+      }
       release(smem.v_empty(v_read.index));
       v_read.advance();
       ++q_iter;
       store(o, st, seq, m0, work.head, v_scale);
+    }
+    if (kSkip && wtid == 0 && sp.skip_counts != nullptr) {
+      atomicAdd(sp.skip_counts, tiles_visited);
+      atomicAdd(sp.skip_counts + 1, tiles_skipped);
     }
     // Warpgroup 1's last turn_end left an arrival at warpgroup 0's barrier: take it, so that no
     // named barrier is pending when the CTA exits.

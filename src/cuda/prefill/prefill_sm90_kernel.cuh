@@ -28,11 +28,11 @@
 
 namespace attnkit::cuda::prefill {
 
-template <int kHeadDim, DType kDType, bool kMasked, bool kMods>
-__global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked>::kThreads, 1)
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
+__global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked, kSkip>::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ Sm90PrefillParams sp) {
 #if defined(ATTNKIT_PREFILL_SM90_DEVICE)
-  using T = Sm90PrefillTraits<kHeadDim, kMasked>;
+  using T = Sm90PrefillTraits<kHeadDim, kMasked, kSkip>;
   using namespace sm90_detail;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Sm90Smem<T> smem{(smem_u32(smem_raw) + 1023u) & ~1023u};
@@ -57,17 +57,17 @@ __global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked>::kThreads
     producer.run();
   } else {
     sm90::warpgroup_reg_alloc<T::kConsumerRegs>();
-    const Sm90Consumer<T, kDType, kMods> consumer{sp, smem, wg - 1,
-                                                  static_cast<int>(threadIdx.x % 128)};
+    const Sm90Consumer<T, kDType, kMods, kSkip> consumer{sp, smem, wg - 1,
+                                                         static_cast<int>(threadIdx.x % 128)};
     consumer.run();
   }
 #endif
 }
 
-template <int kHeadDim, DType kDType, bool kMasked, bool kMods>
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
 void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream) {
-  using T = Sm90PrefillTraits<kHeadDim, kMasked>;
-  constexpr auto kernel = prefill_sm90_kernel<kHeadDim, kDType, kMasked, kMods>;
+  using T = Sm90PrefillTraits<kHeadDim, kMasked, kSkip>;
+  constexpr auto kernel = prefill_sm90_kernel<kHeadDim, kDType, kMasked, kMods, kSkip>;
   opt_in_dynamic_smem_once<kernel>(
       T::kSmemBytes, "prefill (sm90): cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(sp);
@@ -76,12 +76,16 @@ void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t str
 
 }  // namespace attnkit::cuda::prefill
 
-// The four kernels (mask x logit modifiers) of one head_dim and dtype.
-#define ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DT)                                         \
-  template void launch_prefill_sm90<D, DT, false, false>(const Sm90PrefillParams&, int, \
-                                                         cudaStream_t);                 \
-  template void launch_prefill_sm90<D, DT, false, true>(const Sm90PrefillParams&, int,  \
-                                                        cudaStream_t);                  \
-  template void launch_prefill_sm90<D, DT, true, false>(const Sm90PrefillParams&, int,  \
-                                                        cudaStream_t);                  \
-  template void launch_prefill_sm90<D, DT, true, true>(const Sm90PrefillParams&, int, cudaStream_t);
+// The six kernels of one head_dim and dtype: mask x logit modifiers, and the skip-softmax
+// kernels of the unmasked (dense) calls.
+#define ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, MASKED, MODS, SKIP) \
+  template void launch_prefill_sm90<D, DT, MASKED, MODS, SKIP>(const Sm90PrefillParams&, int, \
+                                                                cudaStream_t);
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DT)                \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, false)    \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, false)     \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, false, false)     \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, true, false)
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(D, DT)           \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, true)     \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, true)

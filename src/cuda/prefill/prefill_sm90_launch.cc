@@ -73,36 +73,40 @@ bool tma_stride_ok(int64_t bytes) {
 using Sm90Launcher = void (*)(const Sm90PrefillParams&, int, cudaStream_t);
 
 template <int D, DType kDT>
-Sm90Launcher sm90_launcher_for(bool masked, bool mods) {
+Sm90Launcher sm90_launcher_for(bool masked, bool mods, bool skip) {
   if constexpr (sm90_compiled(D, kDT)) {
-    if (masked) {
-      return mods ? &launch_prefill_sm90<D, kDT, true, true>
-                  : &launch_prefill_sm90<D, kDT, true, false>;
+    if (skip) {  // unmasked calls only (sm90_unsupported)
+      return mods ? &launch_prefill_sm90<D, kDT, false, true, true>
+                  : &launch_prefill_sm90<D, kDT, false, false, true>;
     }
-    return mods ? &launch_prefill_sm90<D, kDT, false, true>
-                : &launch_prefill_sm90<D, kDT, false, false>;
+    if (masked) {
+      return mods ? &launch_prefill_sm90<D, kDT, true, true, false>
+                  : &launch_prefill_sm90<D, kDT, true, false, false>;
+    }
+    return mods ? &launch_prefill_sm90<D, kDT, false, true, false>
+                : &launch_prefill_sm90<D, kDT, false, false, false>;
   } else {
     return nullptr;
   }
 }
 
 template <DType kDT>
-Sm90Launcher sm90_launcher_for(int head_dim, bool masked, bool mods) {
+Sm90Launcher sm90_launcher_for(int head_dim, bool masked, bool mods, bool skip) {
   switch (head_dim) {
     case 64:
-      return sm90_launcher_for<64, kDT>(masked, mods);
+      return sm90_launcher_for<64, kDT>(masked, mods, skip);
     case 128:
-      return sm90_launcher_for<128, kDT>(masked, mods);
+      return sm90_launcher_for<128, kDT>(masked, mods, skip);
     case 256:
-      return sm90_launcher_for<256, kDT>(masked, mods);
+      return sm90_launcher_for<256, kDT>(masked, mods, skip);
     default:
       return nullptr;
   }
 }
 
-Sm90Launcher sm90_launcher(int head_dim, DType dtype, bool masked, bool mods) {
-  if (dtype == DType::kBF16) return sm90_launcher_for<DType::kBF16>(head_dim, masked, mods);
-  if (dtype == DType::kF16) return sm90_launcher_for<DType::kF16>(head_dim, masked, mods);
+Sm90Launcher sm90_launcher(int head_dim, DType dtype, bool masked, bool mods, bool skip) {
+  if (dtype == DType::kBF16) return sm90_launcher_for<DType::kBF16>(head_dim, masked, mods, skip);
+  if (dtype == DType::kF16) return sm90_launcher_for<DType::kF16>(head_dim, masked, mods, skip);
   return nullptr;
 }
 
@@ -116,7 +120,7 @@ int32_t pow2_gcd(int32_t a, int32_t b) {
 }  // namespace
 
 bool sm90_kernels_compiled(int head_dim, DType dtype) {
-  return sm90_launcher(head_dim, dtype, false, false) != nullptr;
+  return sm90_launcher(head_dim, dtype, false, false, false) != nullptr;
 }
 
 std::string sm90_unsupported(const Sm90Call& call) {
@@ -129,6 +133,9 @@ std::string sm90_unsupported(const Sm90Call& call) {
     return concat("head_dim ", call.head_dim, " with ", dtype_name(call.dtype),
                   ": no sm90 kernel in this build (sm90 serves head_dim 64, 128 and 256; the build "
                   "needs the 90a architecture)");
+  }
+  if (call.skip && call.masked) {
+    return "skip_softmax with a mask: the sm90 kernel skips tiles of unmasked (dense) calls only";
   }
   if (call.smem_optin < sm90_smem_bytes(call.head_dim, call.masked)) {
     return concat("the sm90 kernel needs ", sm90_smem_bytes(call.head_dim, call.masked),
@@ -167,13 +174,15 @@ int sm90_smem_bytes(int head_dim, bool masked) {
 
 void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t stream) {
   const Sm90Launcher launch =
-      sm90_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm));
+      sm90_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm), call.skip);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no sm90 kernel for head_dim ", call.head_dim);
-  const int block_n = sm90_block_n(call.head_dim, call.masked);
+  const int block_n = sm90_block_n(call.head_dim, call.masked || call.skip);
   const int64_t eb = 2;
 
   Sm90PrefillParams sp;
   sp.base = prm;
+  sp.skip_log2_lambda = call.skip_log2_lambda;
+  sp.skip_counts = call.skip_counts;
   {
     // Q: (D, Hq, tokens, batch); packed calls are one batch of total_q tokens.
     const TensorView& q = *call.q;

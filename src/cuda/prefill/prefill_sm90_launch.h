@@ -1,5 +1,5 @@
 // Host-side declarations of the Hopper context FMHA: the explicitly instantiated launchers (one
-// per head_dim, dtype, mask and logit-modifier variant; the list is cmake/prefill_manifest.cmake)
+// per head_dim, dtype, mask, logit-modifier and skip-softmax variant; the list is cmake/prefill_manifest.cmake)
 // and the parameter builder of prefill_sm90_launch.cc.
 #pragma once
 
@@ -10,8 +10,9 @@
 
 namespace attnkit::cuda::prefill {
 
-// grid: persistent CTAs (one an SM; fewer when there are fewer work items).
-template <int kHeadDim, DType kDType, bool kMasked, bool kMods>
+// grid: persistent CTAs (one an SM; fewer when there are fewer work items). kSkip: skip-softmax
+// (unmasked calls only).
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
 void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream);
 
 }  // namespace attnkit::cuda::prefill

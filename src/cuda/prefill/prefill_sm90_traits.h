@@ -8,7 +8,10 @@ namespace attnkit::cuda::prefill {
 // Keys per K/V tile. The S tile (64 x kBlockN floats a consumer warpgroup) and O (64 x head_dim)
 // share the consumers' 232 registers a thread; wider key tiles amortize each tile's softmax
 // bookkeeping (row max shuffles, O rescale, barriers) over more keys. Causal calls take 128: the
-// diagonal tile is half masked and a narrower tile wastes less of it.
+// diagonal tile is half masked and a narrower tile wastes less of it. The skip-softmax kernels
+// take the narrow tiles too: their vote and the two versions of a tile's step need registers
+// that the wide tile leaves only as spills (89 LDL/STL in the D=128 consumer at 176 keys, none
+// at 128).
 constexpr int sm90_block_n(int head_dim, bool masked) {
   switch (head_dim) {
     case 64:
@@ -22,13 +25,14 @@ constexpr int sm90_block_n(int head_dim, bool masked) {
   }
 }
 
-template <int kHeadDim_, bool kMasked_>
+template <int kHeadDim_, bool kMasked_, bool kSkip_ = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kMasked = kMasked_;
+  static constexpr bool kSkip = kSkip_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
-  static constexpr int kBlockN = sm90_block_n(kHeadDim, kMasked);
+  static constexpr int kBlockN = sm90_block_n(kHeadDim, kMasked || kSkip);
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kStages = 2;  // K and V rings: the next tile loads under this one's MMAs

@@ -149,6 +149,13 @@ __device__ __forceinline__ bool tile_needs_mask(const PrefillParams& p, int32_t 
   return needs;
 }
 
+// Skip-softmax's test for one row of a tile (docs/diffusion.md), in log2 units of the scaled
+// logits: tile_max - running_max < log2(lambda). A row that has seen no key (running max -inf)
+// never votes to skip (+inf, or NaN for a row without a key in this tile either: both false).
+__device__ __forceinline__ bool skips_row(float tile_max, float running_max, float log2_lambda) {
+  return tile_max - running_max < log2_lambda;
+}
+
 // The logit modifiers of a call, resolved per work item: x = q.k * logit_scale, then the soft-cap
 // cap * tanh(x / cap), then the ALiBi bias slope * (key - pos), in that order.
 struct LogitMods {

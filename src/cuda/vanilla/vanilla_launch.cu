@@ -119,7 +119,12 @@ void vanilla_dense(const AttentionSpec& spec, const DenseArgs& args, const detai
   params.v_stride_token = args.v.strides[1];
   params.v_stride_head = args.v.strides[2];
   launch_vanilla_attention(params, as_cuda_stream(stream));
-  if (args.stats != nullptr) *args.stats = DenseStats{};  // nothing is skipped
+  // Nothing is skipped, and the vanilla kernel has no tiles: zero counts.
+  if (args.stats != nullptr) *args.stats = DenseStats{};
+  if (args.skip_stats.defined()) {
+    check_cuda(cudaMemsetAsync(args.skip_stats.data, 0, 2 * sizeof(int64_t), as_cuda_stream(stream)),
+               "dense: zeroing skip_stats");
+  }
 }
 
 }  // namespace attnkit::cuda
