@@ -251,7 +251,7 @@ TEST(DecodeFault, EverySplitMergeZeroesTheFaultingRow) {
     EXPECT_NO_THROW(check_device_errors());
     pc.check();
     {
-      BadTableEntry bad(pc, 1, 20, 10000);  // keys 320-335: the fourth of six splits
+      BadTableEntry bad(pc, 1, 20, 10000);  // keys 320-335: split 2 of 128 keys each
       expect_row_zeroed(pc, good, run(pc), 1, bitwise);
     }
     expect_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, 20, 10000, pc.h.num_blocks);
