@@ -40,6 +40,7 @@ struct DecodeShape {
   bool caller_workspace = true;  // DecodeArgs::workspace (false: the per-call workspace)
   std::string merge =
       "auto";  // where split calls merge: auto (the rule), in-kernel, accumulate, separate
+  bool batch_invariant = false;  // DecodeArgs::batch_invariant
 };
 
 struct DecodeBenchOptions {
@@ -54,6 +55,7 @@ struct DecodeBenchOptions {
   int splits = 0;
   std::string split_workspace = "caller";
   std::string merge = "auto";
+  bool batch_invariant = false;
   bool custom = false;  // a shape option was given: run that shape instead of the grid
 };
 
@@ -96,6 +98,9 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
   check_iters(kCommand, o.common.iters);
   check_names(kCommand, "--split-workspace", {o.split_workspace}, {"caller", "per-call"});
   check_names(kCommand, "--merge", {o.merge}, {"auto", "in-kernel", "separate", "accumulate"});
+  ATTNKIT_CHECK(!o.batch_invariant || (o.splits == 0 && o.merge == "auto"), "bench ", kCommand,
+                ": --batch-invariant fixes the splits and the merge; it takes neither --splits "
+                "nor --merge");
   const bool caller_workspace = o.split_workspace == "caller";
   if (!o.custom) {
     std::vector<DecodeShape> grid = default_grid(o.common.quick);
@@ -103,6 +108,7 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
       s.splits = o.splits;
       s.caller_workspace = caller_workspace;
       s.merge = o.merge;
+      s.batch_invariant = o.batch_invariant;
     }
     return grid;
   }
@@ -118,7 +124,8 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
                       .kv_dtype = o.kv_dtype,
                       .splits = o.splits,
                       .caller_workspace = caller_workspace,
-                      .merge = o.merge});
+                      .merge = o.merge,
+                      .batch_invariant = o.batch_invariant});
   }
   return shapes;
 }
@@ -135,7 +142,8 @@ BenchRow row_of(const DecodeShape& s) {
                {"kv_dtype", s.kv_dtype},
                {"splits", s.splits},
                {"split_workspace", s.caller_workspace ? "caller" : "per-call"},
-               {"merge", s.merge}};
+               {"merge", s.merge},
+               {"batch_invariant", s.batch_invariant}};
   return row;
 }
 
@@ -177,6 +185,7 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
   args.out = TensorView(d_out.get(), DType::kBF16, {s.batch, s.q_heads, s.head_dim}, gpu);
   args.lse = TensorView(d_lse.get(), DType::kF32, {s.batch, s.q_heads}, gpu);
   args.num_splits = s.splits;
+  args.batch_invariant = s.batch_invariant;
   args.max_seq_len = s.context;
   KvCacheView& cache = args.kv_cache;
   cache.block_stride_bytes = 2 * half_block;
@@ -264,6 +273,9 @@ void register_bench_decode(CLI::App& bench) {
                   "default), 'in-kernel' (the last CTA of each KV head), 'accumulate' (the "
                   "last CTA over sums the splits add in L2) or 'separate' (a merge kernel after "
                   "the decode grid); a measurement knob");
+  cmd->add_flag("--batch-invariant", o->batch_invariant,
+                "DecodeArgs::batch_invariant: splits of a fixed 1024 keys and one kernel whatever "
+                "the batch (also applies to the grid; takes neither --splits nor --merge)");
   cmd->add_option("--split-workspace", o->split_workspace,
                   "split calls through one caller-owned DecodeWorkspace ('caller', the default, "
                   "as a serving engine) or a per-call allocation + counter memset ('per-call')");

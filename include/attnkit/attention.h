@@ -130,6 +130,13 @@ struct DecodeArgs {
   // long contexts, docs/decode_design.md); outputs then vary in their last bits from run to run,
   // within the same error bound.
   bool deterministic = true;
+  // true: a row's output and LSE are bitwise identical whether it runs alone or inside any batch
+  // (any other rows, lengths and batch size, any max_seq_len that bounds the lengths): splits of a
+  // fixed 1024 keys, one kernel for the spec and dtypes whatever the batch, a merge whose order
+  // depends on the split index only (docs/semantics.md, "Batch-invariant decode"). Implies
+  // deterministic; requires num_splits = 0. The reference and vanilla backends are
+  // batch-invariant already.
+  bool batch_invariant = false;
   bool checked = false;  // checked mode for this call (see PrefillArgs::checked)
 };
 void decode(const AttentionSpec& spec, const DecodeArgs& args, Stream stream = nullptr);
@@ -179,6 +186,7 @@ struct ForwardArgs {
   int32_t num_splits = 0;        // decode split-KV override (see DecodeArgs)
   DecodeWorkspace* decode_workspace = nullptr;  // optional, for the decode rows (see DecodeArgs)
   bool deterministic = true;                    // for the decode rows (see DecodeArgs)
+  bool batch_invariant = false;                 // for the decode rows (see DecodeArgs)
   bool checked = false;  // checked mode for this call (see PrefillArgs::checked)
 };
 void forward(const AttentionSpec& spec, const ForwardArgs& args, Stream stream = nullptr);

@@ -444,6 +444,7 @@ def decode(
     max_seq_len: int = 0,
     workspace: Optional["DecodeWorkspace"] = None,
     deterministic: bool = True,
+    batch_invariant: bool = False,
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
@@ -462,6 +463,9 @@ def decode(
     this stream (None: a per-call allocation and counter memset on the stream).
     deterministic=False lets split calls merge over f32 sums added in L2 in arrival order (a
     little faster at batch 1; output bits may vary from run to run).
+    batch_invariant=True: a row's output and LSE are bitwise identical whether it runs alone or
+    in any batch (splits of a fixed 1024 keys, one kernel whatever the batch; num_splits must be
+    0; docs/semantics.md, "Batch-invariant decode").
     out: [rows, Hq, D]; lse: float32 [rows, Hq].
     checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, or (out, lse) when return_lse or lse is given.
@@ -496,6 +500,7 @@ def decode(
         max_seq_len=int(max_seq_len),
         workspace=_workspace(workspace, "workspace"),
         deterministic=bool(deterministic),
+        batch_invariant=bool(batch_invariant),
         checked=bool(checked),
         stream=_stream(q, stream),
     )
@@ -611,6 +616,7 @@ def forward(
     workspace: Any = None,
     decode_workspace: Optional["DecodeWorkspace"] = None,
     deterministic: bool = True,
+    batch_invariant: bool = False,
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
@@ -625,7 +631,7 @@ def forward(
     beam_width per generation request). cu_seqlens_q: int32 [requests + 1] token offsets (host
     memory); past_lens: int32 [requests] tokens cached before this step (host memory).
     decode_workspace: a DecodeWorkspace for the generation rows' split-KV calls (see decode);
-    deterministic: as in decode, for the generation rows.
+    deterministic, batch_invariant: as in decode, for the generation rows.
     out: [num_tokens, Hq, D]; lse: float32 [num_tokens, Hq].
     checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, or (out, lse) when return_lse or lse is given.
@@ -671,6 +677,7 @@ def forward(
         num_splits=int(num_splits),
         decode_workspace=_workspace(decode_workspace, "decode_workspace"),
         deterministic=bool(deterministic),
+        batch_invariant=bool(batch_invariant),
         checked=bool(checked),
         stream=_stream(qkv, stream),
     )

@@ -379,8 +379,8 @@ void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_s
 void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_cache,
                const OutArray& out, const std::optional<OutArray>& lse, int32_t beam_width,
                const std::optional<InArray>& cache_indirection, int32_t num_splits,
-               int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic, bool checked,
-               uintptr_t stream) {
+               int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic,
+               bool batch_invariant, bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   DecodeArgs args;
   args.q = to_view(q, "q");
@@ -393,6 +393,7 @@ void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_c
   args.max_seq_len = max_seq_len;
   args.workspace = workspace;
   args.deterministic = deterministic;
+  args.batch_invariant = batch_invariant;
   args.checked = checked;
   nb::gil_scoped_release release;
   decode(spec, args, to_stream(stream));
@@ -424,8 +425,8 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
                 const OutArray& out, int32_t beam_width, const std::optional<InArray>& qkv_bias,
                 const std::optional<InArray>& cache_indirection, const std::optional<OutArray>& lse,
                 const std::optional<OutArray>& workspace, int32_t num_splits,
-                DecodeWorkspace* decode_workspace, bool deterministic, bool checked,
-                uintptr_t stream) {
+                DecodeWorkspace* decode_workspace, bool deterministic, bool batch_invariant,
+                bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   ForwardArgs args;
   args.checked = checked;
@@ -443,6 +444,7 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
   args.num_splits = num_splits;
   args.decode_workspace = decode_workspace;
   args.deterministic = deterministic;
+  args.batch_invariant = batch_invariant;
   nb::gil_scoped_release release;
   forward(spec, args, to_stream(stream));
 }
@@ -731,8 +733,8 @@ NB_MODULE(_attnkit, m) {
   m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "beam_width"_a = 1,
         "cache_indirection"_a.none() = nb::none(), "num_splits"_a = 0, "max_seq_len"_a = 0,
-        "workspace"_a.none() = nb::none(), "deterministic"_a = true, "checked"_a = false,
-        "stream"_a = 0);
+        "workspace"_a.none() = nb::none(), "deterministic"_a = true, "batch_invariant"_a = false,
+        "checked"_a = false, "stream"_a = 0);
   m.def("append_kv", &py_append_kv, "spec"_a, "kv_cache"_a, "positions"_a, "row_of_token"_a,
         "q_out"_a.noconvert(), "qkv"_a.none() = nb::none(), "q"_a.none() = nb::none(),
         "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "qkv_bias"_a.none() = nb::none(),
@@ -741,8 +743,8 @@ NB_MODULE(_attnkit, m) {
         "num_context"_a, "out"_a.noconvert(), "beam_width"_a = 1, "qkv_bias"_a.none() = nb::none(),
         "cache_indirection"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
         "workspace"_a.noconvert().none() = nb::none(), "num_splits"_a = 0,
-        "decode_workspace"_a.none() = nb::none(), "deterministic"_a = true, "checked"_a = false,
-        "stream"_a = 0);
+        "decode_workspace"_a.none() = nb::none(), "deterministic"_a = true,
+        "batch_invariant"_a = false, "checked"_a = false, "stream"_a = 0);
   m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "timestep"_a = 0.0, "block_m"_a = 128,
         "block_n"_a = 128, "stats"_a = true, "skip_stats"_a.noconvert().none() = nb::none(),

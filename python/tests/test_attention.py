@@ -149,6 +149,29 @@ def test_decode_paged_matches_numpy(rng, q_dtype, window):
         assert_close(out[r:r + 1], ref, naive)
 
 
+def test_decode_batch_invariant_rows_equal_alone(rng):
+    """batch_invariant=True: the reference accepts it, changes no bit, and a row alone equals the
+    same row in the batch; a forced split count is rejected."""
+    hq, hkv, d, block = 4, 2, 64, 16
+    lens = [5, 33, 17]
+    pool, table, _ = _paged_cache(rng, lens, hkv, d, block, np.float16)
+    q = rng.standard_normal((len(lens), hq, d)).astype(np.float32)
+    lens32 = np.array(lens, np.int32)
+    base, base_lse = attnkit.decode(q, pool[:, 0], pool[:, 1], lens32, table, return_lse=True)
+    got, got_lse = attnkit.decode(q, pool[:, 0], pool[:, 1], lens32, table, return_lse=True,
+                                  batch_invariant=True)
+    np.testing.assert_array_equal(got, base)
+    np.testing.assert_array_equal(got_lse, base_lse)
+    for r in range(len(lens)):
+        alone, alone_lse = attnkit.decode(q[r:r + 1], pool[:, 0], pool[:, 1], lens32[r:r + 1],
+                                          table[r:r + 1], return_lse=True, batch_invariant=True)
+        np.testing.assert_array_equal(alone[0], got[r])
+        np.testing.assert_array_equal(alone_lse[0], got_lse[r])
+    with pytest.raises(attnkit.Error, match="num_splits"):
+        attnkit.decode(q, pool[:, 0], pool[:, 1], lens32, table, num_splits=2,
+                       batch_invariant=True)
+
+
 def test_decode_bad_block_id_rejected(rng):
     pool, table, _ = _paged_cache(rng, [20], 2, 64, 16, np.float16)
     q = rng.standard_normal((1, 2, 64)).astype(np.float32)

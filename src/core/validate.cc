@@ -181,6 +181,10 @@ DecodeProblem validate_decode(const AttentionSpec& spec, const DecodeArgs& args)
   }
   v.check(args.num_splits >= 0, "num_splits", "must be >= 0 (0 = heuristic), got ",
           args.num_splits);
+  v.check(!args.batch_invariant || args.num_splits == 0, "num_splits",
+          "must be 0 with batch_invariant = true (the mode fixes the split length at 1024 keys), "
+          "got ",
+          args.num_splits);
   v.check(args.max_seq_len >= 0, "max_seq_len", "must be >= 0 (0 = the row capacity), got ",
           args.max_seq_len);
   if (args.workspace != nullptr) {

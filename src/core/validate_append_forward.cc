@@ -142,6 +142,10 @@ ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& ar
   }
   v.check(args.num_splits >= 0, "num_splits", "must be >= 0 (0 = heuristic), got ",
           args.num_splits);
+  v.check(!args.batch_invariant || args.num_splits == 0, "num_splits",
+          "must be 0 with batch_invariant = true (the mode fixes the split length at 1024 keys), "
+          "got ",
+          args.num_splits);
   if (args.decode_workspace != nullptr) {
     v.check(args.decode_workspace->device() == p.device, "decode_workspace",
             "must be on the device of qkv (", p.device.str(), "), got one on ",

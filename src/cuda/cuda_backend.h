@@ -34,8 +34,9 @@ void fused_prefill(const AttentionSpec& spec, const PrefillArgs& args,
 // nothing. forward() checks before it enqueues its first kernel.
 void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& args,
                                   const detail::DecodeProblem& p, const char* what);
+// `op`: the call the decode serves, named by its device faults (forward() passes Op::kForward).
 void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
-                  Stream stream);
+                  Stream stream, Op op = Op::kDecode);
 void fused_append_kv(const AttentionSpec& spec, const AppendKvArgs& args,
                      const detail::AppendKvProblem& p, Stream stream);
 void fused_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,

@@ -137,6 +137,7 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     decode.max_seq_len = p.max_kv_len;
     decode.workspace = args.decode_workspace;
     decode.deterministic = args.deterministic;
+    decode.batch_invariant = args.batch_invariant;
     dp.device = p.device;
     dp.dtype = p.dtype;
     dp.kv_dtype = p.kv_dtype;

@@ -41,7 +41,8 @@ void fused_decode_check_workspace(const AttentionSpec&, const DecodeArgs&,
                                   const detail::DecodeProblem&, const char*) {
   no_cuda();
 }
-void fused_decode(const AttentionSpec&, const DecodeArgs&, const detail::DecodeProblem&, Stream) {
+void fused_decode(const AttentionSpec&, const DecodeArgs&, const detail::DecodeProblem&, Stream,
+                  Op) {
   no_cuda();
 }
 void fused_append_kv(const AttentionSpec&, const AppendKvArgs&, const detail::AppendKvProblem&,

@@ -440,9 +440,14 @@ TEST(BenchCommand, SelfTestRunsEverySubcommandOnTheReference) {
   EXPECT_EQ(r["rows"][1]["batch"], 3);
   EXPECT_EQ(r["rows"][1]["kv_dtype"], kv);
   EXPECT_EQ(r["rows"][1]["merge"], "auto");
+  EXPECT_EQ(r["rows"][1]["batch_invariant"], false);
   // KV bytes that must be read: 2 (K, V) x batch x context x kv_heads x D x element size.
   const double element = std::string(kv) == "bf16" ? 2 : 1;
   EXPECT_NEAR(r["rows"][1]["kv_mb"].get<double>(), 2 * 3 * context * 2 * 64 * element * 1e-6, 1e-9);
+  r = run_self_test("decode --batch 2 --context " + std::to_string(context) +
+                        " --q-heads 4 --kv-heads 2 --head-dim 64 --page 16 --batch-invariant",
+                    1);
+  EXPECT_EQ(r["rows"][0]["batch_invariant"], true);
   const int seqlen = 16 + static_cast<int>(rng() % 64);
   run_self_test("prefill --seqlen " + std::to_string(seqlen) +
                     " --batch 2 --heads 4 --kv-heads 2 --head-dim 64 --causal",

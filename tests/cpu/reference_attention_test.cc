@@ -431,6 +431,54 @@ TEST(ReferenceDecode, SplitCountDoesNotChangeTheResult) {
   }
 }
 
+// The reference computes each row on its own: batch_invariant is accepted and changes no bit, and
+// a row computed alone (a batch of one: its q row, its seq_lens and block-table row) equals the
+// same row inside the batch.
+TEST(ReferenceDecode, BatchInvariantChangesNothingAndRowsEqualAlone) {
+  std::mt19937_64 rng(test_seed());
+  const AttentionSpec spec = make_spec(4, 2, 16, causal());
+  OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 2, 16, 8, 4, 6, rng);
+  const std::vector<int32_t> lens = {1, 30, 17, 8};
+  fill_cache(cache, lens, 2, 16, rng);
+  HostTensor q(DType::kBF16, {4, 4, 16});
+  q.fill_uniform(rng, -1, 1);
+  const DecodeRun base = run_decode(spec, cache.view(), q);
+  auto run = [&](const KvCacheView& view, const TensorView& q_rows, int64_t rows) {
+    HostTensor out(DType::kBF16, {rows, 4, 16});
+    HostTensor lse(DType::kF32, {rows, 4});
+    out.fill(NAN);
+    lse.fill(NAN);
+    DecodeArgs args;
+    args.q = q_rows;
+    args.kv_cache = view;
+    args.out = out;
+    args.lse = lse;
+    args.batch_invariant = true;
+    call::decode(spec, args);
+    return DecodeRun{out.to_double(), lse.to_double()};
+  };
+  const DecodeRun invariant = run(cache.view(), q, 4);
+  EXPECT_FALSE(any_nan(invariant.out));
+  EXPECT_EQ(max_abs_diff(base.out, invariant.out), 0.0);
+  EXPECT_EQ(max_abs_diff(base.lse, invariant.lse), 0.0);
+  for (int64_t r = 0; r < 4; ++r) {
+    KvCacheView one = cache.view();
+    one.seq_lens.data = static_cast<int32_t*>(one.seq_lens.data) + r * one.seq_lens.strides[0];
+    one.seq_lens.shape[0] = 1;
+    one.block_table.data =
+        static_cast<int32_t*>(one.block_table.data) + r * one.block_table.strides[0];
+    one.block_table.shape[0] = 1;
+    TensorView q_row = q;
+    q_row.data = static_cast<uint8_t*>(q_row.data) + r * q_row.strides[0] * 2;
+    q_row.shape[0] = 1;
+    const DecodeRun alone = run(one, q_row, 1);
+    const std::vector<double> row(base.out.begin() + r * 64, base.out.begin() + (r + 1) * 64);
+    const std::vector<double> row_lse(base.lse.begin() + r * 4, base.lse.begin() + (r + 1) * 4);
+    EXPECT_EQ(max_abs_diff(alone.out, row), 0.0) << "row " << r;
+    EXPECT_EQ(max_abs_diff(alone.lse, row_lse), 0.0) << "row " << r;
+  }
+}
+
 TEST(ReferenceDecode, GqaEqualsMhaWithRepeatedKvHeads) {
   std::mt19937_64 rng(test_seed());
   const int32_t hq = 8, d = 16, tpb = 8;

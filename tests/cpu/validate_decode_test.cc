@@ -430,6 +430,21 @@ TEST(ValidateDecode, RejectsSplitAndLengthBounds) {
   }
 }
 
+// batch_invariant fixes the split length: a forced split count is rejected, the heuristic's 0
+// accepted (with deterministic = false too, which the mode overrides).
+TEST(ValidateDecode, BatchInvariantTakesNoSplitCount) {
+  for (int32_t splits : {1, 4}) {
+    DecodeCall call;
+    call.args.batch_invariant = true;
+    call.args.num_splits = splits;
+    call.expect_rejected("num_splits");
+  }
+  DecodeCall call;
+  call.args.batch_invariant = true;
+  call.args.deterministic = false;
+  EXPECT_NO_THROW(detail::validate_decode(call.spec, call.args));
+}
+
 TEST(ValidateDecode, RejectsCudaAlignment) {
   auto cuda_call = [] {
     DecodeCall call;

@@ -89,6 +89,12 @@ TEST(ValidateForward, RejectsCountsAndBeamWidth) {
     call.args.num_splits = -2;
     call.expect_rejected("num_splits");
   }
+  {
+    ForwardCall call;  // batch_invariant fixes the decode rows' split length
+    call.args.batch_invariant = true;
+    call.args.num_splits = 2;
+    call.expect_rejected("num_splits");
+  }
 }
 
 TEST(ValidateForward, RejectsBadCuSeqlens) {

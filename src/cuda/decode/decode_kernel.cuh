@@ -434,11 +434,21 @@ __device__ __forceinline__ void decode_combine_accumulated(const DecodeParams& p
     // with the outliers' partials by their LSEs. Rare (scores far from 0 in log2 units, or huge
     // values), so plain loads a (split, item).
     float m = d > 0.0f ? log2f(d) : -INFINITY;
+    bool faulted = false;  // an outlier split a guard stopped (decode_faulted_lse)
     for (int w = 0; w < kMaskWords; ++w) {
       for (uint32_t bits = mask[w]; bits != 0u; bits &= bits - 1u) {
         const int s = 32 * w + __ffs(bits) - 1;
-        m = fmaxf(m, __ldcg(p.partial_lse + s * split_stride + first_item + r) * kLog2e);
+        const float lse = __ldcg(p.partial_lse + s * split_stride + first_item + r);
+        faulted = faulted || decode_lse_faulted(lse);
+        m = fmaxf(m, lse * kLog2e);
       }
+    }
+    if (faulted) {
+      out[i % kD] = QT(0.0f);
+      if (p.lse != nullptr && i % kD == 0) {
+        p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] = -INFINITY;
+      }
+      continue;
     }
     // Every contribution empty (no keys anywhere): zeros, LSE -inf.
     const float m_ref = m == -INFINITY ? 0.0f : m;
@@ -551,6 +561,7 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
   stage_chunk(0);
   if (num_chunks > 1) stage_chunk(1);
   float* weight = scratch;  // [kM][num_splits]
+  bool item_faulted = false;
   for (int r = warp; r < heads_here; r += Traits::kWarps) {
     float lse[kLsePerLane];
     float m = -INFINITY;
@@ -565,14 +576,17 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       }
       m = fmaxf(m, lse[i]);
     }
-    // Empty splits have LSE -inf (and wrote zeros): weight 0.
-    const float sum = split_weights(lse, m, num_splits, lane, weight + r * num_splits);
+    // Empty splits have LSE -inf (and wrote zeros): weight 0. A split a guard stopped marks
+    // every head of the item: weights 0, LSE -inf, and the outputs are written as zeros below.
+    bool faulted;
+    const float sum = split_weights(lse, m, num_splits, lane, weight + r * num_splits, faulted);
+    item_faulted = item_faulted || faulted;
     if (lane == 0 && p.lse != nullptr) {
       p.lse[row * p.lse_row_stride + (first_head + r) * p.lse_head_stride] =
           sum > 0.0f ? m + logf(sum) : -INFINITY;
     }
   }
-  __syncthreads();
+  item_faulted = __syncthreads_or(item_faulted) != 0;
   // Each output vector (a head's kPerVec d's) is summed over the splits by `parts` consecutive
   // threads, the splits strided among them and their sums shuffled together, so that a CTA with
   // fewer vectors than threads (4 heads x 16 vectors at head_dim 128: 64 of 128 threads) keeps
@@ -640,9 +654,48 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
       QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride +
                 (first_head + r) * p.out_head_stride + kPerVec * c;
 #pragma unroll
-      for (int k = 0; k < kPerVec; ++k) out[k] = QT(acc[j][k]);
+      for (int k = 0; k < kPerVec; ++k) out[k] = QT(item_faulted ? 0.0f : acc[j][k]);
     }
   }
+}
+
+// The capacity a row's length is checked against: the row's slots for a linear cache; a cyclic
+// cache's length is unbounded (its slots wrap).
+__device__ __forceinline__ int64_t decode_len_capacity(const DecodeParams& p) {
+  return p.kv.window_slots == 0 ? p.kv.row_capacity() : INT64_MAX;
+}
+
+// Records the faults a decode CTA met (decode_kernel and the wgmma kernel keep only a flag and a
+// key in their loops and call this once, at their end, where nothing is live across the call: a
+// call site earlier made ptxas keep more registers, and spill in the wgmma kernel's 3-CTA build).
+// bad_len: the row's length is outside [0, decode_len_capacity] (read again); pos >= 0: the key
+// position of a failed guard, whose cache_indirection entry (when it names no beam) or else
+// block-table entry of the key's page is read again and recorded.
+__device__ __noinline__ inline void record_decode_faults(const DecodeParams& p, int row,
+                                                         bool bad_len, int32_t pos) {
+  if (bad_len) {
+    record_fault(p.fault, FaultKind::kSeqLen, FaultArg::kSeqLens, row, 0, p.seq_lens[row],
+                 decode_len_capacity(p));
+  }
+  if (pos < 0) return;
+  int64_t src_row = row;
+  if (p.cache_indirection != nullptr) {
+    const int beam_seq = row / p.beam_width, beam = row % p.beam_width;
+    const int32_t src_beam =
+        p.cache_indirection[beam_seq * p.indirection_seq_stride + beam * p.indirection_beam_stride +
+                            pos * p.indirection_pos_stride];
+    if (static_cast<uint32_t>(src_beam) >= static_cast<uint32_t>(p.beam_width)) {
+      record_fault(p.fault, FaultKind::kIndirection, FaultArg::kCacheIndirection, row, pos,
+                   src_beam, p.beam_width);
+      return;
+    }
+    src_row = static_cast<int64_t>(beam_seq) * p.beam_width + src_beam;
+  }
+  if (p.kv.block_table == nullptr) return;
+  const int64_t column = p.kv.slot_of(pos) >> p.page_shift;
+  const int32_t block = p.kv.block_table[src_row * p.kv.block_table_row_stride + column];
+  record_fault(p.fault, FaultKind::kBlockId, FaultArg::kBlockTable, src_row, column, block,
+               p.kv.num_blocks);
 }
 
 // Before griddepcontrol.wait (a programmatic launch), the previous kernel may still be writing
@@ -652,8 +705,10 @@ __device__ __forceinline__ void decode_combine_in_last_cta(const DecodeParams& p
 // previous kernel writes afterwards is not stale) of the K and V the CTA's first tiles read at
 // its early-ramp guess (split * split_keys_guess). DRAM then streams them while the previous
 // kernel's tail (its last CTAs, a split merge) runs, and the CTA's first copies after the wait
-// hit L2. Block ids outside the pool (stale or unwritten entries) are skipped. One thread a (page,
-// K or V) run of tokens.
+// hit L2. Block ids outside the pool (stale or unwritten entries) are skipped, and a run never
+// leaves its page (its length is clipped to the page and the row's length), so no prefetch
+// leaves the pool; nothing read here is a fault (it may be stale): the guards run on the values
+// read after the wait. One thread a (page, K or V) run of tokens.
 template <int kTokenBytes>
 __device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& p, int row,
                                                             int kv_head, int split) {
@@ -744,7 +799,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   const int first_head = kv_head * p.group_size + head_block * kM;
   const int heads_here = min(kM, p.group_size - head_block * kM);
 
-  const int32_t seq_len = p.seq_lens[row];
+  // The row's length, guarded: a linear row holds at most its capacity (table columns x
+  // tokens_per_block), a cyclic one any length >= 0. A bad length is taken as 0 (the row reads
+  // nothing and is written as zeros with LSE -inf) and recorded once, by the row's first CTA, at
+  // the end (record_decode_faults).
+  int32_t seq_len = p.seq_lens[row];
+  const bool bad_len = seq_len < 0 || seq_len > decode_len_capacity(p);
+  if (bad_len) seq_len = 0;
   // Early ramp: the block-table entries of the first tiles and Q do not wait for seq_len. With a
   // plain paged cache and no window, split s starts at s * split_keys_guess when the row has
   // max_seq_len keys; the entries read there (columns clamped to the table) are used only when the
@@ -793,14 +854,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   load_q();
   const int32_t q_pos = seq_len - 1;
   const DecodeKeyRange keys(seq_len, p.window, p.sink_tokens);
+  // Batch-invariant calls (split_keys > 0) fix the split length, the last split reading to the
+  // row's end; otherwise the row's keys are shared out over the splits.
   const int32_t keys_per_split =
-      ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
+      p.split_keys > 0
+          ? p.split_keys
+          : ((keys.num_keys + p.num_splits - 1) / p.num_splits + kTileN - 1) / kTileN * kTileN;
   const int32_t key_begin = split * keys_per_split;
   // An empty split (key_begin >= key_end) runs no tile and writes zeros with LSE -inf.
-  const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
+  const int32_t key_end = p.split_keys > 0 && split == p.num_splits - 1
+                              ? keys.num_keys
+                              : min(keys.num_keys, key_begin + keys_per_split);
 
   const int beam_seq = row / p.beam_width;
   const int beam = row % p.beam_width;
+  // Device guards (docs/safety.md): every block id is compared with the pool where a key's address
+  // is formed (one compare per key lane and tile, beside its block-table load), every
+  // cache_indirection entry with the beams. A failed guard gives the key offset -1 (the copy
+  // zero-fills it, nothing is read) and keeps the key's position in fault_pos; after the loop
+  // the CTA's result is discarded for zeros (decode_faulted_lse for a split, which the merge turns
+  // into zeros for the row), and the fault is recorded at the kernel's end (record_decode_faults).
+  int32_t fault_pos = -1;
   // Stage loader, in two steps. key_offset(): lane t < kCopyKeys of warp w computes the byte
   // offset of key kCopyKeys * w + t of a tile (block table, cyclic slot, beam indirection: all
   // through KvLayout), or -1 past the split. copy_tile(): the copy lanes fetch the offsets by
@@ -816,17 +890,37 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if (lane >= kCopyKeys || key >= key_end) return -1;
     const int32_t pos = keys.position(key);
     if (plain_paged) {
-      return static_cast<int64_t>(table_row[pos >> p.page_shift]) * p.kv.block_stride_bytes +
-             head_bytes + (pos & page_mask) * (Traits::kChunksPerToken * 16);
+      const int32_t block = table_row[pos >> p.page_shift];
+      if (static_cast<uint32_t>(block) >= static_cast<uint32_t>(p.kv.num_blocks)) {
+        fault_pos = pos;
+        return -1;
+      }
+      return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
+             (pos & page_mask) * (Traits::kChunksPerToken * 16);
     }
     int64_t src_row = row;
     if (p.cache_indirection != nullptr) {
       const int32_t src_beam =
           p.cache_indirection[beam_seq * p.indirection_seq_stride +
                               beam * p.indirection_beam_stride + pos * p.indirection_pos_stride];
+      if (static_cast<uint32_t>(src_beam) >= static_cast<uint32_t>(p.beam_width)) {
+        fault_pos = pos;
+        return -1;
+      }
       src_row = static_cast<int64_t>(beam_seq) * p.beam_width + src_beam;
     }
-    return p.kv.byte_offset_shift(src_row, p.kv.slot_of(pos), kv_head, 0, p.page_shift);
+    const int64_t slot = p.kv.slot_of(pos);
+    if (p.kv.block_table == nullptr) {
+      return p.kv.byte_offset_shift(src_row, slot, kv_head, 0, p.page_shift);
+    }
+    const int64_t column = slot >> p.page_shift;
+    const int32_t block = p.kv.block_table[src_row * p.kv.block_table_row_stride + column];
+    if (static_cast<uint32_t>(block) >= static_cast<uint32_t>(p.kv.num_blocks)) {
+      fault_pos = pos;
+      return -1;
+    }
+    return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
+           (slot & page_mask) * (Traits::kChunksPerToken * 16);
   };
   const uint64_t kv_policy = decode_kv_policy();
   // Copies K (copy_k) and / or V (copy_v) of a tile's keys into k_dst / v_dst.
@@ -956,10 +1050,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #pragma unroll
       for (int s = 0; s < kOffsetTiles; ++s) {
         const int32_t key = key_begin + s * kTileN + copy_slot * kCopyKeys + lane;
-        offsets[s] = lane < kCopyKeys && key < key_end
-                         ? static_cast<int64_t>(early_block[s]) * p.kv.block_stride_bytes +
-                               head_bytes + (key & page_mask) * (Traits::kChunksPerToken * 16)
-                         : -1;
+        offsets[s] = -1;
+        if (lane < kCopyKeys && key < key_end) {
+          if (static_cast<uint32_t>(early_block[s]) < static_cast<uint32_t>(p.kv.num_blocks)) {
+            offsets[s] = static_cast<int64_t>(early_block[s]) * p.kv.block_stride_bytes +
+                         head_bytes + (key & page_mask) * (Traits::kChunksPerToken * 16);
+          } else {
+            fault_pos = key;  // no window here: the key is its position
+          }
+        }
       }
     } else {
 #pragma unroll
@@ -1344,9 +1443,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
   }
 
-  // Merge the warps' states through shared memory (the pipeline is drained first).
+  // Merge the warps' states through shared memory (the pipeline is drained first). A CTA whose
+  // guards failed anywhere keeps nothing of what it read: its state is that of a row without keys
+  // (zeros, LSE -inf), and a split marks its LSE as faulted for the merge.
   cp_async_wait<0>();
-  __syncthreads();
+  const bool row_fault = __syncthreads_or(fault_pos >= 0) != 0;
+  if (row_fault) {
+#pragma unroll
+    for (int n = 0; n < Traits::kAccTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    m_run[0] = m_run[1] = -INFINITY;
+    l_run[0] = l_run[1] = 0.0f;
+  }
   constexpr int kMergeStride = Traits::kMergeStride;
   float* merge_o = reinterpret_cast<float*>(pipe_smem);            // [warp][kMB][kMergeStride]
   float* merge_m = merge_o + Traits::kWarps * kMB * kMergeStride;  // [warp][kMB]
@@ -1441,7 +1548,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if (p.num_splits == 1) {
       if (p.lse != nullptr) p.lse[row * p.lse_row_stride + head * p.lse_head_stride] = lse;
     } else if (!accumulate) {
-      p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] = lse;
+      p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] =
+          row_fault ? decode_faulted_lse() : lse;
     }
   }
   // A thread's output items are unrolled, computed with unguarded shared loads (rows of padding
@@ -1528,7 +1636,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       }
       if (static_cast<int>(threadIdx.x) + j * Traits::kThreads < out_vecs) in_range &= ok;
     }
-    outlier = __syncthreads_or(!in_range);
+    // A faulted split goes through its partial, whose LSE carries the mark.
+    outlier = __syncthreads_or(!in_range || row_fault);
     const int64_t first_item = static_cast<int64_t>(row) * p.num_q_heads + first_head;
     float4* dst = reinterpret_cast<float4*>(
         outlier ? p.partial_out +
@@ -1575,7 +1684,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       const int head = first_head + r;
       if (outlier) {
         p.partial_lse[(static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + head] =
-            decode_natural_lse(ml.x, ml.y);
+            row_fault ? decode_faulted_lse() : decode_natural_lse(ml.x, ml.y);
       } else if (ml.y != 0.0f) {
         atomicAdd(p.merge_den + static_cast<int64_t>(row) * p.num_q_heads + head,
                   exp2f(ml.x) * ml.y);
@@ -1597,6 +1706,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       decode_combine_in_last_cta<Traits>(p, row, kv_head, head_block, first_head, heads_here,
                                          reinterpret_cast<float*>(pipe_smem));
     }
+  }
+  // Faults are recorded last by the CTAs of KV head 0 and head block 0 (every item of the row
+  // meets the same entries): a bad length by the row's first CTA, a failed key guard by each lane
+  // that met one, for the last key it met.
+  if (blockIdx.y == 0 && head_block == 0 &&
+      (fault_pos >= 0 || (bad_len && threadIdx.x == 0 && split == 0))) {
+    record_decode_faults(p, row, bad_len, fault_pos);
   }
 }
 

@@ -15,6 +15,7 @@
 #include "core/decode_workspace_check.h"
 #include "core/kv_access.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/device_fault.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/decode/decode_launch.h"
 
@@ -107,6 +108,12 @@ int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_
   if (group_size <= 8) return 8;
   if (group_size <= 16) return 16;
   return !eight_bit_cache && rows_x_kv_heads * 16 >= sm_count ? 32 : 8;
+}
+
+int decode_batch_invariant_heads_per_cta(int32_t group_size, bool eight_bit_cache) {
+  if (group_size <= 8) return 8;
+  if (group_size <= 16) return 16;
+  return eight_bit_cache ? 8 : 32;
 }
 
 bool decode_two_m_block_covers_sms(int64_t ctas, int sm_count, int64_t max_keys) {
@@ -260,6 +267,9 @@ struct DecodePlan {
   bool separate_merge = false;
   bool accumulate = false;
   int64_t zeroed_words = 0;
+  // Warps of the separate merge per (row, query head) (decode_merge_warps_per_item); batch-
+  // invariant calls always take 1.
+  int merge_warps = 1;
 };
 
 DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
@@ -301,11 +311,19 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   plan.sm_count = sm_count;
   plan.compute_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
   DecodeKernelChoice& choice = plan.choice;
-  choice.heads_per_cta = decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
-                                              p.num_rows * spec.num_kv_heads, sm_count);
+  // Batch-invariant calls (DecodeArgs::batch_invariant) take one kernel for the spec and the
+  // dtypes whatever the batch: the tile of decode_batch_invariant_heads_per_cta, the mma.sync
+  // kernels (not the wgmma one), the 4-CTA 8-bit kernel wherever it exists (wide_grid), splits
+  // of kDecodeBatchInvariantSplitKeys keys and the separate merge of one warp an item.
+  const bool invariant = args.batch_invariant;
+  choice.heads_per_cta =
+      invariant
+          ? decode_batch_invariant_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1)
+          : decode_heads_per_cta(params.group_size, dtype_size(p.kv_dtype) == 1,
+                                 p.num_rows * spec.num_kv_heads, sm_count);
   // The Hopper warpgroup-MMA kernel for calls in its scope (decode_wgmma.cu) on the grids where it
   // beats the mma.sync kernels (decode_wgmma_plan).
-  if (plan.compute_major == 9 && decode_wgmma_compiled() && spec.head_dim == 128 &&
+  if (!invariant && plan.compute_major == 9 && decode_wgmma_compiled() && spec.head_dim == 128 &&
       p.kv_dtype == p.dtype && !spec.alibi && spec.logit_softcap <= 0.0 &&
       spec.mask.kind != MaskKind::kSlidingWindow && params.kv.window_slots == 0 &&
       !args.cache_indirection.defined() && params.group_size >= 16 &&
@@ -348,7 +366,21 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   const auto fills_four_ctas_per_sm = [&](int64_t grid_ctas) {
     return grid_ctas * 100 >= static_cast<int64_t>(sm_count) * 380;
   };
-  if (plan.wgmma.use) {
+  if (invariant) {
+    // Splits of a fixed length, as many as the longest row's keys need (at least two, so that
+    // every row goes through the same merge; at most kDecodeMaxSplits, the last one reading to
+    // the row's end). A row's splits, their order in the merge and the kernels are then the same
+    // in every batch: the empty splits past a row's end add exact zeros.
+    int64_t max_keys = p.max_seq_len;
+    if (params.window > 0) {
+      max_keys =
+          std::min<int64_t>(max_keys, static_cast<int64_t>(params.window) + params.sink_tokens);
+    }
+    params.split_keys = kDecodeBatchInvariantSplitKeys;
+    params.num_splits = static_cast<int32_t>(std::clamp<int64_t>(
+        (max_keys + kDecodeBatchInvariantSplitKeys - 1) / kDecodeBatchInvariantSplitKeys, 2,
+        kDecodeMaxSplits));
+  } else if (plan.wgmma.use) {
     params.num_splits = plan.wgmma.num_splits;
   } else if (args.num_splits > 0) {
     params.num_splits = std::min(args.num_splits, kDecodeMaxSplits);
@@ -379,10 +411,11 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
       }
     }
   }
-  choice.wide_grid = fills_four_ctas_per_sm(ctas * params.num_splits);
+  choice.wide_grid = invariant || fills_four_ctas_per_sm(ctas * params.num_splits);
   // The kernel's split length (keys_per_split) for a row of max_seq_len keys.
-  params.split_keys_guess = static_cast<int32_t>(
-      decode_split_keys<int64_t>(p.max_seq_len, params.num_splits, info.tile_n));
+  params.split_keys_guess = invariant ? params.split_keys
+                                      : static_cast<int32_t>(decode_split_keys<int64_t>(
+                                            p.max_seq_len, params.num_splits, info.tile_n));
 
   // Programmatic dependent launch on sm_90+ (decode_programmatic_launch): the next kernel's CTAs
   // become resident while this one's tail runs. Through a caller workspace (H200): bf16 1 x 32k
@@ -407,7 +440,12 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
         spec.head_dim * static_cast<int32_t>(dtype_size(p.kv_dtype)));
     params.pool_blocks = cache.num_blocks;
   }
-  if (params.num_splits > 1) {
+  if (params.num_splits > 1 && invariant) {
+    // The separate merge of one warp an item: its order of the splits depends on head_dim only.
+    plan.separate_merge = true;
+    plan.merge_warps = 1;
+  } else if (params.num_splits > 1) {
+    plan.merge_warps = decode_merge_warps_per_item(p.num_rows * spec.num_q_heads, sm_count);
     plan.accumulate = decode_accumulate_merge(
         args.deterministic, plan.compute_major, params.num_splits, params.group_size, spec.head_dim,
         choice.heads_per_cta, plan.wgmma.use || four_ctas, ctas * params.num_splits, sm_count);
@@ -537,12 +575,13 @@ void fused_decode_check_workspace(const AttentionSpec& spec, const DecodeArgs& a
 }
 
 void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detail::DecodeProblem& p,
-                  Stream stream_handle) {
+                  Stream stream_handle, Op op) {
   const std::string reason = fused_decode_unsupported(spec, p);
   ATTNKIT_CHECK(reason.empty(), "decode: backend 'fused' cannot serve this call: ", reason);
   const cudaStream_t stream = as_cuda_stream(stream_handle);
   DecodePlan plan = plan_decode(spec, args, p);
   DecodeParams& params = plan.params;
+  params.fault = fault_site(op);
   // Large groups and KV heads of many partials are merged by a kernel of their own after the
   // decode grid, which then needs no counters (decode_separate_merge).
   const bool separate_merge = plan.separate_merge;
@@ -555,9 +594,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
                     stream);
     }
     if (separate_merge) {
-      launch_decode_merge(params, p.dtype, plan.compute_major >= 9,
-                          decode_merge_warps_per_item(p.num_rows * spec.num_q_heads, plan.sm_count),
-                          stream);
+      launch_decode_merge(params, p.dtype, plan.compute_major >= 9, plan.merge_warps, stream);
     }
   };
   if (params.num_splits == 1) {

@@ -60,6 +60,11 @@ DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelC
 int decode_heads_per_cta(int32_t group_size, bool eight_bit_cache, int64_t rows_x_kv_heads,
                          int sm_count);
 
+// The same for batch-invariant calls (DecodeArgs::batch_invariant): the tile decode_heads_per_cta
+// gives large batches, fixed for the group and the cache's element size alone (8 heads for groups
+// of up to 8, 16 up to 16, beyond that 32 for 16-bit caches and head blocks of 8 for 8-bit ones).
+int decode_batch_invariant_heads_per_cta(int32_t group_size, bool eight_bit_cache);
+
 // Whether a grid of `ctas` two-M-block CTAs (32 heads, decode_heads_per_cta) of at most max_keys
 // keys each covers enough SMs with one CTA each to take no split: 95% of them, or 78% when the
 // CTAs read at most 4096 keys. With its pairs of warps meeting on their own barriers that kernel

@@ -28,7 +28,10 @@ constexpr int kLoadBatch = 8;
 
 // out[row, head] = sum_s w_s partial_s with w_s = exp(lse_s - m) / sum_s' exp(lse_s' - m),
 // lse = m + log(sum); splits without keys have LSE -inf (and zero outputs): weight 0. A row whose
-// splits are all empty gives zeros and LSE -inf. kWarpsPerItem warps share one (row, head): the
+// splits are all empty gives zeros and LSE -inf, and so does a (row, head) whose splits include
+// one that a device guard stopped (its LSE holds decode_faulted_lse()). The kernel reads no device
+// metadata itself: the split count and the workspace's extent come from the host, so no length
+// can take it outside the partials. kWarpsPerItem warps share one (row, head): the
 // first computes the weights, each sums its share of the splits, the first adds the shares. The
 // bound's 4 CTAs an SM frees ptxas's register budget: without it, it sank the batch's loads
 // between the adds (one load in flight a lane, 43 registers); with it, the 8 issue together (72).
@@ -45,6 +48,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
   __shared__ float weights[kItemsPerCta][kDecodeMaxSplits];
   // Per warp: the output sums of each lane (at most 32 lanes of 8 floats).
   __shared__ float sums[kMergeWarps][32 * 8];
+  // Per item: a split holds the faulted mark (split_weights.cuh): zeros and LSE -inf.
+  __shared__ int faulted_item[kItemsPerCta];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int local = warp / kWarpsPerItem, part = warp % kWarpsPerItem;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kItemsPerCta + local;  // row x Hq + head
@@ -64,10 +69,14 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
       lse[i] = s < num_splits ? __ldcg(p.partial_lse + s * split_stride + item) : -INFINITY;
       m = fmaxf(m, lse[i]);
     }
-    const float sum = split_weights(lse, m, num_splits, lane, weights[local]);
-    if (lane == 0 && p.lse != nullptr) {
-      p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
-          sum > 0.0f ? m + logf(sum) : -INFINITY;
+    bool faulted;
+    const float sum = split_weights(lse, m, num_splits, lane, weights[local], faulted);
+    if (lane == 0) {
+      faulted_item[local] = faulted;
+      if (p.lse != nullptr) {
+        p.lse[row * p.lse_row_stride + head * p.lse_head_stride] =
+            sum > 0.0f ? m + logf(sum) : -INFINITY;
+      }
     }
   }
   __syncthreads();
@@ -127,9 +136,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
       }
     }
   }
+  const bool faulted = faulted_item[local] != 0;
   QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + head * p.out_head_stride + 8 * v;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) out[k] = QT(out_value[k]);
+  for (int k = 0; k < 8; ++k) out[k] = QT(faulted ? 0.0f : out_value[k]);
 }
 
 template <typename QT>

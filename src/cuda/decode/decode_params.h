@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/kv_access.h"
+#include "cuda/common/device_fault.cuh"
 
 namespace attnkit::cuda {
 
@@ -22,6 +23,12 @@ constexpr int kDecodeMaxSplits = 128;
 // stays a normal f32 with room for 128 splits' sums.
 constexpr float kDecodeAccumulateMinLse2 = -60.0f;
 constexpr float kDecodeAccumulateMaxLse2 = 100.0f;
+
+// The split length of batch-invariant calls (DecodeArgs::batch_invariant,
+// DecodeParams::split_keys): split s of every row reads keys [s x 1024, (s + 1) x 1024), the last
+// split of the call to the row's end. A multiple of every tile (64 and 128 keys); 128 splits cover
+// 128k keys.
+constexpr int32_t kDecodeBatchInvariantSplitKeys = 1024;
 
 // The keys of each split of a row of num_keys keys, in whole tiles of tile_n: split s reads
 // [s x that, (s + 1) x that) clipped to the row (an empty split runs no tile). The wgmma kernel's
@@ -75,6 +82,11 @@ struct DecodeParams {
   int32_t prefetch_keys = 0;
   int32_t pool_blocks = 0;
 
+  // Where a failed guard records its fault (docs/safety.md): a block id outside
+  // [0, kv.num_blocks), a seq_len outside [0, kv.row_capacity()] (cyclic caches: < 0), a
+  // cache_indirection entry outside [0, beam_width).
+  FaultSite fault;
+
   detail::KvLayout kv;                         // paged / contiguous / cyclic addressing
   int32_t page_shift = 0;                      // log2(tokens_per_block) of a paged cache
   int32_t table_cols = 0;                      // block_table columns (paged; validated >= 1)
@@ -96,6 +108,10 @@ struct DecodeParams {
   int32_t group_size = 0;   // Hq / Hkv
   int32_t head_blocks = 1;  // ceil(group_size / heads per CTA)
   int32_t num_splits = 1;
+  // > 0 (batch-invariant calls): every split reads this many keys whatever the row's length and
+  // the split count, split s from s x split_keys, the last split of the call to the row's end (a
+  // multiple of the tile). 0: each row's keys are shared out over num_splits (decode_split_keys).
+  int32_t split_keys = 0;
   // Keys per split for a row of max_seq_len keys: the kernel reads the block-table entries of its
   // first tiles before seq_len arrives, at split * split_keys_guess, and uses them only when the
   // row's own split start matches (entries of keys past the row's end are never used).

@@ -184,7 +184,11 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   const int first_head = kv_head * p.group_size + head_block * kDecodeWgmmaHeads;
   const int heads_here = min(kDecodeWgmmaHeads, p.group_size - head_block * kDecodeWgmmaHeads);
 
-  const int32_t seq_len = p.seq_lens[row];
+  // The row's length, guarded as in the mma.sync kernel: a bad one reads nothing (zeros, LSE -inf),
+  // recorded by the row's first CTA at the end.
+  int32_t seq_len = p.seq_lens[row];
+  const bool bad_len = seq_len < 0 || seq_len > decode_len_capacity(p);
+  if (bad_len) seq_len = 0;
   // The A fragments of Q (rows r0 and r0 + 8 of the warp's 16, columns qc, qc + 1 and qc + 8,
   // qc + 9 of each 16-d step); heads past the group are zero rows.
   const int r0 = warp * 16 + lane / 4;
@@ -207,6 +211,8 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   }
 
   const DecodeKeyRange keys(seq_len, 0, 0);
+  // Batch-invariant calls (split_keys > 0) take the mma.sync kernels; this one shares each row's
+  // keys out over the splits.
   const int32_t keys_per_split = decode_split_keys<int32_t>(keys.num_keys, p.num_splits, kWgTileN);
   const int32_t key_begin = split * keys_per_split;
   const int32_t key_end = min(keys.num_keys, key_begin + keys_per_split);
@@ -216,13 +222,22 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
       p.kv.block_table != nullptr ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
   const int64_t head_bytes = static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * 256;
   const int32_t page_mask = (1 << p.page_shift) - 1;
-  // Byte offset of key `tid` of a tile (threads 0-63), -1 past the split's keys.
+  // Byte offset of key `tid` of a tile (threads 0-63), -1 past the split's keys. A block id outside
+  // the pool gives -1 too (the copy writes zeros, nothing is read) and keeps the key in fault_key:
+  // after the loop the CTA's result is zeros (a split: the faulted mark, decode_faulted_lse, for
+  // the merge) and the fault is recorded (record_decode_faults, at the end).
+  int32_t fault_key = -1;
   auto key_offset = [&](int tile) -> int64_t {
     const int32_t key = key_begin + tile * kWgTileN + tid;
     if (tid >= kWgTileN || tile >= num_tiles || key >= key_end) return -1;
     if (table_row != nullptr) {
-      return static_cast<int64_t>(table_row[key >> p.page_shift]) * p.kv.block_stride_bytes +
-             head_bytes + static_cast<int64_t>(key & page_mask) * 256;
+      const int32_t block = table_row[key >> p.page_shift];
+      if (static_cast<uint32_t>(block) >= static_cast<uint32_t>(p.kv.num_blocks)) {
+        fault_key = key;
+        return -1;
+      }
+      return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
+             static_cast<int64_t>(key & page_mask) * 256;
     }
     return p.kv.byte_offset_shift(row, key, kv_head, 0, p.page_shift);
   };
@@ -361,6 +376,14 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+  // A guard failed in any key of the CTA: nothing of what it read is kept.
+  const bool row_fault = __syncthreads_or(fault_key >= 0) != 0;
+  if (row_fault) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    m_run[0] = m_run[1] = -INFINITY;
+    l_run[0] = l_run[1] = 0.0f;
+  }
 
   // Epilogue: the quad's row sums, then O / l (times the V scale) and the LSE.
   float l_all[2], lse[2], scale[2];
@@ -394,8 +417,13 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
         *reinterpret_cast<float2*>(out + 8 * j + qc) =
             make_float2(o[4 * j + 2 * i] * scale[i], o[4 * j + 2 * i + 1] * scale[i]);
       }
-      if (lane % 4 == 0) p.partial_lse[item] = lse[i];
+      if (lane % 4 == 0) p.partial_lse[item] = row_fault ? decode_faulted_lse() : lse[i];
     }
+  }
+  // Faults are recorded last (record_decode_faults), by the CTAs of KV head 0 and head block 0.
+  if (blockIdx.y == 0 && head_block == 0 &&
+      (fault_key >= 0 || (bad_len && tid == 0 && split == 0))) {
+    record_decode_faults(p, row, bad_len, fault_key);
   }
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 }
@@ -427,6 +455,8 @@ void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm,
                          cudaStream_t stream) {
   ATTNKIT_CHECK(p.head_dim == kWgHeadDim, "decode: the wgmma kernel takes head_dim ", kWgHeadDim,
                 ", got ", p.head_dim);
+  ATTNKIT_CHECK(p.split_keys == 0,
+                "decode: the wgmma kernel does not take fixed split lengths (batch_invariant)");
   ATTNKIT_CHECK(ctas_per_sm == 2 || ctas_per_sm == 3,
                 "decode: the wgmma kernel is built for 2 or 3 CTAs an SM, got ", ctas_per_sm);
   const bool three = ctas_per_sm == 3;
