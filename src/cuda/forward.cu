@@ -2,10 +2,17 @@
 // cache for the context requests, decode for the generation rows, all enqueued on one stream with
 // no host synchronization. The per-request metadata (host arrays) reaches the device through
 // kernel parameters (cuda/common/host_upload.h); per-token positions and rows are computed there.
+//
+// Device faults (docs/safety.md): cu_seqlens_q and past_lens were validated on the host, so the
+// metadata kernel below reads only checked values and the positions and rows it writes are
+// inside the cache. What stays on the device (the block table, seq_lens, cache_indirection) is
+// checked by the append_kv, prefill and decode kernels as they read it; their faults are
+// recorded under Op::kForward with the rows of the caller's cache (FaultOpScope).
 #include <string>
 
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/device_fault.h"
 #include "cuda/common/host_upload.h"
 #include "cuda/cuda_backend.h"
 
@@ -110,6 +117,7 @@ std::string fused_forward_unsupported(const AttentionSpec& spec, const detail::F
 
 void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::ForwardProblem& p,
              bool fused, Stream stream) {
+  const FaultOpScope fault_op(Op::kForward);
   const cudaStream_t cuda_stream = as_cuda_stream(stream);
   const int64_t num_tokens = p.num_tokens;
   const int32_t num_requests = p.num_context + p.num_generation;
@@ -244,6 +252,8 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
                           p.dtype, {gen_rows, hq, dim}, p.device);
     decode.out = token_rows(args.out, ctx_tokens, gen_rows);
     decode.lse = token_rows(args.lse, ctx_tokens, gen_rows);
+    // The decode part's rows are rows num_context .. of the caller's cache.
+    const FaultOpScope decode_rows(Op::kForward, p.num_context);
     if (fused_decode_call) {
       fused_decode(spec, decode, dp, stream);
     } else {

@@ -17,6 +17,9 @@ constexpr int kMaxDevices = 64;
 std::atomic<bool> g_cuda_used{false};
 std::mutex g_words_mutex;
 std::atomic<DeviceFault*> g_words[kMaxDevices] = {};
+// The op and row offset of the calling thread's innermost FaultOpScope; op -1: none open.
+thread_local int32_t t_scope_op = -1;
+thread_local int32_t t_scope_row_offset = 0;
 
 // The device whose work `stream` holds (the current device for the legacy stream).
 int device_of(cudaStream_t stream, const char* what) {
@@ -52,7 +55,19 @@ DeviceFault* fault_word(int device) {
 FaultSite fault_site(Op op) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "device fault word: cudaGetDevice");
-  return {fault_word(device), static_cast<int32_t>(op)};
+  if (t_scope_op < 0) return {fault_word(device), static_cast<int32_t>(op), 0};
+  return {fault_word(device), t_scope_op, t_scope_row_offset};
+}
+
+FaultOpScope::FaultOpScope(Op op, int32_t table_row_offset)
+    : previous_op_(t_scope_op), previous_offset_(t_scope_row_offset) {
+  t_scope_op = static_cast<int32_t>(op);
+  t_scope_row_offset = table_row_offset;
+}
+
+FaultOpScope::~FaultOpScope() {
+  t_scope_op = previous_op_;
+  t_scope_row_offset = previous_offset_;
 }
 
 void note_cuda_call() { g_cuda_used.store(true, std::memory_order_relaxed); }

@@ -20,6 +20,10 @@ namespace attnkit::cuda {
 struct FaultSite {
   DeviceFault* word = nullptr;
   int32_t op = 0;
+  // Added to the block-table row of a kBlockTable, kSeqLens or kPositions fault: a launch over
+  // the rows [table_row_offset, ...) of the caller's cache (forward()'s decode part) reports
+  // the caller's row.
+  int32_t table_row_offset = 0;
 };
 
 #if defined(__CUDACC__)
@@ -36,7 +40,9 @@ inline __device__ __noinline__ void record_fault(const FaultSite& site, FaultKin
   word->kind = static_cast<int32_t>(kind);
   word->op = site.op;
   word->arg = static_cast<int32_t>(arg);
-  word->row = row;
+  const bool table_row =
+      arg == FaultArg::kBlockTable || arg == FaultArg::kSeqLens || arg == FaultArg::kPositions;
+  word->row = table_row ? row + site.table_row_offset : row;
   word->index = index;
   word->value = value;
   word->bound = bound;

@@ -17,6 +17,7 @@
 
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/element_io.cuh"
+#include "cuda/preprocess/append_kv_destination.cuh"
 #include "cuda/preprocess/append_kv_params.h"
 
 namespace attnkit::cuda {
@@ -259,6 +260,7 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
     const int32_t head = first + k * params.plan.heads_per_pass;
     if (head >= total_heads) break;
     const AppendKvHead h = classify_head(params, head);
+    if (!h.is_q && cache_offset < 0) continue;  // a faulting token writes nothing to the cache
     float lo[kVec], hi[kVec];
     unpack8<kIn>(raw[k].lo, lo);
     if (paired) unpack8<kIn>(raw[k].hi, hi);
@@ -303,8 +305,10 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
     if (h.is_q) {
       uint16_t* out = static_cast<uint16_t*>(params.q_out) + token * params.q_out_stride_token +
                       h.local * params.q_out_stride_head;
-      *reinterpret_cast<uint4*>(out + d0) = pack8<kIn>(lo);
-      if (paired) *reinterpret_cast<uint4*>(out + d1) = pack8<kIn>(hi);
+      // A faulting token's q_out is zeros.
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(out + d0) = cache_offset < 0 ? zero : pack8<kIn>(lo);
+      if (paired) *reinterpret_cast<uint4*>(out + d1) = cache_offset < 0 ? zero : pack8<kIn>(hi);
       continue;
     }
     // The scale is one float per tensor or KV head: an L1 hit, loaded here rather than held.
@@ -326,26 +330,17 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
   }
 }
 
-// Byte offset (from k_base or v_base) of element 0 of KV head 0 at `position` of block-table row
-// `row`: 32-bit slot math and a shift for the page, once per thread and token.
-__device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& params, int32_t row,
+// Byte offset (from k_base or v_base) of element 0 of KV head 0 at `position` of the token's row,
+// or -1 when the token's row, slot or block is outside the cache (append_kv_destination.cuh).
+// 32-bit slot math and a shift for the page, once per thread and token.
+__device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& params, int64_t token,
                                                       int32_t position) {
-  const detail::KvLayout& layout = params.layout;
-  int32_t slot = position;
-  if (layout.window_slots != 0 && position >= layout.sink_tokens) {
-    slot = layout.sink_tokens +
-           static_cast<int32_t>(static_cast<uint32_t>(position - layout.sink_tokens) %
-                                static_cast<uint32_t>(layout.window_slots));
+  AppendKvDestination dst;
+  if (!append_kv_destination(params, token, position, params.plan.page_shift, &dst)) {
+    return -1;
   }
-  int64_t block = row;
-  int32_t in_block = slot;
-  if (layout.block_table != nullptr) {
-    const int32_t shift = params.plan.page_shift;
-    block = layout.block_table[row * layout.block_table_row_stride + (slot >> shift)];
-    in_block = slot & ((1 << shift) - 1);
-  }
-  return block * layout.block_stride_bytes +
-         static_cast<int64_t>(in_block) * params.head_dim * layout.element_bytes;
+  return static_cast<int64_t>(dst.block) * params.layout.block_stride_bytes +
+         static_cast<int64_t>(dst.in_block) * params.head_dim * params.layout.element_bytes;
 }
 
 template <DType kIn, DType kKv, RopeStyle kStyle>
@@ -361,10 +356,10 @@ __global__ void __maxnreg__(AppendKvTraits::kMaxRegs)
   const int32_t first = threadIdx.y;
   if (token_valid) load_units(params, token, first, t, raw);
   int32_t position = 0;
-  int64_t cache_offset = 0;
+  int64_t cache_offset = -1;
   if (token_valid) {
     position = params.positions[token];
-    cache_offset = cache_token_offset(params, params.row_of_token[token], position);
+    cache_offset = cache_token_offset(params, token, position);
   }
   float2* token_table = cos_sin_table + threadIdx.z * (params.rope.rotary_dim / 2);
   if constexpr (kStyle != RopeStyle::kNone) {
@@ -378,6 +373,9 @@ __global__ void __maxnreg__(AppendKvTraits::kMaxRegs)
     head += AppendKvTraits::kSteps * plan.heads_per_pass;
     if (head >= total_heads) break;
     load_units(params, token, head, t, raw);
+  }
+  if (cache_offset < 0 && (threadIdx.x | threadIdx.y) == 0) {
+    record_append_kv_fault(params, token, params.plan.page_shift);  // the token's first thread
   }
 }
 

@@ -1,9 +1,11 @@
 // append_kv on CUDA: the support query of the fused kernel, its launch, and the vanilla launch.
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/device_fault.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/preprocess/append_kv_params.h"
 
@@ -70,6 +72,12 @@ AppendKvParams make_append_kv_params(const AttentionSpec& spec, const AppendKvAr
   params.positions = static_cast<const int32_t*>(args.positions.data);
   params.row_of_token = static_cast<const int32_t*>(args.row_of_token.data);
   params.layout = detail::make_kv_layout(args.kv_cache);
+  const int64_t rows =
+      args.kv_cache.paged ? args.kv_cache.block_table.shape[0] : args.kv_cache.num_blocks;
+  constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+  params.num_rows = static_cast<int32_t>(std::min(rows, kMaxInt32));
+  params.row_slots = static_cast<int32_t>(std::min(params.layout.row_capacity(), kMaxInt32));
+  params.fault = fault_site(Op::kAppendKv);
   params.kv_dtype = args.kv_cache.dtype;
   params.k_scale = static_cast<const float*>(args.kv_cache.k_scale.data);
   params.v_scale = static_cast<const float*>(args.kv_cache.v_scale.data);

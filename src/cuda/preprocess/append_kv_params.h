@@ -10,6 +10,7 @@
 #include "core/kv_access.h"
 #include "core/problem.h"
 #include "core/rope.h"
+#include "cuda/common/device_fault.cuh"
 
 namespace attnkit::cuda {
 
@@ -48,6 +49,10 @@ struct AppendKvParams {
   const int32_t* row_of_token;  // int32 [num_tokens]: block-table row of each token
 
   detail::KvLayout layout;  // destination cache
+  // Bounds of the guards (append_kv_destination.cuh), clamped to int32 (positions are int32).
+  int32_t num_rows;   // rows row_of_token may name: block-table rows or a contiguous cache's blocks
+  int32_t row_slots;  // slots of a row: table_cols x tokens_per_block
+  FaultSite fault;    // where a token with a row, position or block outside the cache is recorded
   DType kv_dtype;
   const float* k_scale;  // optional [1] or [Hkv]: stored = round(x / scale)
   const float* v_scale;

@@ -2,6 +2,7 @@
 // and RoPE variant at run time.
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/element_io.cuh"
+#include "cuda/preprocess/append_kv_destination.cuh"
 #include "cuda/preprocess/append_kv_params.h"
 
 namespace attnkit::cuda {
@@ -32,6 +33,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int64_t position = params.positions[token];
+  // Every block of the token checks where the token writes; the first Q head's block records.
+  const int32_t page_shift = __ffs(params.layout.tokens_per_block) - 1;  // paged: a power of 2
+  AppendKvDestination dst_slot;
+  const bool writes =
+      append_kv_destination(params, token, static_cast<int32_t>(position), page_shift, &dst_slot);
+  if (!writes && head == 0 && threadIdx.x == 0) {
+    record_append_kv_fault(params, token, page_shift);
+  }
   if (!(is_q || is_k) || params.rope.style == RopeStyle::kNone) {
   } else {
     for (int i = threadIdx.x; i < params.rope.rotary_dim / 2; i += kThreads) {
@@ -47,16 +56,21 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
   if (is_q) {
+    // A faulting token's rotated Q is zeros (docs/safety.md).
     const int64_t out_offset = token * params.q_out_stride_token + local * params.q_out_stride_head;
     for (int d = threadIdx.x; d < dim; d += kThreads)
-      store_element(params.q_out, params.in_dtype, out_offset + d, x[d]);
+      store_element(params.q_out, params.in_dtype, out_offset + d, writes ? x[d] : 0.0f);
     return;
   }
-  const int64_t row = params.row_of_token[token];
+  if (!writes) return;
   const float scale = is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, local)
                            : kv_scale_of(params.v_scale, params.v_scale_per_head, local);
-  uint8_t* dst =
-      is_k ? params.layout.k_ptr(row, position, local) : params.layout.v_ptr(row, position, local);
+  const detail::KvLayout& layout = params.layout;
+  const int64_t offset =
+      dst_slot.block * layout.block_stride_bytes +
+      (static_cast<int64_t>(local) * layout.tokens_per_block + dst_slot.in_block) * dim *
+          layout.element_bytes;
+  uint8_t* dst = (is_k ? layout.k_base : layout.v_base) + offset;
   for (int d = threadIdx.x; d < dim; d += kThreads)
     store_element(dst, params.kv_dtype, d, x[d] / scale);
 }

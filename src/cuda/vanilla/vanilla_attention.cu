@@ -28,6 +28,16 @@ __device__ float block_reduce(float value, float* scratch, bool is_max) {
   return result;
 }
 
+// Entries seq and seq + 1 of a cu_seqlens array within [0, extent], entry seq + 1 >= entry seq and
+// entry seq >= entry seq - 1 (a decreasing array is a fault of the rows the search routes to it).
+__device__ bool sequence_entries_ok(const FaultSite& site, FaultArg arg, const int32_t* cu,
+                                    int64_t seq, int64_t extent) {
+  const int64_t begin = cu[seq];
+  const int64_t before = seq > 0 ? cu[seq - 1] : 0;
+  return guard_cu_seqlens(site, arg, seq, begin, before, extent) &&
+         guard_cu_seqlens(site, arg, seq + 1, cu[seq + 1], begin, extent);
+}
+
 // Whether a query at position p attends key position j (docs/semantics.md).
 __device__ bool attends(const VanillaAttentionParams& params, int64_t p, int64_t j) {
   switch (params.mask) {
@@ -55,10 +65,13 @@ __global__ void __launch_bounds__(kVanillaThreads)
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
 
-  // ---- which sequence, where the query sits, how many keys.
+  // ---- which sequence, where the query sits, how many keys. Device metadata is checked before
+  // it steers a read: a bad value makes the row a fault (nothing read through it, zeros out).
+  // Head 0's block records: thread 0 a fault of the row's metadata, lane 0 of a warp a key's.
+  const FaultSite row_site = head == 0 && threadIdx.x == 0 ? params.fault : FaultSite{};
   int64_t seq = 0, q_index = token, out_batch = 0;
   int64_t kv_len = 0, position = 0, kv_start = 0, cache_row = 0;
-  bool valid = true;
+  bool valid = true, faulted = false;
   switch (params.mode) {
     case VanillaQueryMode::kVarlen: {
       int lo = 0, hi = params.batch;  // last sequence whose start <= token
@@ -70,13 +83,27 @@ __global__ void __launch_bounds__(kVanillaThreads)
           hi = mid;
       }
       seq = lo;
+      if (!sequence_entries_ok(row_site, FaultArg::kCuSeqlensQ, params.cu_seqlens_q, seq,
+                               params.num_tokens)) {
+        faulted = true;
+        break;
+      }
       const int64_t q_begin = params.cu_seqlens_q[seq];
       const int64_t q_len = params.cu_seqlens_q[seq + 1] - q_begin;
       valid = token >= q_begin && token - q_begin < q_len;
+      if (!valid) break;  // a token of no sequence: nothing to read
       if (params.from_cache) {
         cache_row = seq;
         kv_len = params.seq_lens[seq];
+        // A sequence's length is recorded once, by its first token.
+        faulted = !guard_seq_len(token == q_begin ? row_site : FaultSite{}, kv_len,
+                                 params.seq_len_bound, seq);
       } else {
+        if (!sequence_entries_ok(row_site, FaultArg::kCuSeqlensKv, params.cu_seqlens_kv, seq,
+                                 params.total_kv)) {
+          faulted = true;
+          break;
+        }
         kv_start = params.cu_seqlens_kv[seq];
         kv_len = params.cu_seqlens_kv[seq + 1] - kv_start;
       }
@@ -93,10 +120,11 @@ __global__ void __launch_bounds__(kVanillaThreads)
     case VanillaQueryMode::kDecode:
       cache_row = token;
       kv_len = params.seq_lens[token];
+      faulted = !guard_seq_len(row_site, kv_len, params.seq_len_bound, token);
       position = kv_len - 1;
       break;
   }
-  if (!valid) kv_len = 0;
+  if (!valid || faulted) kv_len = 0;
 
   const float softmax_scale = params.softmax_scale;
   const float slope = params.alibi ? params.alibi_slopes[head] : 0.0f;
@@ -108,10 +136,15 @@ __global__ void __launch_bounds__(kVanillaThreads)
   for (int d = threadIdx.x; d < d_count; d += kVanillaThreads) {
     q_s[d] = load_element(params.q, params.dtype, q_offset + d);
   }
+  __shared__ int key_fault_s;  // a key of this row named a beam or block outside the cache
+  if (threadIdx.x == 0) key_fault_s = 0;
   __syncthreads();
 
-  // Where the K / V vector of key j lives: (pointer, element offset) for packed or cached keys.
-  auto key_location = [&](int64_t j, bool value, const void** base, int64_t* offset) {
+  // Where the K / V vector of key j lives: (pointer, element offset) for packed or cached keys;
+  // false (recorded at `site`) when its indirection entry or its block-table entry is outside
+  // the cache. Key j < kv_len has a slot inside the row (the length was checked).
+  auto key_location = [&](int64_t j, bool value, const FaultSite& site, const void** base,
+                          int64_t* offset) -> bool {
     if (!params.from_cache) {
       if (value) {
         *base = params.v;
@@ -122,21 +155,37 @@ __global__ void __launch_bounds__(kVanillaThreads)
         *offset = out_batch * params.k_stride_batch + (kv_start + j) * params.k_stride_token +
                   kv_head * params.k_stride_head;
       }
-      return;
+      return true;
     }
     int64_t row = cache_row;
     if (params.cache_indirection != nullptr) {
       const int64_t s = cache_row / params.beam_width;
       const int64_t b = cache_row % params.beam_width;
-      row = s * params.beam_width +
-            params.cache_indirection[s * params.ind_stride_seq + b * params.ind_stride_beam +
-                                     j * params.ind_stride_token];
+      const int32_t beam =
+          params.cache_indirection[s * params.ind_stride_seq + b * params.ind_stride_beam +
+                                   j * params.ind_stride_token];
+      if (!guard_index(site, FaultKind::kIndirection, FaultArg::kCacheIndirection, beam,
+                       params.beam_width, cache_row, j)) {
+        return false;
+      }
+      row = s * params.beam_width + beam;
     }
-    const uint8_t* p =
-        value ? params.layout.v_ptr(row, j, kv_head) : params.layout.k_ptr(row, j, kv_head);
-    *base = p;
+    const detail::KvLayout& layout = params.layout;
+    const int64_t slot = layout.slot_of(j);
+    int64_t block = row;  // contiguous: row r is block r
+    if (layout.block_table != nullptr) {
+      block = guarded_block(site, layout, row, slot / layout.tokens_per_block);
+      if (block < 0) return false;
+    }
+    const int64_t bytes =
+        block * layout.block_stride_bytes +
+        (static_cast<int64_t>(kv_head) * layout.tokens_per_block + slot % layout.tokens_per_block) *
+            layout.head_dim * layout.element_bytes;
+    *base = (value ? layout.v_base : layout.k_base) + bytes;
     *offset = 0;
+    return true;
   };
+  const FaultSite key_site = head == 0 && lane == 0 ? params.fault : FaultSite{};
 
   float running_max = kNegInf;
   float running_sum = 0.0f;
@@ -148,10 +197,12 @@ __global__ void __launch_bounds__(kVanillaThreads)
     for (int jj = warp; jj < n; jj += kWarps) {
       const int64_t j = chunk + jj;
       float logit = kNegInf;
-      if (attends(params, position, j)) {
-        const void* base;
-        int64_t offset;
-        key_location(j, false, &base, &offset);
+      const void* base;
+      int64_t offset;
+      if (!attends(params, position, j)) {
+      } else if (!key_location(j, false, key_site, &base, &offset)) {
+        if (lane == 0) key_fault_s = 1;  // the same for every lane of the warp
+      } else {
         float dot = 0.0f;
         for (int d = lane; d < d_count; d += 32) {
           dot += q_s[d] * (load_element(base, params.kv_dtype, offset + d) * k_scale);
@@ -187,7 +238,8 @@ __global__ void __launch_bounds__(kVanillaThreads)
         continue;  // masked keys (their V, maybe in an invalid block, is never read)
       const void* base;
       int64_t offset;
-      key_location(chunk + jj, true, &base, &offset);
+      // The key's K was read: its V is in the same row and block (checked, not recorded, again).
+      if (!key_location(chunk + jj, true, FaultSite{}, &base, &offset)) continue;
       for (int i = 0; i < kAccPerThread; ++i) {
         const int d = threadIdx.x + i * kVanillaThreads;
         if (d < d_count)
@@ -198,13 +250,16 @@ __global__ void __launch_bounds__(kVanillaThreads)
     __syncthreads();
   }
 
-  const bool empty = running_sum == 0.0f;
+  // Every chunk ended with a barrier: key_fault_s holds what any warp found.
+  const bool row_fault = faulted || key_fault_s != 0;
+  const bool empty = row_fault || running_sum == 0.0f;
   const float inv_sum = empty ? 0.0f : 1.0f / running_sum;
   const int64_t out_offset = out_batch * params.out_stride_batch +
                              q_index * params.out_stride_token + head * params.out_stride_head;
   for (int i = 0; i < kAccPerThread; ++i) {
     const int d = threadIdx.x + i * kVanillaThreads;
-    if (d < d_count) store_element(params.out, params.dtype, out_offset + d, acc[i] * inv_sum);
+    if (d < d_count)
+      store_element(params.out, params.dtype, out_offset + d, row_fault ? 0.0f : acc[i] * inv_sum);
   }
   if (params.lse != nullptr && threadIdx.x == 0) {
     params.lse[out_batch * params.lse_stride_batch + q_index * params.lse_stride_token +

@@ -12,6 +12,7 @@
 
 #include "attnkit/spec.h"
 #include "core/kv_access.h"
+#include "cuda/common/device_fault.cuh"
 
 namespace attnkit::cuda {
 
@@ -55,10 +56,13 @@ struct VanillaAttentionParams {
   int64_t k_stride_batch, k_stride_token, k_stride_head;
   int64_t v_stride_batch, v_stride_token, v_stride_head;
   const int32_t* cu_seqlens_kv;  // kVarlen packed: int32 [batch + 1]
+  int64_t total_kv;              // kVarlen packed: rows of k and v (cu_seqlens_kv's extent)
 
   // ---- keys from the KV cache (row = sequence for kVarlen, the row itself for kDecode).
   detail::KvLayout layout;
   const int32_t* seq_lens;  // int32 [rows]
+  int64_t seq_len_bound;    // the largest valid seq_lens entry: the row capacity (a cyclic
+                            // cache: INT64_MAX), with cache_indirection at most its max_seq
   const float* k_scale;     // optional [1] or [Hkv]
   const float* v_scale;
   bool k_scale_per_head, v_scale_per_head;
@@ -77,6 +81,10 @@ struct VanillaAttentionParams {
   int32_t sink_tokens;
   bool alibi;
   float alibi_slopes[kVanillaMaxAlibiHeads];
+
+  // Device metadata (cu_seqlens, seq_lens, block ids, indirection) is checked as it is read: a
+  // query row whose metadata is bad is written as zeros (LSE -inf), the fault recorded here.
+  FaultSite fault;
 };
 
 // Fills spec-derived fields (heads, scale, mask, ALiBi); throws Error for unsupported values.

@@ -1,6 +1,10 @@
 // backend=vanilla on CUDA tensors: prefill, decode and dense through the naive kernel.
+#include <algorithm>
+#include <limits>
+
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/device_fault.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/vanilla/vanilla_attention.cuh"
 
@@ -12,6 +16,8 @@ void fill_cache_fields(const KvCacheView& cache, VanillaAttentionParams& params)
   params.layout = detail::make_kv_layout(cache);
   params.kv_dtype = cache.dtype;
   params.seq_lens = static_cast<const int32_t*>(cache.seq_lens.data);
+  params.seq_len_bound =
+      cache.window_slots > 0 ? std::numeric_limits<int64_t>::max() : cache.row_capacity();
   params.k_scale = static_cast<const float*>(cache.k_scale.data);
   params.v_scale = static_cast<const float*>(cache.v_scale.data);
   params.k_scale_per_head = cache.k_scale.defined() && cache.k_scale.numel() > 1;
@@ -32,6 +38,7 @@ void vanilla_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                      const detail::PrefillProblem& p, Stream stream) {
   VanillaAttentionParams params{};
   fill_vanilla_spec_fields(spec, params);
+  params.fault = fault_site(Op::kPrefill);
   params.dtype = p.dtype;
   params.mode = VanillaQueryMode::kVarlen;
   params.num_tokens = p.total_q;
@@ -56,6 +63,7 @@ void vanilla_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     params.v_stride_token = args.v.strides[0];
     params.v_stride_head = args.v.strides[1];
     params.cu_seqlens_kv = static_cast<const int32_t*>(args.cu_seqlens_kv.data);
+    params.total_kv = p.total_kv;
   }
   launch_vanilla_attention(params, as_cuda_stream(stream));
 }
@@ -64,6 +72,7 @@ void vanilla_decode(const AttentionSpec& spec, const DecodeArgs& args,
                     const detail::DecodeProblem& p, Stream stream) {
   VanillaAttentionParams params{};
   fill_vanilla_spec_fields(spec, params);
+  params.fault = fault_site(Op::kDecode);
   params.dtype = p.dtype;
   params.mode = VanillaQueryMode::kDecode;
   params.num_tokens = p.num_rows;
@@ -81,6 +90,8 @@ void vanilla_decode(const AttentionSpec& spec, const DecodeArgs& args,
     params.ind_stride_seq = args.cache_indirection.strides[0];
     params.ind_stride_beam = args.cache_indirection.strides[1];
     params.ind_stride_token = args.cache_indirection.strides[2];
+    // Key t of a row reads cache_indirection[s, b, t]: t < seq_len <= max_seq.
+    params.seq_len_bound = std::min(params.seq_len_bound, args.cache_indirection.shape[2]);
   }
   launch_vanilla_attention(params, as_cuda_stream(stream));
 }
