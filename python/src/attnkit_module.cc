@@ -453,8 +453,8 @@ void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& k
 // skip_stats: an int64 [2] tensor the counts are written to in stream order.
 nb::object py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k, const InArray& v,
                     const OutArray& out, const std::optional<OutArray>& lse, double timestep,
-                    int32_t block_m, int32_t block_n, bool stats, const std::optional<OutArray>& skip_stats,
-                    bool checked, uintptr_t stream) {
+                    int32_t block_m, int32_t block_n, bool stats,
+                    const std::optional<OutArray>& skip_stats, bool checked, uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   DenseArgs args;
   args.checked = checked;

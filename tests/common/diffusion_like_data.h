@@ -67,7 +67,8 @@ inline void fill_diffusion_like(HostTensor& q, HostTensor& k, HostTensor& v, std
     }
     for (int64_t h = 0; h < hq; ++h) {
       for (int64_t i = 0; i < sq; ++i) {
-        const double pos = static_cast<double>(i) * static_cast<double>(skv) / static_cast<double>(sq);
+        const double pos =
+            static_cast<double>(i) * static_cast<double>(skv) / static_cast<double>(sq);
         const int64_t base = ((b * sq + i) * hq + h) * dim;
         for (int64_t d = 0; d < dim; ++d) {
           float x = gauss(rng);

@@ -140,10 +140,9 @@ reference::DenseTileCounts reference_run(const DenseCase& c, const DenseData& da
           vh[j * c.dim + d] = data.v.get(at);
         }
       }
-      const reference::DenseTileCounts n =
-          reference::dense_attend_head(qh.data(), q_scale.data(), kh.data(), k_scale.data(),
-                                       vh.data(), v_scale.data(), c.sq, c.skv, c.dim, rule,
-                                       oh.data(), lh.data());
+      const reference::DenseTileCounts n = reference::dense_attend_head(
+          qh.data(), q_scale.data(), kh.data(), k_scale.data(), vh.data(), v_scale.data(), c.sq,
+          c.skv, c.dim, rule, oh.data(), lh.data());
       total.total += n.total;
       total.skipped += n.skipped;
       for (int i = 0; i < c.sq; ++i) {

@@ -64,9 +64,8 @@ __device__ __forceinline__ bool guard_block_id(const FaultSite& site, int32_t bl
 // The block that holds page `page` (< kv.table_cols: the caller checked the row's length) of
 // block-table row `row`, or -1 after recording a fault when the entry is not a block of the pool.
 // A contiguous cache (no table) answers `row`. One load and one compare per page.
-__device__ __forceinline__ int32_t guarded_block(const FaultSite& site,
-                                                 const detail::KvLayout& kv, int64_t row,
-                                                 int64_t page) {
+__device__ __forceinline__ int32_t guarded_block(const FaultSite& site, const detail::KvLayout& kv,
+                                                 int64_t row, int64_t page) {
   if (kv.block_table == nullptr) return static_cast<int32_t>(row);
   const int32_t block = kv.block_table[row * kv.block_table_row_stride + page];
   return guard_block_id(site, block, kv.num_blocks, row, page) ? block : -1;

@@ -629,13 +629,13 @@ class DenseSkipCounts {
     if (args.skip_stats.defined()) {
       counts_ = static_cast<unsigned long long*>(args.skip_stats.data);
     } else {
-      check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&counts_),
-                                         2 * sizeof(unsigned long long), stream_),
-                         "dense: skip statistics scratch");
+      check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&counts_), 2 * sizeof(unsigned long long),
+                                 stream_),
+                 "dense: skip statistics scratch");
       owned_ = true;
     }
     check_cuda(cudaMemsetAsync(counts_, 0, 2 * sizeof(unsigned long long), stream_),
-                       "dense: zeroing the skip statistics");
+               "dense: zeroing the skip statistics");
   }
   DenseSkipCounts(const DenseSkipCounts&) = delete;
   DenseSkipCounts& operator=(const DenseSkipCounts&) = delete;
@@ -655,9 +655,8 @@ class DenseSkipCounts {
     }
     if (args_.stats == nullptr) return;
     if (counts_ != nullptr) {
-      check_cuda(
-          cudaMemcpyAsync(host, counts_, sizeof(host), cudaMemcpyDeviceToHost, stream_),
-          "dense: reading the skip statistics");
+      check_cuda(cudaMemcpyAsync(host, counts_, sizeof(host), cudaMemcpyDeviceToHost, stream_),
+                 "dense: reading the skip statistics");
       check_cuda(cudaStreamSynchronize(stream_), "dense: reading the skip statistics");
     }
     args_.stats->tiles_total = static_cast<int64_t>(host[0]);

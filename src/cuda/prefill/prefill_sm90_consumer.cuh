@@ -378,7 +378,8 @@ struct Sm90Consumer {
       bool pending = true;
       for (int32_t it = 1; it < num_tiles; ++it) {
         if constexpr (kSkip) {
-          const bool skip = pending ? key_tile(std::true_type{}, it) : key_tile(std::false_type{}, it);
+          const bool skip =
+              pending ? key_tile(std::true_type{}, it) : key_tile(std::false_type{}, it);
           pending = !skip;
           tiles_skipped += skip && counts_tiles;
         } else {

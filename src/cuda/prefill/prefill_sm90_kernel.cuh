@@ -78,14 +78,14 @@ void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t str
 
 // The six kernels of one head_dim and dtype: mask x logit modifiers, and the skip-softmax
 // kernels of the unmasked (dense) calls.
-#define ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, MASKED, MODS, SKIP) \
+#define ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, MASKED, MODS, SKIP)                              \
   template void launch_prefill_sm90<D, DT, MASKED, MODS, SKIP>(const Sm90PrefillParams&, int, \
-                                                                cudaStream_t);
-#define ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DT)                \
-  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, false)    \
-  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, false)     \
-  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, false, false)     \
+                                                               cudaStream_t);
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DT)             \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, false) \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, false)  \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, false, false)  \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, true, false)
-#define ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(D, DT)           \
-  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, true)     \
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(D, DT)       \
+  ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, true) \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, true)

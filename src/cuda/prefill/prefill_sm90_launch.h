@@ -1,6 +1,6 @@
 // Host-side declarations of the Hopper context FMHA: the explicitly instantiated launchers (one
-// per head_dim, dtype, mask, logit-modifier and skip-softmax variant; the list is cmake/prefill_manifest.cmake)
-// and the parameter builder of prefill_sm90_launch.cc.
+// per head_dim, dtype, mask, logit-modifier and skip-softmax variant; the list is
+// cmake/prefill_manifest.cmake) and the parameter builder of prefill_sm90_launch.cc.
 #pragma once
 
 #include <cuda_runtime.h>

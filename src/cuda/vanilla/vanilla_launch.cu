@@ -133,8 +133,9 @@ void vanilla_dense(const AttentionSpec& spec, const DenseArgs& args, const detai
   // Nothing is skipped, and the vanilla kernel has no tiles: zero counts.
   if (args.stats != nullptr) *args.stats = DenseStats{};
   if (args.skip_stats.defined()) {
-    check_cuda(cudaMemsetAsync(args.skip_stats.data, 0, 2 * sizeof(int64_t), as_cuda_stream(stream)),
-               "dense: zeroing skip_stats");
+    check_cuda(
+        cudaMemsetAsync(args.skip_stats.data, 0, 2 * sizeof(int64_t), as_cuda_stream(stream)),
+        "dense: zeroing skip_stats");
   }
 }
 
