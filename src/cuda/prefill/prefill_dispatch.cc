@@ -13,6 +13,7 @@
 #include "core/check.h"
 #include "core/kv_access.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/device_fault.h"
 #include "cuda/common/host_upload.h"
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_build_set.h"
@@ -537,6 +538,11 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     prm.lse_head_stride = args.lse.strides[1];
   }
   prm.cu_seqlens_q = static_cast<const int32_t*>(args.cu_seqlens_q.data);
+  // The kernels compare cu_seqlens with these extents and the paged lengths / block ids with the
+  // cache's layout (num_blocks, table_cols), and record a bad value here (docs/safety.md).
+  prm.total_q = static_cast<int32_t>(p.total_q);
+  prm.total_kv = static_cast<int32_t>(p.total_kv);
+  prm.fault = fault_site(Op::kPrefill);
   const bool quant_kv = p.paged && is_8bit(p.kv_dtype);
   if (p.paged) {
     const KvCacheView& cache = *args.kv_cache;

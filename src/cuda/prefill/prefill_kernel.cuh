@@ -44,13 +44,6 @@ struct KvSource {
   __device__ int64_t work_row_offset(const PrefillParams& p) const {
     return static_cast<int64_t>(batch) * p.kv.block_table_row_stride;
   }
-  // Byte offset from the cache base of 16-byte chunk `ch` of the row of `key`, through the slot
-  // (any cache layout: cyclic window, contiguous, paged).
-  template <int kElemBytes>
-  __device__ int64_t slot_offset(const PrefillParams& p, int32_t key, int ch) const {
-    return p.kv.byte_offset_shift(batch, p.kv.slot_of(key), kv_head, ch * (16 / kElemBytes),
-                                  page_shift);
-  }
 };
 
 // The smem offset of an ldmatrix lane's row at (even) chunk step `cs`, from its offset at chunk
@@ -159,15 +152,21 @@ struct PagedCopy {
   __device__ static constexpr int run_chunk(int u) { return u % kChunksPerRow; }
 };
 
-// Block ids of a thread's runs of one tile (-1: the run starts past the sequence).
+// Block ids of a thread's runs of one tile (-1: the run starts past the sequence, or its page's
+// table entry is not a block of the pool).
 template <int N>
 struct RunPages {
   int32_t id[N];
 };
 
+// Reads the block ids of a thread's runs of key block `n_block`. Each id is compared with the pool
+// ([0, num_blocks)) where it is read: a bad one becomes -1 (the run copies zeros, no address is
+// formed from it) and sets `fault`, which makes the CTA write its query rows as zeros and record
+// the entry (record_work_faults, where the CTA leaves). The page lies inside the row:
+// kv_len <= table_cols x tokens_per_block (sequence_info).
 template <class T, int kElemBytes>
 __device__ __forceinline__ RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread> lookup_runs(
-    const PrefillParams& p, const KvSource<T>& src, int32_t n_block) {
+    const PrefillParams& p, const KvSource<T>& src, int32_t n_block, bool& fault) {
   using C = PagedCopy<T, kElemBytes>;
   RunPages<C::kRunsPerThread> ids;
   const int32_t key0 = n_block * T::kBlockN;
@@ -177,18 +176,28 @@ __device__ __forceinline__ RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread> lo
     const int32_t page = (key0 + C::run_row(u)) >> src.page_shift;
     const bool live = src.fast_pages && (C::kRuns % T::kThreads == 0 || u < C::kRuns) &&
                       (page << src.page_shift) < src.kv_len;
-    ids.id[j] = live ? p.kv.block_table[src.work_row_offset(p) + page] : -1;
+    int32_t id = -1;
+    if (live) {
+      id = p.kv.block_table[src.work_row_offset(p) + page];
+      if (static_cast<uint32_t>(id) >= static_cast<uint32_t>(p.kv.num_blocks)) {
+        fault = true;
+        id = -1;
+      }
+    }
+    ids.id[j] = id;
   }
   return ids;
 }
 
 // Issues the cp.async copies of key block `n_block` from the paged cache (K and V when kTwo).
 // kTwo: V lands kDst1Bytes after K in smem (a compile-time distance: no second smem address).
+// A run whose id is -1 copies zeros. The per-chunk copy (cyclic caches) reads its block ids here
+// and guards them as lookup_runs does (`fault`).
 template <class T, int kElemBytes, bool kTwo, int kDst1Bytes = 0>
 __device__ __forceinline__ void load_rows_paged(
     const PrefillParams& p, const KvSource<T>& src, int32_t n_block,
     const RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread>& ids, const uint8_t* cache0,
-    uint8_t* dst0, const uint8_t* cache1) {
+    uint8_t* dst0, const uint8_t* cache1, bool& fault) {
   using C = PagedCopy<T, kElemBytes>;
   constexpr int kRowBytes = T::kHeadDim * kElemBytes;
   constexpr bool kSwz = kElemBytes == 2 && T::kSwizzle;
@@ -209,7 +218,8 @@ __device__ __forceinline__ void load_rows_paged(
             static_cast<int64_t>((src.kv_head << src.page_shift) + token) * kRowBytes + ch * 16;
         const uint8_t* g0 = cache0 + off;
         const uint8_t* g1 = kTwo ? cache1 + off : nullptr;
-        const int32_t rows_left = src.kv_len - key0 - run0;
+        // A bad page (entry -1 from lookup_runs) copies no row.
+        const int32_t rows_left = entry < 0 ? 0 : src.kv_len - key0 - run0;
         // run0 is a multiple of kRun (a power of two <= 8): the swizzle phase of row run0 + i is
         // (run0 & 7) ^ i, so the chunk bits flip by a constant per row.
         const uint32_t s0 = smem_u32(dst0) + run0 * kDstRowBytes;
@@ -233,8 +243,27 @@ __device__ __forceinline__ void load_rows_paged(
     if (C::kChunks % T::kThreads == 0 || c < C::kChunks) {
       const int r = c / C::kChunksPerRow;
       const int ch = c % C::kChunksPerRow;
-      const bool valid = key0 + r < src.kv_len;
-      const int64_t off = valid ? src.template slot_offset<kElemBytes>(p, key0 + r, ch) : 0;
+      bool valid = key0 + r < src.kv_len;
+      int64_t off = 0;
+      if (valid) {
+        // One table entry and one compare per chunk: this copy serves cyclic caches only (a
+        // contiguous cache reads no table).
+        const int64_t slot = p.kv.slot_of(key0 + r);
+        int64_t block = src.batch, token = slot;
+        if (p.kv.block_table != nullptr) {
+          block = p.kv.block_table[src.work_row_offset(p) + (slot >> src.page_shift)];
+          token = slot & ((int64_t{1} << src.page_shift) - 1);
+          if (static_cast<uint64_t>(block) >= static_cast<uint64_t>(p.kv.num_blocks)) {
+            fault = true;
+            valid = false;
+            block = 0;
+          }
+        }
+        off = block * p.kv.block_stride_bytes +
+              ((static_cast<int64_t>(src.kv_head) * p.kv.tokens_per_block + token) * p.kv.head_dim +
+               ch * (16 / kElemBytes)) *
+                  kElemBytes;
+      }
       const uint32_t d = kElemBytes == 1 ? r * T::kHeadDim + ch * 16 : T::offset(r, ch);
       cp_async_16(smem_u32(dst0) + d, cache0 + off, valid);
       if constexpr (kTwo) cp_async_16(smem_u32(dst0) + kDst1Bytes + d, cache1 + off, valid);
@@ -296,9 +325,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   float* s_stat = reinterpret_cast<float*>(s_split + T::kBlockM * kPRowBytes);
 
   const PrefillWorkTile work = LongestFirstScheduler::get(p);
+  // A sequence whose metadata faults comes back without rows or without keys (sequence_info);
+  // thread 0 of its head-0 query block 0 records the fault when it leaves (record_work_faults).
   const SequenceInfo seq = sequence_info(p, work.batch, kPaged);
   const int32_t m0 = work.m_block * T::kBlockM;
-  if (m0 >= seq.q_len) return;
+  if (seq.fault || m0 >= seq.q_len) {
+    if (seq.fault && work.head == 0 && work.m_block == 0 && threadIdx.x == 0) {
+      record_work_faults<T::kBlockM, T::kBlockN, kMasked>(p, work.batch, 0, kPaged, true, false);
+    }
+    if (m0 >= seq.q_len) return;
+  }
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -356,6 +392,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     src.v_packed = reinterpret_cast<const uint8_t*>(static_cast<const Elem*>(p.v) + seq.v_offset +
                                                     kv_head * p.v_head_stride);
   }
+  // Paged: set when a block-table entry this thread read for the work item is not a block of the
+  // pool (lookup_runs, load_rows_paged); the CTA then writes its rows as zeros.
+  [[maybe_unused]] bool kv_fault = false;
   // Issues tile t's K (and V) copies: packed rows, or paged row runs whose block ids (`entry`)
   // were read one tile earlier.
   using PagedIds = RunPages<PagedCopy<T, kKvElemBytes>::kRunsPerThread>;
@@ -364,7 +403,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   auto load_k = [&](int32_t t, Entry entry, int buf) {
     if constexpr (kPaged) {
       load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.k_base,
-                                              s_k + buf * T::kKvTileBytes, nullptr);
+                                              s_k + buf * T::kKvTileBytes, nullptr, kv_fault);
     } else {
       load_rows<T, false>(src.kv_len, range.block(t), src.k_packed, src.k_tok_bytes,
                           s_k + buf * T::kKvTileBytes, nullptr, 0, nullptr);
@@ -372,8 +411,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   };
   auto load_v = [&](int32_t t, Entry entry) {
     if constexpr (kPaged) {
+      // V takes the entries K took (`entry_v`): its faults are K's, recorded once.
       load_rows_paged<T, kKvElemBytes, false>(p, src, range.block(t), entry, p.kv.v_base, s_v,
-                                              nullptr);
+                                              nullptr, kv_fault);
     } else {
       load_rows<T, false>(src.kv_len, range.block(t), src.v_packed, src.v_tok_bytes, s_v, nullptr,
                           0, nullptr);
@@ -383,11 +423,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     if constexpr (kQuantKv) {
       static_assert(T::kRawTileBytes > 0);  // s_raw_v = s_raw_k + kRawTileBytes
       load_rows_paged<T, 1, true, T::kRawTileBytes>(p, src, range.block(t), entry, p.kv.k_base,
-                                                    s_raw_k, p.kv.v_base);
+                                                    s_raw_k, p.kv.v_base, kv_fault);
     } else if constexpr (kPaged) {
       // s_v = s_k + kKvBufs * kKvTileBytes
       load_rows_paged<T, 2, true, kKvBufs * T::kKvTileBytes>(
-          p, src, range.block(t), entry, p.kv.k_base, s_k + buf * T::kKvTileBytes, p.kv.v_base);
+          p, src, range.block(t), entry, p.kv.k_base, s_k + buf * T::kKvTileBytes, p.kv.v_base,
+          kv_fault);
     } else {
       load_rows<T, true>(src.kv_len, range.block(t), src.k_packed, src.k_tok_bytes,
                          s_k + buf * T::kKvTileBytes, src.v_packed, src.v_tok_bytes,
@@ -396,7 +437,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   };
   auto lookup = [&](int32_t t) {
     if constexpr (kPaged) {
-      return t < num_tiles ? lookup_runs<T, kKvElemBytes>(p, src, range.block(t)) : PagedIds{};
+      return t < num_tiles ? lookup_runs<T, kKvElemBytes>(p, src, range.block(t), kv_fault)
+                           : PagedIds{};
     } else {
       return NoPages{};
     }
@@ -532,7 +574,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     }
   }
   cp_async_wait<0>();
-  __syncthreads();
+  // A bad block id read by any thread of the CTA (paged kernels): every row of this query block is
+  // written as zeros with LSE -inf (docs/safety.md). The rows that attend a page are those of the
+  // query blocks whose key range holds it; the others of the sequence are computed as usual.
+  // The head-0 CTA's thread 0 records the first bad entry of the tiles it visited, at the end.
+  bool tile_fault = false;
+  if constexpr (kPaged) {
+    tile_fault = __syncthreads_or(kv_fault) != 0;
+  } else {
+    __syncthreads();
+  }
 
   if constexpr (kSplitWarps) {
 #include "cuda/prefill/prefill_split_epilogue.inc"
@@ -568,8 +619,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
       const int ch = c % T::kChunksPerRow;
       const int32_t row = m0 + warp_row + r;
       if (row < seq.q_len) {
-        *reinterpret_cast<uint4*>(out + row * p.o_tok_stride + ch * 8) =
-            *reinterpret_cast<const uint4*>(stage_rows + T::offset(r, ch));
+        uint4 chunk = *reinterpret_cast<const uint4*>(stage_rows + T::offset(r, ch));
+        if (tile_fault) chunk = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(out + row * p.o_tok_stride + ch * 8) = chunk;
       }
     }
     if (p.lse != nullptr && t4 == 0) {
@@ -580,9 +632,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
           const int32_t row = m0 + warp_row + a * kAtomStride + g + 8 * i;
           if (row < seq.q_len) {
             p.lse[seq.lse_offset + row * p.lse_tok_stride + head * p.lse_head_stride] =
-                row_sum[a][i] > 0.f ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2 : -INFINITY;
+                row_sum[a][i] > 0.f && !tile_fault ? (row_max[a][i] + __log2f(row_sum[a][i])) * kLn2
+                                                   : -INFINITY;
           }
         }
+    }
+  }
+  if constexpr (kPaged) {
+    if (tile_fault && head == 0 && tid == 0) {
+      record_work_faults<T::kBlockM, T::kBlockN, kMasked>(p, work.batch, work.m_block, true, false,
+                                                          true);
     }
   }
 }

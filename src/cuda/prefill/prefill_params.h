@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/kv_access.h"
+#include "cuda/common/device_fault.cuh"
 
 namespace attnkit::cuda::prefill {
 
@@ -47,8 +48,13 @@ struct PrefillParams {
 
   const int32_t* cu_seqlens_q = nullptr;   // [B + 1] or null (dense: seqlen_q each)
   const int32_t* cu_seqlens_kv = nullptr;  // [B + 1] packed mode, or null
-  int32_t seqlen_q = 0;                    // dense mode only
-  int32_t seqlen_kv = 0;                   // dense mode only
+  // The packed extents the cu_seqlens entries must lie in (q / out / lse rows, k / v rows).
+  int32_t total_q = 0;
+  int32_t total_kv = 0;
+  // Where the kernels record a bad cu_seqlens, seq_lens or block-table value (docs/safety.md).
+  FaultSite fault;
+  int32_t seqlen_q = 0;   // dense mode only
+  int32_t seqlen_kv = 0;  // dense mode only
 
   // Packed / dense K and V (paged == false).
   const void* k = nullptr;  // [total_kv, Hkv, D] or [B, Skv, Hkv, D]

@@ -264,6 +264,7 @@ struct Sm90Consumer {
 
     for (int64_t w = sched.first(); sched.valid(w); w = sched.next(w)) {
       const PrefillWorkTile work = sched.tile(p, w);
+      // A faulting sequence comes back without rows or without keys (the producer records it).
       const SequenceInfo seq = sequence_info(p, work.batch, p.paged);
       const int32_t m0 = work.m_block * T::kBlockM;
       if (m0 >= seq.q_len) continue;
@@ -303,6 +304,10 @@ struct Sm90Consumer {
       float s[kSRegs];
       uint32_t pa[kPSteps][4];
       float corr[2];
+      // Nonzero once a K tile of this work item was marked faulted by the producer (a block-table
+      // entry outside the pool): the work item's rows are then written as zeros, LSE -inf. Read
+      // after the tile's k_full wait, before its k_empty release (the next fill rewrites it).
+      uint32_t faulted = 0;
       mbarrier_wait(smem.q_full(), q_iter & 1u);
       // The first key tile is the sequence's last: its V rows past the sequence are zeroed before
       // its P V (gathered tiles come zero-filled).
@@ -313,6 +318,7 @@ struct Sm90Consumer {
       {
         const int32_t key0 = range.block(0) * T::kBlockN;
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
+        faulted |= ld_shared_u32(smem.kv_fault(k_read.index));
         turn_begin();
         issue_qk(s, k_read.index);
         turn_end();
@@ -342,6 +348,7 @@ struct Sm90Consumer {
           zero_v_tail(v_read.index, first_valid);
         }
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
+        faulted |= ld_shared_u32(smem.kv_fault(k_read.index));
         turn_begin();
         issue_qk(s, k_read.index);
         // The previous tile's V stage: consumed by its P V, or (skipped tile) released unused,
@@ -403,6 +410,11 @@ struct Sm90Consumer {
       release(smem.v_empty(v_read.index));
       v_read.advance();
       ++q_iter;
+      if (faulted != 0) {
+#pragma unroll
+        for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+        st.sum[0] = st.sum[1] = 0.f;
+      }
       store(o, st, seq, m0, work.head, v_scale);
     }
     if (kSkip && wtid == 0 && sp.skip_counts != nullptr) {

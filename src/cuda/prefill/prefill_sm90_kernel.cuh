@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked, kSkip>::k
       sm90::mbarrier_init(smem.k_empty(s), kConsumerWarps);
       sm90::mbarrier_init(smem.v_full(s), 1);
       sm90::mbarrier_init(smem.v_empty(s), kConsumerWarps);
+      st_shared_u32(smem.kv_fault(s), 0u);  // only paged tiles mark faults
     }
     sm90::mbarrier_init_fence();
   }

@@ -219,7 +219,6 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
     sp.tma_v = kv_map(*call.v, prm.v, prm.v_tok_stride, prm.v_head_stride, prm.v_batch_stride, "v");
   } else {
     const KvCacheView& cache = *call.cache;
-    sp.kv_num_blocks = cache.num_blocks > 0 ? cache.num_blocks : INT32_MAX;
     const bool eight_bit = cache.dtype == DType::kFp8E4M3 || cache.dtype == DType::kInt8;
     sp.kv_8bit = eight_bit;
     if (eight_bit || cache.window_slots > 0) {
@@ -230,8 +229,13 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
       // A box never crosses a page: its rows divide the page and the key tile. A contiguous cache
       // (one block a row) takes whole key tiles.
       sp.page_box_rows = cache.paged ? std::min(pow2_gcd(t, block_n), t) : block_n;
-      const uint64_t blocks = static_cast<uint64_t>(
-          std::max<int64_t>({int64_t{1}, cache.num_blocks, cache.num_rows()}));
+      // The producer issues a tile's boxes one a lane of one warp.
+      ATTNKIT_CHECK(block_n / sp.page_box_rows <= 32,
+                    "prefill (sm90): ", block_n / sp.page_box_rows,
+                    " page boxes a key tile, more than one warp issues");
+      // Exactly the pool (a contiguous cache has a block a row, num_rows <= num_blocks): a block
+      // coordinate outside it reads zeros, and the producer skips bad table entries before that.
+      const uint64_t blocks = static_cast<uint64_t>(std::max<int32_t>(1, cache.num_blocks));
       const uint64_t dims[4] = {static_cast<uint64_t>(call.head_dim), static_cast<uint64_t>(t),
                                 static_cast<uint64_t>(prm.num_kv_heads), blocks};
       const uint64_t strides[3] = {static_cast<uint64_t>(call.head_dim * eb),

@@ -32,7 +32,6 @@ struct Sm90PrefillParams {
   PrefillParams base;
   Sm90KvMode kv_mode = Sm90KvMode::kTmaTensor;
   int32_t page_box_rows = 0;  // kTmaPaged: rows of one box (divides tokens_per_block and kBlockN)
-  int32_t kv_num_blocks = 0;  // paged: pool blocks; table entries outside [0, num_blocks) read 0
   bool kv_8bit = false;       // kGather: the cache holds fp8 e4m3 / int8 codes
   // Skip-softmax (the kSkip kernels): log2(lambda), and the device counters [tiles visited, tiles
   // skipped] the consumer warpgroups add their counts to (nullptr: not counted).

@@ -5,8 +5,19 @@
 // the stage's "full" barrier, then each lane issues the boxes of its page run (one box per column
 // block of 64 head dims). Gathered tiles (kGather, and every partial last V tile) are loaded and
 // stored by all 128 threads, which then fence their stores for the async proxy and meet at a named
-// barrier before thread 0 arrives on the "full" barrier. Table entries and positions outside the
-// cache read zeros: no access leaves the tensors.
+// barrier before thread 0 arrives on the "full" barrier.
+//
+// Block-table entries are compared with the pool ([0, num_blocks)) where they are read, before any
+// address or TMA coordinate is formed from them (docs/safety.md, prefill). A bad entry's rows are
+// not loaded: a TMA box of it is not issued (the stage's "full" barrier expects only the bytes of
+// the boxes issued, so the pipeline's protocol is unchanged), a gathered row of it is zeros. The
+// producer then marks the K stage faulted (Sm90Smem::kv_fault, written before the arrival on
+// k_full that publishes it); the consumers OR the marks of the tiles of a work item and write its
+// rows as zeros with LSE -inf. Producer thread 0 records the first bad entry of a work item once
+// its tiles are issued (head 0 only, record_work_faults); the V tile reads the same entries and
+// skips the same rows. (The paged tensor maps span exactly the pool's blocks, so a box at a block
+// coordinate outside it would read zeros, not memory past the pool: PTX ISA, tensor "Out of
+// Boundary Access", zero fill mode; the guard does not rely on it.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,6 +56,7 @@ struct Sm90Smem {
   __device__ uint32_t k_empty(int s) const { return bar(2 + T::kStages + s); }
   __device__ uint32_t v_full(int s) const { return bar(2 + 2 * T::kStages + s); }
   __device__ uint32_t v_empty(int s) const { return bar(2 + 3 * T::kStages + s); }
+  __device__ uint32_t kv_fault(int s) const { return base + T::kFaultOffset + 4 * s; }
 };
 
 // Byte offset of 16-byte chunk `chunk` (of 16-bit elements) of row `row` in a swizzled tile whose
@@ -57,6 +69,31 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// bar.sync of named barrier kId that also returns whether `pred` held in any of its threads.
+template <int kId>
+__device__ __forceinline__ bool named_barrier_sync_or(int threads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "bar.red.or.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "n"(kId), "r"(threads)
+      : "memory");
+  return any != 0;
 }
 
 // The start of the K (or V) row of key `key` of this work item, or null where no row exists (a
@@ -77,7 +114,7 @@ struct KvRows {
     if (p.kv.block_table != nullptr) {
       block = p.kv.block_table[batch * p.kv.block_table_row_stride + (slot >> p.kv_page_shift)];
       token = slot & ((int64_t{1} << p.kv_page_shift) - 1);
-      if (block < 0 || block >= sp.kv_num_blocks) return nullptr;
+      if (static_cast<uint64_t>(block) >= static_cast<uint64_t>(p.kv.num_blocks)) return nullptr;
     }
     const int64_t off = block * p.kv.block_stride_bytes +
                         (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + token) *
@@ -87,12 +124,14 @@ struct KvRows {
 };
 
 // Loads rows [0, valid) of the K (or V) tile at key0 into the swizzled stage at `dst`, zeros in
-// rows [valid, kBlockN); 16-bit rows, or 8-bit rows widened to the q dtype. All 128 producer
-// threads take part (ptid = 0..127).
+// rows [valid, kBlockN) and in the rows of bad table entries; 16-bit rows, or 8-bit rows widened to
+// the q dtype. All 128 producer threads take part (ptid = 0..127). Returns whether this thread met
+// a bad entry.
 template <class T, DType kDType>
-__device__ __forceinline__ void gather_tile(const Sm90PrefillParams& sp, const KvRows& rows,
+__device__ __forceinline__ bool gather_tile(const Sm90PrefillParams& sp, const KvRows& rows,
                                             bool is_v, int32_t key0, int32_t valid, uint32_t dst,
                                             int ptid) {
+  bool bad = false;
   // Source chunks of 16 bytes a row: 16-bit rows hold 8 elements a chunk, 8-bit rows 16.
   if (!sp.kv_8bit) {
     constexpr int kChunks = T::kHeadDim / 8;
@@ -102,6 +141,7 @@ __device__ __forceinline__ void gather_tile(const Sm90PrefillParams& sp, const K
     for (int r = ptid / kChunks; r < T::kBlockN; r += kRowsPerPass) {
       uint4 v = make_uint4(0, 0, 0, 0);
       const uint8_t* src = r < valid ? rows.row(sp, is_v, key0 + r) : nullptr;
+      bad = bad || (r < valid && src == nullptr);
       if (src != nullptr) v = __ldg(reinterpret_cast<const uint4*>(src) + chunk);
       st_shared_v4(dst + swizzled_offset(r, chunk, T::kKvColBlockBytes), v);
     }
@@ -114,6 +154,7 @@ __device__ __forceinline__ void gather_tile(const Sm90PrefillParams& sp, const K
     for (int r = ptid / kChunks; r < T::kBlockN; r += kRowsPerPass) {
       uint4 raw = make_uint4(0, 0, 0, 0);
       const uint8_t* src = r < valid ? rows.row(sp, is_v, key0 + r) : nullptr;
+      bad = bad || (r < valid && src == nullptr);
       if (src != nullptr) raw = __ldg(reinterpret_cast<const uint4*>(src) + chunk);
       uint4 lo, hi;
       if (is_int8) {
@@ -131,6 +172,7 @@ __device__ __forceinline__ void gather_tile(const Sm90PrefillParams& sp, const K
       st_shared_v4(dst + swizzled_offset(r, 2 * chunk + 1, T::kKvColBlockBytes), hi);
     }
   }
+  return bad;
 }
 
 template <class T, DType kDType>
@@ -140,10 +182,12 @@ struct Sm90Producer {
   int ptid;  // 0..127
 
   // Issues the K (or V) tile at key0 into `dst`, completing on `full`. The caller (warp 0) has
-  // waited for the stage to be empty.
-  __device__ void tma_tile(const CUtensorMap* map, bool is_v, const SequenceInfo& seq,
+  // waited for the stage to be empty. fault_word: the K stage's fault mark, written by lane 0
+  // before its arrival on `full` (the K tile only). Returns (warp-uniform) whether a box of the
+  // tile had a bad table entry.
+  __device__ bool tma_tile(const CUtensorMap* map, bool is_v, const SequenceInfo& seq,
                            const PrefillWorkTile& work, int32_t kv_head, int32_t key0, uint32_t dst,
-                           uint32_t full) const {
+                           uint32_t full, uint32_t fault_word) const {
     const PrefillParams& p = sp.base;
     const int lane = ptid & 31;
     if (sp.kv_mode == Sm90KvMode::kTmaTensor) {
@@ -156,32 +200,39 @@ struct Sm90Producer {
           tma_load_4d(dst + c * T::kKvColBlockBytes, map, full, c * 64, kv_head, tok, batch);
         }
       }
-      return;
+      return false;
     }
-    // kTmaPaged: boxes of page_box_rows rows; a box that starts past the sequence is not loaded
-    // (its rows are masked in S; the partial tile's V is gathered instead).
+    // kTmaPaged: boxes of page_box_rows rows, one a lane (run_sm90: at most 32 a tile); a box that
+    // starts past the sequence is not loaded (its rows are masked in S; the consumers zero the
+    // partial tile's V rows). Each lane reads and checks its box's table entry first, then lane 0
+    // announces the bytes of the good boxes only.
     const int32_t box_rows = sp.page_box_rows;
     const int32_t boxes = T::kBlockN / box_rows;
-    int32_t live = min(boxes, (seq.kv_len - key0 + box_rows - 1) / box_rows);
+    const int32_t live = min(boxes, (seq.kv_len - key0 + box_rows - 1) / box_rows);
+    const int32_t key = key0 + lane * box_rows;
+    int32_t block = work.batch, token = key;
+    bool good = lane < live;
+    if (good && p.kv.block_table != nullptr) {
+      block = p.kv.block_table[work.batch * p.kv.block_table_row_stride + (key >> p.kv_page_shift)];
+      token = key & ((1 << p.kv_page_shift) - 1);
+      good = static_cast<uint32_t>(block) < static_cast<uint32_t>(p.kv.num_blocks);
+    }
+    const uint32_t good_boxes = __ballot_sync(0xffffffffu, good);
+    const bool any_bad = __popc(good_boxes) != live;
     if (lane == 0) {
-      mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(live * box_rows * 128 * T::kColBlocks));
+      if (!is_v) st_shared_u32(fault_word, any_bad);
+      mbarrier_arrive_expect_tx(
+          full, static_cast<uint32_t>(__popc(good_boxes) * box_rows * 128 * T::kColBlocks));
     }
     __syncwarp();
-    for (int b = lane; b < live; b += 32) {
-      const int32_t key = key0 + b * box_rows;
-      int32_t block = work.batch, token = key;
-      if (p.kv.block_table != nullptr) {
-        block =
-            p.kv.block_table[work.batch * p.kv.block_table_row_stride + (key >> p.kv_page_shift)];
-        token = key & ((1 << p.kv_page_shift) - 1);
-      }
-      // Entries outside the pool are TMA coordinates outside the map: the box reads zeros.
+    if (good) {
 #pragma unroll
       for (int c = 0; c < T::kColBlocks; ++c) {
-        tma_load_4d(dst + c * T::kKvColBlockBytes + b * box_rows * 128, map, full, c * 64, token,
+        tma_load_4d(dst + c * T::kKvColBlockBytes + lane * box_rows * 128, map, full, c * 64, token,
                     kv_head, block);
       }
     }
+    return any_bad;
   }
 
   __device__ void run() const {
@@ -200,7 +251,13 @@ struct Sm90Producer {
     uint32_t q_iter = 0;
     for (int64_t w = sched.first(); sched.valid(w); w = sched.next(w)) {
       const PrefillWorkTile work = sched.tile(p, w);
+      // A sequence whose metadata faults comes back without rows or without keys; producer thread
+      // 0 records it in its head-0 query block 0 (the consumers compute the same geometry).
       const SequenceInfo seq = sequence_info(p, work.batch, p.paged);
+      if (seq.fault && lead && work.head == 0 && work.m_block == 0) {
+        record_work_faults<T::kBlockM, T::kBlockN, T::kMasked>(p, work.batch, work.m_block, p.paged,
+                                                               true, false);
+      }
       const int32_t m0 = work.m_block * T::kBlockM;
       if (m0 >= seq.q_len) continue;
       const int32_t rows_valid = min(T::kBlockM, seq.q_len - m0);
@@ -220,6 +277,7 @@ struct Sm90Producer {
       rows.v_tensor = static_cast<const uint8_t*>(p.v) +
                       (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * 2;
 
+      bool item_fault = false;  // a K tile of this work item had a bad table entry
       for (int32_t it = 0; it < num_tiles; ++it) {
         const int32_t key0 = range.block(it) * T::kBlockN;
         const int32_t valid = min(T::kBlockN, seq.kv_len - key0);
@@ -231,15 +289,22 @@ struct Sm90Producer {
           // barrier is at most one phase behind the parity waited for.
           named_barrier_sync<kProducerBarrier>(128);
           mbarrier_wait(smem.k_empty(stage.index), stage.phase ^ 1u);
-          gather_tile<T, kDType>(sp, rows, false, key0, valid, smem.k(stage.index), ptid);
+          const bool bad =
+              gather_tile<T, kDType>(sp, rows, false, key0, valid, smem.k(stage.index), ptid);
           fence_proxy_async_smem();
-          named_barrier_sync<kProducerBarrier>(128);
-          if (lead) mbarrier_arrive(smem.k_full(stage.index));
+          const bool any_bad = named_barrier_sync_or<kProducerBarrier>(128, bad);
+          item_fault = item_fault || any_bad;
+          if (lead) {
+            st_shared_u32(smem.kv_fault(stage.index), any_bad);
+            mbarrier_arrive(smem.k_full(stage.index));
+          }
         } else if (tma_warp) {
           if (lead) mbarrier_wait(smem.k_empty(stage.index), stage.phase ^ 1u);
           __syncwarp();
-          tma_tile(&sp.tma_k, false, seq, work, kv_head, key0, smem.k(stage.index),
-                   smem.k_full(stage.index));
+          const bool any_bad =
+              tma_tile(&sp.tma_k, false, seq, work, kv_head, key0, smem.k(stage.index),
+                       smem.k_full(stage.index), smem.kv_fault(stage.index));
+          item_fault = item_fault || any_bad;
         }
         // Q, after the first K tile so that a wait for the consumers to release Q does not hold
         // the K ring back.
@@ -266,9 +331,13 @@ struct Sm90Producer {
           if (lead) mbarrier_wait(smem.v_empty(stage.index), stage.phase ^ 1u);
           __syncwarp();
           tma_tile(&sp.tma_v, true, seq, work, kv_head, key0, smem.v(stage.index),
-                   smem.v_full(stage.index));
+                   smem.v_full(stage.index), 0u);
         }
         stage.advance();
+      }
+      if (item_fault && lead && work.head == 0) {
+        record_work_faults<T::kBlockM, T::kBlockN, T::kMasked>(p, work.batch, work.m_block, p.paged,
+                                                               false, true);
       }
       ++q_iter;
     }

@@ -56,8 +56,11 @@ struct Sm90PrefillTraits {
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvTileBytes;
   // q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage.
   static constexpr int kNumBarriers = 2 + 4 * kStages;
+  // One 32-bit word a K stage: nonzero when a block-table entry of the tile in it is not a block
+  // of the pool (written by the producer before it arrives on k_full, read by the consumers).
+  static constexpr int kFaultOffset = kBarrierOffset + kNumBarriers * 8;
   // + 1024: the dynamic shared memory base is aligned up to the swizzle's 1024 bytes in-kernel.
-  static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8 + 1024;
+  static constexpr int kSmemBytes = kFaultOffset + 4 * kStages + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB an sm90 CTA can opt into");
 };
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "attnkit/types.h"
+#include "cuda/common/device_fault.cuh"
 #include "cuda/common/fast_math.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/prefill/prefill_params.h"
@@ -51,17 +52,87 @@ struct SequenceInfo {
   int32_t k_start;  // token index of key 0 in the packed k (0 in dense and paged mode)
   int32_t q_len;
   int32_t kv_len;
+  bool fault;  // a guard of this sequence's metadata failed (record_sequence_faults records it)
 };
 
+// record_fault (device_fault.cuh) inlined, the same protocol (keep the two in step): its call
+// (the ABI's register conventions) in the portable kernels, several of which run at the
+// 255-register bound (kM128W4), moved ptxas' allocation and added spills even where the call is
+// never taken; the inlined copy sits at the work item's exits only.
+__device__ __forceinline__ void record_fault_here(const FaultSite& site, FaultKind kind,
+                                                  FaultArg arg, int64_t row, int64_t index,
+                                                  int64_t value, int64_t bound) {
+  DeviceFault* word = site.word;
+  if (word == nullptr) return;
+  atomicAdd(&word->count, 1ull);
+  if (atomicCAS(&word->state, 0, 1) != 0) return;
+  word->kind = static_cast<int32_t>(kind);
+  word->op = site.op;
+  word->arg = static_cast<int32_t>(arg);
+  word->row = row;
+  word->index = index;
+  word->value = value;
+  word->bound = bound;
+  __threadfence();
+  atomicExch(&word->state, 2);
+}
+
+// Records the faults of sequence b's metadata (sequence_info found one): each bad entry once, by
+// the sequence that ends at it (cu[b + 1]; cu[0] by sequence 0). Part of record_work_faults.
+__device__ __forceinline__ void record_sequence_faults(const PrefillParams& p, int b, bool paged) {
+  // guard_cu_seqlens' rules: a range fault before an order fault; row = the entry's sequence.
+  auto entry = [&](FaultArg arg, int index, int32_t value, int32_t previous, int32_t extent) {
+    if (value < 0 || value > extent) {
+      record_fault_here(p.fault, FaultKind::kCuSeqlensRange, arg, index - 1, index, value, extent);
+    } else if (value < previous) {
+      record_fault_here(p.fault, FaultKind::kCuSeqlensOrder, arg, index - 1, index, value,
+                        previous);
+    }
+  };
+  auto entries = [&](const int32_t* cu, FaultArg arg, int32_t extent) {
+    const int32_t start = cu[b], end = cu[b + 1];
+    const bool start_ok = start >= 0 && start <= extent;
+    if (b == 0 && !start_ok) entry(arg, b, start, 0, extent);
+    entry(arg, b + 1, end, start_ok ? start : 0, extent);
+  };
+  if (p.cu_seqlens_q) entries(p.cu_seqlens_q, FaultArg::kCuSeqlensQ, p.total_q);
+  if (paged) {
+    const int32_t len = p.kv_seq_lens[b];
+    const int64_t capacity = p.kv.window_slots > 0 ? INT64_MAX : p.kv.row_capacity();
+    if (len < 0 || len > capacity) {
+      record_fault_here(p.fault, FaultKind::kSeqLen, FaultArg::kSeqLens, b, 0, len, capacity);
+    }
+  } else if (p.cu_seqlens_kv) {
+    entries(p.cu_seqlens_kv, FaultArg::kCuSeqlensKv, p.total_kv);
+  }
+}
+
+// The geometry of sequence b, with the guards of its device metadata (docs/safety.md, prefill):
+// - cu_seqlens_q: 0 <= cu[b] <= cu[b + 1] <= total_q and cu[b - 1] <= cu[b]. A sequence that fails
+//   names no rows the kernel could write: q_len = 0, nothing of it is read or written (its rows of
+//   out / lse keep what they held). The predecessor's entry is compared too, so that a sequence
+//   next to an out-of-order entry does not write rows of an earlier one.
+// - cu_seqlens_kv (packed): 0 <= cu[b] <= cu[b + 1] <= total_kv; kv_seq_lens (paged):
+//   0 <= len <= the row's capacity (table_cols x tokens_per_block; a cyclic cache wraps its slots,
+//   so only len >= 0). A sequence that fails has no keys: kv_len = 0, its query rows are zeros and
+//   LSE -inf, no K/V is read.
+// `fault` says a guard failed; one work item of the sequence (head 0, query block 0, one thread)
+// records it with record_work_faults. Dense mode (no cu_seqlens) reads no metadata. Loads and
+// compares once per work item.
 __device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, int b, bool paged) {
   SequenceInfo s;
+  bool ok = true;
   if (p.cu_seqlens_q) {
     const int32_t start = p.cu_seqlens_q[b];
-    s.q_start = start;
-    s.q_len = p.cu_seqlens_q[b + 1] - start;
-    s.q_offset = start * p.q_tok_stride;
-    s.o_offset = start * p.o_tok_stride;
-    s.lse_offset = start * p.lse_tok_stride;
+    const int32_t end = p.cu_seqlens_q[b + 1];
+    const int32_t before = b > 0 ? p.cu_seqlens_q[b - 1] : 0;
+    const bool q_ok = start >= 0 && start <= end && end <= p.total_q && before <= start;
+    ok = q_ok;
+    s.q_start = q_ok ? start : 0;
+    s.q_len = q_ok ? end - start : 0;
+    s.q_offset = s.q_start * p.q_tok_stride;
+    s.o_offset = s.q_start * p.o_tok_stride;
+    s.lse_offset = s.q_start * p.lse_tok_stride;
   } else {
     s.q_start = 0;
     s.q_len = p.seqlen_q;
@@ -73,18 +144,25 @@ __device__ __forceinline__ SequenceInfo sequence_info(const PrefillParams& p, in
   s.k_offset = 0;
   s.v_offset = 0;
   if (paged) {
-    s.kv_len = p.kv_seq_lens[b];
+    const int32_t len = p.kv_seq_lens[b];
+    const bool kv_ok = len >= 0 && (p.kv.window_slots > 0 || len <= p.kv.row_capacity());
+    ok = ok && kv_ok;
+    s.kv_len = kv_ok ? len : 0;
   } else if (p.cu_seqlens_kv) {
     const int32_t start = p.cu_seqlens_kv[b];
-    s.k_start = start;
-    s.kv_len = p.cu_seqlens_kv[b + 1] - start;
-    s.k_offset = start * p.k_tok_stride;
-    s.v_offset = start * p.v_tok_stride;
+    const int32_t end = p.cu_seqlens_kv[b + 1];
+    const bool kv_ok = start >= 0 && start <= end && end <= p.total_kv;
+    ok = ok && kv_ok;
+    s.k_start = kv_ok ? start : 0;
+    s.kv_len = kv_ok ? end - start : 0;
+    s.k_offset = s.k_start * p.k_tok_stride;
+    s.v_offset = s.k_start * p.v_tok_stride;
   } else {
     s.kv_len = p.seqlen_kv;
     s.k_offset = b * p.k_batch_stride;
     s.v_offset = b * p.v_batch_stride;
   }
+  s.fault = !ok;
   return s;
 }
 
@@ -121,6 +199,41 @@ __device__ __forceinline__ KeyBlockRange key_block_range(const PrefillParams& p,
     r.n_sink = min((sink_end + kBlockN - 1) / kBlockN, r.n_begin);
   }
   return r;
+}
+
+// The cold path of the guards, called once where a kernel leaves a work item (a call inside a
+// mainloop would constrain its register allocation): records sequence b's metadata faults when
+// `sequence` (sequence_info's fault; one work item of the sequence asks), and when `pages` the
+// first block-table entry of row b read for the key blocks of query block m_block (kBlockM rows,
+// kBlockN keys a block) that is not a block of the pool (the kernels flag a bad entry where they
+// read it and skip its rows). The geometry is recomputed here, so the caller keeps nothing live
+// for it; cyclic caches wrap the slots as the copies do.
+template <int kBlockM, int kBlockN, bool kMasked>
+__device__ __forceinline__ void record_work_faults(const PrefillParams& p, int b, int m_block,
+                                                   bool paged, bool sequence, bool pages) {
+  if (sequence) record_sequence_faults(p, b, paged);
+  if (!pages || p.kv.block_table == nullptr) return;
+  const SequenceInfo seq = sequence_info(p, b, paged);
+  const int32_t m0 = m_block * kBlockM;
+  const int32_t p_lo = seq.kv_len - seq.q_len + m0;
+  const int32_t p_hi = p_lo + min(kBlockM, seq.q_len - m0) - 1;
+  const KeyBlockRange range = key_block_range<kBlockN, kMasked>(p, seq.kv_len, p_lo, p_hi);
+  const int64_t token_mask = (int64_t{1} << p.kv_page_shift) - 1;
+  for (int32_t i = 0; i < range.count(); ++i) {
+    const int32_t key0 = range.block(i) * kBlockN;
+    const int32_t key_end = min(seq.kv_len, key0 + kBlockN);
+    for (int32_t key = key0; key < key_end; ++key) {
+      const int64_t slot = p.kv.slot_of(key);
+      if (key != key0 && (slot & token_mask) != 0) continue;  // once a page
+      const int64_t page = slot >> p.kv_page_shift;
+      const int32_t block = p.kv.block_table[b * p.kv.block_table_row_stride + page];
+      if (static_cast<uint32_t>(block) >= static_cast<uint32_t>(p.kv.num_blocks)) {
+        record_fault_here(p.fault, FaultKind::kBlockId, FaultArg::kBlockTable, b, page, block,
+                          p.kv.num_blocks);
+        return;
+      }
+    }
+  }
 }
 
 // Whether query position `pos` attends key `key`.
