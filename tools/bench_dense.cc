@@ -175,17 +175,21 @@ BenchSession::Measurement measure(BenchSession& session, const DenseShape& s,
     x.k = DeviceBuffer(bytes);
     x.v = DeviceBuffer(bytes);
     x.out = DeviceBuffer(bytes);
-    // Hot keys: K = 1 on the last hot_tokens of every sequence and Q in [0, 2], so that those
-    // keys lead every query by about sqrt(D) logits and the other tiles can be skipped. The last
-    // ones, because the fused kernel walks key tiles from the last to the first: the hot tiles
-    // set the running maximum first and the skipped fraction is about 1 - hot_keys.
+    // Hot keys: K = 1 on hot_tokens of every sequence (the first half of them at its start, the
+    // rest at its end) and Q in [0, 2], so that those keys lead every query by about sqrt(D)
+    // logits and the other tiles can be skipped. At both ends, because the running maximum is
+    // built along the walk and walks differ (the reference goes first to last, the fused kernel
+    // last to first): either way the first tile visited is hot and about 1 - hot_keys skip.
     const int64_t hot_tokens = static_cast<int64_t>(s.hot_keys * s.seqlen);
+    const int64_t hot_front = (hot_tokens + 1) / 2, hot_back = hot_tokens - hot_front;
     fill_random(x.q, DType::kBF16, 5 * i + 1, hot_tokens > 0 ? 1.0f : 0.0f);
     fill_random(x.k, DType::kBF16, 5 * i + 2);
     const size_t token_bytes = size_t{2} * s.heads * s.head_dim;
     for (int b = 0; b < s.batch && hot_tokens > 0; ++b) {
-      fill_constant(x.k, (static_cast<size_t>(b + 1) * s.seqlen - hot_tokens) * token_bytes,
-                    hot_tokens * token_bytes, DType::kBF16, 1.0f);
+      const size_t first = static_cast<size_t>(b) * s.seqlen;
+      fill_constant(x.k, first * token_bytes, hot_front * token_bytes, DType::kBF16, 1.0f);
+      fill_constant(x.k, (first + s.seqlen - hot_back) * token_bytes, hot_back * token_bytes,
+                    DType::kBF16, 1.0f);
     }
     fill_random(x.v, DType::kBF16, 5 * i + 3);
     DenseArgs& a = x.args;
@@ -232,7 +236,7 @@ void register_bench_dense(CLI::App& bench) {
                   "lambda of the skip_softmax variant (>= 0; default 0.01)");
   cmd->add_option("--timestep", o->timestep, "normalized timestep passed to dense() (default 0)");
   cmd->add_option("--hot-keys", o->hot_keys,
-                  "fraction of keys (the last of each sequence) that every query prefers, in "
+                  "fraction of keys (half at each end of a sequence) that every query prefers, in "
                   "[0, 1); gives skip-softmax something to skip (default 0.3; 0 = random data)");
   cmd->add_option("--config", o->config,
                   "an AttentionConfig (JSON text or @file) to run as one more variant");

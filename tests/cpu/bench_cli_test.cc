@@ -490,8 +490,8 @@ TEST(BenchCommand, ForcedMergeNeedsTheFusedBackend) {
 }
 
 TEST(BenchCommand, DenseHotKeysGiveSkipSoftmaxItsTiles) {
-  // Hot keys lead every query by about sqrt(D) logits: every key tile after the hot ones falls
-  // below ln(0.01) and is skipped; the tiles holding a hot key are not.
+  // Hot keys lead every query by about sqrt(D) logits: every key tile without one falls below
+  // ln(0.01) and is skipped; the tiles holding a hot key are not.
   std::mt19937_64 rng(test::test_seed());
   const int seqlen = 300 + static_cast<int>(rng() % 340);
   const double hot = 0.05 + 0.1 * static_cast<double>(rng() % 6);
@@ -499,8 +499,15 @@ TEST(BenchCommand, DenseHotKeysGiveSkipSoftmaxItsTiles) {
   args << "dense --seqlen " << seqlen << " --heads 1 --head-dim 128 --variants skip_softmax"
        << " --hot-keys " << hot;
   const json r = run_self_test(args.str(), 1);
+  // The hot keys: the first half at the sequence's start, the rest at its end.
+  const int hot_tokens = static_cast<int>(hot * seqlen);
+  const int hot_front = (hot_tokens + 1) / 2, hot_back = hot_tokens - hot_front;
   const int key_tiles = (seqlen + 127) / 128;
-  const int hot_tiles = (static_cast<int>(hot * seqlen) + 127) / 128;
+  int hot_tiles = 0;
+  for (int t = 0; t < key_tiles; ++t) {
+    const int lo = 128 * t, hi = std::min(seqlen, 128 * (t + 1));
+    hot_tiles += (lo < hot_front) || (hi > seqlen - hot_back && hot_back > 0);
+  }
   EXPECT_NEAR(r["rows"][0]["tiles_skipped_fraction"].get<double>(),
               static_cast<double>(key_tiles - hot_tiles) / key_tiles, 1e-12)
       << args.str();
