@@ -29,10 +29,13 @@ struct FaultSite {
 #if defined(__CUDACC__)
 
 // Keeps the first fault since the last check whole (state 0 -> 1 -> 2 under an atomicCAS) and
-// counts every fault. Cold path: call it only after a guard failed.
-inline __device__ __noinline__ void record_fault(const FaultSite& site, FaultKind kind,
-                                                 FaultArg arg, int64_t row, int64_t index,
-                                                 int64_t value, int64_t bound) {
+// counts every fault. Cold path: call it only after a guard failed. The inlined form is for
+// kernels at the 255-register bound (the portable prefill kM128W4 kernels), where a call's ABI
+// registers move ptxas' allocation and add spills even where the call is never taken; they call
+// it at a work item's exits only. Everything else calls record_fault().
+__device__ __forceinline__ void record_fault_inline(const FaultSite& site, FaultKind kind,
+                                                    FaultArg arg, int64_t row, int64_t index,
+                                                    int64_t value, int64_t bound) {
   DeviceFault* word = site.word;
   if (word == nullptr) return;
   atomicAdd(&word->count, 1ull);
@@ -48,6 +51,11 @@ inline __device__ __noinline__ void record_fault(const FaultSite& site, FaultKin
   word->bound = bound;
   __threadfence();  // the fields before the state that publishes them
   atomicExch(&word->state, 2);
+}
+inline __device__ __noinline__ void record_fault(const FaultSite& site, FaultKind kind,
+                                                 FaultArg arg, int64_t row, int64_t index,
+                                                 int64_t value, int64_t bound) {
+  record_fault_inline(site, kind, arg, row, index, value, bound);
 }
 
 // The guards. Each returns true when the value is in range and otherwise records the fault.

@@ -55,38 +55,17 @@ struct SequenceInfo {
   bool fault;  // a guard of this sequence's metadata failed (record_sequence_faults records it)
 };
 
-// record_fault (device_fault.cuh) inlined, the same protocol (keep the two in step): its call
-// (the ABI's register conventions) in the portable kernels, several of which run at the
-// 255-register bound (kM128W4), moved ptxas' allocation and added spills even where the call is
-// never taken; the inlined copy sits at the work item's exits only.
-__device__ __forceinline__ void record_fault_here(const FaultSite& site, FaultKind kind,
-                                                  FaultArg arg, int64_t row, int64_t index,
-                                                  int64_t value, int64_t bound) {
-  DeviceFault* word = site.word;
-  if (word == nullptr) return;
-  atomicAdd(&word->count, 1ull);
-  if (atomicCAS(&word->state, 0, 1) != 0) return;
-  word->kind = static_cast<int32_t>(kind);
-  word->op = site.op;
-  word->arg = static_cast<int32_t>(arg);
-  word->row = row;
-  word->index = index;
-  word->value = value;
-  word->bound = bound;
-  __threadfence();
-  atomicExch(&word->state, 2);
-}
-
 // Records the faults of sequence b's metadata (sequence_info found one): each bad entry once, by
 // the sequence that ends at it (cu[b + 1]; cu[0] by sequence 0). Part of record_work_faults.
 __device__ __forceinline__ void record_sequence_faults(const PrefillParams& p, int b, bool paged) {
   // guard_cu_seqlens' rules: a range fault before an order fault; row = the entry's sequence.
   auto entry = [&](FaultArg arg, int index, int32_t value, int32_t previous, int32_t extent) {
     if (value < 0 || value > extent) {
-      record_fault_here(p.fault, FaultKind::kCuSeqlensRange, arg, index - 1, index, value, extent);
+      record_fault_inline(p.fault, FaultKind::kCuSeqlensRange, arg, index - 1, index, value,
+                          extent);
     } else if (value < previous) {
-      record_fault_here(p.fault, FaultKind::kCuSeqlensOrder, arg, index - 1, index, value,
-                        previous);
+      record_fault_inline(p.fault, FaultKind::kCuSeqlensOrder, arg, index - 1, index, value,
+                          previous);
     }
   };
   auto entries = [&](const int32_t* cu, FaultArg arg, int32_t extent) {
@@ -100,7 +79,7 @@ __device__ __forceinline__ void record_sequence_faults(const PrefillParams& p, i
     const int32_t len = p.kv_seq_lens[b];
     const int64_t capacity = p.kv.window_slots > 0 ? INT64_MAX : p.kv.row_capacity();
     if (len < 0 || len > capacity) {
-      record_fault_here(p.fault, FaultKind::kSeqLen, FaultArg::kSeqLens, b, 0, len, capacity);
+      record_fault_inline(p.fault, FaultKind::kSeqLen, FaultArg::kSeqLens, b, 0, len, capacity);
     }
   } else if (p.cu_seqlens_kv) {
     entries(p.cu_seqlens_kv, FaultArg::kCuSeqlensKv, p.total_kv);
@@ -228,8 +207,8 @@ __device__ __forceinline__ void record_work_faults(const PrefillParams& p, int b
       const int64_t page = slot >> p.kv_page_shift;
       const int32_t block = p.kv.block_table[b * p.kv.block_table_row_stride + page];
       if (static_cast<uint32_t>(block) >= static_cast<uint32_t>(p.kv.num_blocks)) {
-        record_fault_here(p.fault, FaultKind::kBlockId, FaultArg::kBlockTable, b, page, block,
-                          p.kv.num_blocks);
+        record_fault_inline(p.fault, FaultKind::kBlockId, FaultArg::kBlockTable, b, page, block,
+                            p.kv.num_blocks);
         return;
       }
     }
