@@ -840,7 +840,9 @@ TEST(PrefillSm90, PersistentSchedulerCoversEveryItem) {
   for (int d : {128, 64, 256}) {
     if (!has_sm90(d, DType::kBF16)) continue;
     for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
-      for (int ctas : {1, 3, 7}) {
+      // Sections of 1 pair, uneven (5 of 18 pairs), and one section.
+      const std::pair<int, int> grids[] = {{1, 0}, {3, 5}, {7, 1}, {7, 1000}};
+      for (const auto& [ctas, section] : grids) {
         Case c;
         c.head_dim = d;
         c.hq = 3;
@@ -850,6 +852,7 @@ TEST(PrefillSm90, PersistentSchedulerCoversEveryItem) {
         c.kv_lens = {1, 700, 90, 257, 300, 20};
         c.tile = PrefillTile::kSm90;
         c.ctas = ctas;
+        c.section_pairs = section;
         run_and_check(c);
         if (HasFatalFailure()) return;
       }

@@ -34,7 +34,7 @@ std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device);
 
 // Runs a validated call. `forced_tile` overrides the heuristic (tests force every tile); a tile
 // that is not compiled for the head_dim, or that the device or the call's layout cannot run,
-// raises. `forced_section_pairs` > 0 overrides the sm80 CTA order's section size
+// raises. `forced_section_pairs` > 0 overrides the CTA order's section size
 // (PrefillParams::section_pairs), `forced_ctas` > 0 the sm90 kernel's persistent grid (tests:
 // uneven sections, more work items than CTAs).
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,

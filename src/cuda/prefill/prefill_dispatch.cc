@@ -345,7 +345,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   return choose_tile(tiles, ctas, dev.sm_count, masked && !c.paged, max_seqlen_kv);
 }
 
-// The CTA order's section size (LongestFirstScheduler), measured on H200 (docs/prefill_design.md):
+// The CTA order's section size (both schedulers), measured on H200 (docs/prefill_design.md):
 // without a mask, sections of about one resident wave (ceil(resident CTAs / query blocks) pairs)
 // read each K/V tile from DRAM once (D=256 S=512: 1.12 GB -> 0.20 GB, +16%). Under a causal mask
 // a CTA's work grows with its query block and a heavy block started late stretches the tail:
@@ -601,6 +601,7 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                 p.max_seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile);
   prm.num_m_blocks = (p.max_seqlen_q + bm - 1) / bm;
+  set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));
     return;
@@ -609,7 +610,6 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                 "got ", p.batch);
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "max_seqlen_q: the fused prefill takes at most ",
                 65535 * bm, " queries per sequence, got ", p.max_seqlen_q);
-  set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   const bool runs = p.paged && prm.kv.block_table != nullptr && prm.kv.window_slots == 0;
   const bool skip_dead = skips_dead_blocks(spec.head_dim, tile, masked, p.paged, p.max_seqlen_kv);
   const bool split = uses_split_warps(spec.head_dim, tile, masked, p.paged,
@@ -760,6 +760,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   prm.group_size = spec.group_size();
   fill_mods(spec, prm);
   prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
+  set_schedule(prm, shape, tile, false, false, forced_section_pairs);
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));
     counts.finish(stats_bm, stats_bn);
@@ -767,7 +768,6 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   }
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
                 " queries per sequence, got ", p.seqlen_q);
-  set_schedule(prm, shape, tile, false, false, forced_section_pairs);
   const bool split =
       uses_split_warps(spec.head_dim, tile, false, false, device_limits(p.device.index).smem_optin);
   const Launcher launch =
