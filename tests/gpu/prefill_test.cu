@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -49,8 +50,9 @@ struct Case {
   DType kv_dtype = DType::kBF16;  // paged only: q dtype, fp8_e4m3 or int8
   bool per_head_scales = false;
   std::optional<PrefillTile> tile;
-  int section_pairs = 0;  // > 0: forced CTA-order section size (run_prefill)
-  int ctas = 0;           // > 0: forced persistent grid of the sm90 kernel (run_prefill)
+  int section_pairs = 0;       // > 0: forced CTA-order section size (run_prefill)
+  int ctas = 0;                // > 0: forced persistent grid of the sm90 kernel (run_prefill)
+  std::optional<bool> q_pack;  // forced GQA packing of the sm90 kernel (run_prefill)
   bool with_lse = true;
 
   std::string str() const {
@@ -62,7 +64,8 @@ struct Case {
       << (source == KvSource::kPaged ? std::to_string(page) : std::string())
       << " kv=" << dtype_name(kv_dtype)
       << " tile=" << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto")
-      << " section=" << section_pairs << " ctas=" << ctas << " q_lens=";
+      << " section=" << section_pairs << " ctas=" << ctas
+      << " q_pack=" << (q_pack ? (*q_pack ? "on" : "off") : "auto") << " q_lens=";
     for (int n : q_lens) s << n << ",";
     s << " kv_lens=";
     for (int n : kv_lens) s << n << ",";
@@ -333,9 +336,10 @@ void run_and_check(const Case& c) {
     view.v_scale = d_vs;
     args.kv_cache = &view;
   }
-  if (c.tile || c.section_pairs > 0 || c.ctas > 0) {
+  if (c.tile || c.section_pairs > 0 || c.ctas > 0 || c.q_pack) {
     const detail::PrefillProblem problem = detail::validate_prefill(spec, args);
-    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile, c.section_pairs, c.ctas);
+    cuda::prefill::run_prefill(spec, args, problem, nullptr, c.tile, c.section_pairs, c.ctas,
+                               c.q_pack);
   } else {
     prefill(spec, args);
   }
@@ -887,6 +891,61 @@ TEST(PrefillSm90, PagedEveryPageEveryCacheWithModifiers) {
         if (HasFatalFailure()) return;
       }
     }
+  }
+}
+
+// GQA packing (PrefillParams::q_pack_log2): a block's rows are (token, head) pairs of one KV
+// head's group. Forced on and off over groups of 2 to 16 (at 16 a token's heads span both
+// warpgroups' halves of the rows), short and mixed lengths (blocks that end inside a token's heads,
+// sequences of one query), queries after a cache, every mask, soft-cap, packed and paged K/V
+// (16-bit and 8-bit caches) and a grid of fewer CTAs than work items.
+TEST(PrefillSm90, GqaPackedMatchesFp64) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (int d : {128, 64, 256}) {
+    if (!has_sm90(d, DType::kBF16)) continue;
+    for (int group : {2, 4, 8, 16}) {
+      for (bool pack : {true, false}) {
+        Case c;
+        c.head_dim = d;
+        c.hkv = 2;
+        c.hq = 2 * group;
+        c.mask = group == 4   ? mask_of(MaskKind::kSlidingWindow, 40, 2)
+                 : group == 8 ? mask_of(MaskKind::kNone)
+                              : mask_of(MaskKind::kCausal);
+        c.softcap = group == 2 ? 30.0 : 0.0;
+        c.q_lens = {1, 7, 33, 100, 1, 64};
+        c.kv_lens = {1, 200, 33, 357, 90, 64};
+        if (group >= 8) {
+          c.source = KvSource::kPaged;
+          c.page = group == 8 ? 16 : 32;
+          c.kv_dtype = group == 16 ? DType::kFp8E4M3 : DType::kBF16;
+        }
+        c.tile = PrefillTile::kSm90;
+        c.q_pack = pack;
+        c.ctas = group == 4 ? 3 : 0;
+        run_and_check(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// A forced packing the kernel cannot do raises: ALiBi (one slope a head), a group that is not a
+// power of two, no group at all.
+TEST(PrefillSm90, GqaPackingRejectsWhatItCannotPack) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  if (!has_sm90(128, DType::kBF16)) GTEST_SKIP() << "no sm90 kernel for head_dim 128";
+  const std::tuple<int, int, bool> calls[] = {{8, 2, true}, {6, 2, false}, {4, 4, false}};
+  for (const auto& [hq, hkv, alibi] : calls) {
+    Case c;
+    c.hq = hq;
+    c.hkv = hkv;
+    c.alibi = alibi;
+    c.mask = mask_of(MaskKind::kCausal);
+    c.q_lens = {5, 9};
+    c.tile = PrefillTile::kSm90;
+    c.q_pack = true;
+    EXPECT_THROW(run_and_check(c), Error) << hq << "/" << hkv << " alibi " << alibi;
   }
 }
 

@@ -36,11 +36,13 @@ std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device);
 // that is not compiled for the head_dim, or that the device or the call's layout cannot run,
 // raises. `forced_section_pairs` > 0 overrides the CTA order's section size
 // (PrefillParams::section_pairs), `forced_ctas` > 0 the sm90 kernel's persistent grid (tests:
-// uneven sections, more work items than CTAs).
+// uneven sections, more work items than CTAs), `forced_q_pack` the sm90 kernel's GQA packing
+// (PrefillParams::q_pack_log2; true on a call it cannot pack raises).
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  const detail::PrefillProblem& p, void* stream,
                  std::optional<PrefillTile> forced_tile = std::nullopt,
-                 int forced_section_pairs = 0, int forced_ctas = 0);
+                 int forced_section_pairs = 0, int forced_ctas = 0,
+                 std::optional<bool> forced_q_pack = std::nullopt);
 void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
                void* stream, std::optional<PrefillTile> forced_tile = std::nullopt,
                int forced_section_pairs = 0, int forced_ctas = 0);

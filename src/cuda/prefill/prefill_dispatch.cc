@@ -357,7 +357,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
 // beyond, where its static round robin balances the CTAs better (2k 379 vs 372, 4k 474 vs 456).
 void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool masked,
                   bool quant_kv, int forced_section_pairs) {
-  const int64_t pairs = static_cast<int64_t>(prm.batch) * prm.num_q_heads;
+  const int64_t pairs = static_cast<int64_t>(prm.batch) * (prm.num_q_heads >> prm.q_pack_log2);
   int64_t section = forced_section_pairs;
   if (section <= 0) {
     const DeviceLimits dev = device_limits(c.device);
@@ -372,6 +372,30 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
     if (masked && tile == PrefillTile::kSm90 && prm.num_m_blocks > 8) section = pairs;
   }
   prm.section_pairs = static_cast<int32_t>(std::clamp<int64_t>(section, 1, pairs));
+}
+
+// GQA packing of the sm90 kernel (PrefillParams::q_pack_log2): log2 of the group, where the group
+// is a power of two of at most 128 heads without ALiBi (one slope a head: the tile's rows would
+// need one each), and packing computes fewer rows than one head a block: ceil(q G / 128) <
+// G ceil(q / 128), i.e. blocks of short sequences that one head leaves part empty (chunked
+// prefill, speculative verification, GQA decode-like calls). Else 0. Forced (tests): true packs or
+// raises, false never packs.
+int q_pack_log2(const PrefillParams& prm, int32_t max_seqlen_q, std::optional<bool> forced) {
+  const int64_t g = prm.group_size;
+  const bool can = g > 1 && g <= 128 && (g & (g - 1)) == 0 && !prm.alibi;
+  if (forced) {
+    ATTNKIT_CHECK(!*forced || can,
+                  "prefill: the sm90 kernel packs the heads of a GQA group of 2 "
+                  "to 128 (a power of two) without ALiBi; got group ",
+                  g, prm.alibi ? " with ALiBi" : "");
+    if (!*forced) return 0;
+  } else {
+    const int64_t q = max_seqlen_q;
+    if (!can || (q * g + 127) / 128 >= g * ((q + 127) / 128)) return 0;
+  }
+  int log2 = 0;
+  while ((int64_t{1} << log2) < g) ++log2;
+  return log2;
 }
 
 // The kernel moves 16-byte chunks: rows must start 16-byte aligned and the last dim be dense.
@@ -520,8 +544,8 @@ std::string dense_kernel_choice(const AttentionSpec& spec, const detail::DensePr
 
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  const detail::PrefillProblem& p, void* stream,
-                 std::optional<PrefillTile> forced_tile, int forced_section_pairs,
-                 int forced_ctas) {
+                 std::optional<PrefillTile> forced_tile, int forced_section_pairs, int forced_ctas,
+                 std::optional<bool> forced_q_pack) {
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
   const std::string why = unsupported(spec, shape);
   ATTNKIT_CHECK(why.empty() && !spec.skip_softmax && !spec.quant,
@@ -605,7 +629,13 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
       pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked,
                 p.max_seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile);
-  prm.num_m_blocks = (p.max_seqlen_q + bm - 1) / bm;
+  ATTNKIT_CHECK(!forced_q_pack || !*forced_q_pack || tile == PrefillTile::kSm90,
+                "prefill: GQA packing is a mode of the sm90 kernel");
+  if (tile == PrefillTile::kSm90) {
+    prm.q_pack_log2 = q_pack_log2(prm, p.max_seqlen_q, forced_q_pack);
+  }
+  prm.num_m_blocks = static_cast<int32_t>(
+      ((static_cast<int64_t>(p.max_seqlen_q) << prm.q_pack_log2) + bm - 1) / bm);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));

@@ -77,8 +77,14 @@ struct PrefillParams {
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t group_size = 1;    // num_q_heads / num_kv_heads
-  int32_t num_m_blocks = 0;  // ceil(max_seqlen_q / kBlockM)
-  // CTA order (LongestFirstScheduler): the (head, sequence) pairs are walked in sections of
+  int32_t num_m_blocks = 0;  // ceil(max_seqlen_q x 2^q_pack_log2 / kBlockM)
+  // GQA packing (the sm90 kernel; 0 in the portable kernels): a work item's kBlockM rows are
+  // kBlockM >> q_pack_log2 query tokens x the 2^q_pack_log2 = group_size query heads of one KV
+  // head (row r: token r >> q_pack_log2, head r & (group_size - 1)), so that a call of short
+  // sequences fills its blocks and reads each K/V tile once for the whole group. The scheduler's
+  // heads are then the KV heads.
+  int32_t q_pack_log2 = 0;
+  // CTA order (both schedulers): the (head, sequence) pairs are walked in sections of
   // section_pairs pairs; inside a section the query blocks run from the last to the first, pairs
   // fastest. A section of about one resident wave keeps its K/V in L2 while every query block
   // of its pairs reads them; >= batch * num_q_heads gives one section (heaviest blocks first).

@@ -68,12 +68,14 @@ struct LongestFirstScheduler {
 };
 
 struct PersistentScheduler {
-  int64_t total;  // num_m_blocks x batch x num_q_heads
-  int64_t pairs;  // batch x num_q_heads
+  int64_t total;  // num_m_blocks x pairs
+  int64_t pairs;  // batch x heads
+  int32_t heads;  // the query heads, or the KV heads of a GQA-packed call (q_pack_log2)
 
   __device__ static PersistentScheduler make(const PrefillParams& p) {
     PersistentScheduler s;
-    s.pairs = static_cast<int64_t>(p.batch) * p.num_q_heads;
+    s.heads = p.num_q_heads >> p.q_pack_log2;
+    s.pairs = static_cast<int64_t>(p.batch) * s.heads;
     s.total = s.pairs * p.num_m_blocks;
     return s;
   }
@@ -83,10 +85,10 @@ struct PersistentScheduler {
   __device__ PrefillWorkTile tile(const PrefillParams& p, int64_t w) const {
     // 32-bit divisions where the item count allows (every practical launch).
     if (total <= 0xffffffffll) {
-      return sectioned_tile<uint32_t>(p, static_cast<uint32_t>(w), p.num_q_heads,
+      return sectioned_tile<uint32_t>(p, static_cast<uint32_t>(w), heads,
                                       static_cast<uint32_t>(pairs), p.num_m_blocks);
     }
-    return sectioned_tile<int64_t>(p, w, p.num_q_heads, pairs, p.num_m_blocks);
+    return sectioned_tile<int64_t>(p, w, heads, pairs, p.num_m_blocks);
   }
 };
 

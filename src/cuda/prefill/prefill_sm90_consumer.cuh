@@ -220,9 +220,10 @@ struct Sm90Consumer {
 
   // ---- epilogue -------------------------------------------------------------------------------
   // O / l (times the cache's V scale) to out, the LSE (natural log) to lse; rows past the sequence
-  // are not written. A row without any key writes zeros and -inf.
+  // are not written. A row without any key writes zeros and -inf. Row r of the block is query
+  // token r >> q_pack_log2 of head q_head0 + (r & (group - 1)) (PrefillParams::q_pack_log2).
   __device__ void store(const float (&o)[kORegs], const RowStats& st, const SequenceInfo& seq,
-                        int32_t m0, int32_t head, float v_scale) const {
+                        int32_t m0, int32_t q_head0, float v_scale) const {
     using Elem = uint16_t;
     const PrefillParams& p = sp.base;
     const int warp = wtid / 32, lane = wtid % 32;
@@ -233,9 +234,11 @@ struct Sm90Consumer {
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int32_t row = m0 + wg * 64 + warp * 16 + g + 8 * r;
-      if (row >= seq.q_len) continue;
+      const int32_t token = row >> p.q_pack_log2;
+      const int32_t head = q_head0 + (row & ((1 << p.q_pack_log2) - 1));
+      if (token >= seq.q_len) continue;
       const float inv = sum > 0.f ? v_scale / sum : 0.f;
-      Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + row * p.o_tok_stride +
+      Elem* out = static_cast<Elem*>(p.out) + seq.o_offset + token * p.o_tok_stride +
                   static_cast<int64_t>(head) * p.o_head_stride;
 #pragma unroll
       for (int i = 0; i < T::kHeadDim / 8; ++i) {
@@ -243,7 +246,7 @@ struct Sm90Consumer {
             pack_pair<Tag>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
       }
       if (p.lse != nullptr && t4 == 0) {
-        p.lse[seq.lse_offset + row * p.lse_tok_stride +
+        p.lse[seq.lse_offset + token * p.lse_tok_stride +
               static_cast<int64_t>(head) * p.lse_head_stride] =
             sum > 0.f ? (st.max[r] + __log2f(sum)) * kLn2 : -INFINITY;
       }
@@ -266,28 +269,35 @@ struct Sm90Consumer {
       const PrefillWorkTile work = sched.tile(p, w);
       // A faulting sequence comes back without rows or without keys (the producer records it).
       const SequenceInfo seq = sequence_info(p, work.batch, p.paged);
+      // m0: the block's first row; t0 its first query token (GQA packing: a row is a (token,
+      // head) pair, PrefillParams::q_pack_log2).
+      const int pack = p.q_pack_log2;
       const int32_t m0 = work.m_block * T::kBlockM;
-      if (m0 >= seq.q_len) continue;
-      const int32_t rows_valid = min(T::kBlockM, seq.q_len - m0);
+      const int32_t t0 = m0 >> pack;
+      if (t0 >= seq.q_len) continue;
+      const int32_t tokens_valid = min(T::kBlockM >> pack, seq.q_len - t0);
       const int32_t q_pos0 = seq.kv_len - seq.q_len;  // bottom-right aligned
-      const int32_t p_lo = q_pos0 + m0;
-      const int32_t p_hi = p_lo + rows_valid - 1;
+      const int32_t p_lo = q_pos0 + t0;
+      const int32_t p_hi = p_lo + tokens_valid - 1;
       const KeyBlockRange range =
           key_block_range<T::kBlockN, T::kMasked>(p, seq.kv_len, p_lo, p_hi);
       const int32_t num_tiles = range.count();
-      const int32_t kv_head = work.head / p.group_size;
+      const int32_t q_head0 = work.head << pack;  // the item's first query head
+      const int32_t kv_head = q_head0 / p.group_size;
       const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.f;
       const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.f;
-      const LogitMods mods = LogitMods::make(p, p.softmax_scale * k_scale, work.head);
+      // A packed call has no ALiBi (one slope a head; run_prefill packs only without it).
+      const LogitMods mods = LogitMods::make(p, p.softmax_scale * k_scale, q_head0);
       // The plain path folds the scale into the exponent's FFMA; modified logits are in natural
       // units already.
       const float exp_scale = kMods ? kLog2e : mods.logit_scale * kLog2e;
       const int32_t row0 = m0 + wg * 64 + warp * 16 + lane / 4;
-      const int32_t pos[2] = {q_pos0 + row0, q_pos0 + row0 + 8};
-      const bool row_valid[2] = {row0 < seq.q_len, row0 + 8 < seq.q_len};
+      const int32_t tok[2] = {row0 >> pack, (row0 + 8) >> pack};
+      const int32_t pos[2] = {q_pos0 + tok[0], q_pos0 + tok[1]};
+      const bool row_valid[2] = {tok[0] < seq.q_len, tok[1] < seq.q_len};
       // A warpgroup whose rows all lie past the sequence still runs the loop (its turns pair with
       // the other's) but counts no tiles.
-      const bool counts_tiles = m0 + wg * 64 < seq.q_len;
+      const bool counts_tiles = ((m0 + wg * 64) >> pack) < seq.q_len;
       if (kSkip && counts_tiles) tiles_visited += num_tiles;
 
       float o[kORegs];
@@ -297,7 +307,7 @@ struct Sm90Consumer {
       st.max[0] = st.max[1] = -INFINITY;
       st.sum[0] = st.sum[1] = 0.f;
       if (num_tiles == 0) {
-        store(o, st, seq, m0, work.head, v_scale);
+        store(o, st, seq, m0, q_head0, v_scale);
         continue;
       }
 
@@ -415,7 +425,7 @@ struct Sm90Consumer {
         for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
         st.sum[0] = st.sum[1] = 0.f;
       }
-      store(o, st, seq, m0, work.head, v_scale);
+      store(o, st, seq, m0, q_head0, v_scale);
     }
     if (kSkip && wtid == 0 && sp.skip_counts != nullptr) {
       atomicAdd(sp.skip_counts, tiles_visited);

@@ -184,7 +184,8 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
   sp.skip_log2_lambda = call.skip_log2_lambda;
   sp.skip_counts = call.skip_counts;
   {
-    // Q: (D, Hq, tokens, batch); packed calls are one batch of total_q tokens.
+    // Q: (D, Hq, tokens, batch); packed calls are one batch of total_q tokens. A box holds one
+    // head's kBlockM tokens, or, GQA-packed, a group's heads x kBlockM / group tokens.
     const TensorView& q = *call.q;
     const bool packed = prm.cu_seqlens_q != nullptr;
     const uint64_t tokens = static_cast<uint64_t>(packed ? q.shape[0] : q.shape[1]);
@@ -192,12 +193,14 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
     const int64_t tok_bytes = prm.q_tok_stride * eb, head_bytes = prm.q_head_stride * eb;
     const int64_t batch_bytes =
         packed ? tok_bytes * std::max<int64_t>(1, q.shape[0]) : prm.q_batch_stride * eb;
-    sp.tma_q = make_map(call.dtype, prm.q,
-                        {static_cast<uint64_t>(call.head_dim),
-                         static_cast<uint64_t>(prm.num_q_heads), tokens, batches},
-                        {static_cast<uint64_t>(head_bytes), static_cast<uint64_t>(tok_bytes),
-                         static_cast<uint64_t>(batch_bytes)},
-                        1, Sm90PrefillTraits<128, false>::kBlockM, "q");
+    sp.tma_q = make_map(
+        call.dtype, prm.q,
+        {static_cast<uint64_t>(call.head_dim), static_cast<uint64_t>(prm.num_q_heads), tokens,
+         batches},
+        {static_cast<uint64_t>(head_bytes), static_cast<uint64_t>(tok_bytes),
+         static_cast<uint64_t>(batch_bytes)},
+        1u << prm.q_pack_log2,
+        static_cast<uint32_t>(Sm90PrefillTraits<128, false>::kBlockM >> prm.q_pack_log2), "q");
   }
   if (!prm.paged) {
     sp.kv_mode = Sm90KvMode::kTmaTensor;
@@ -247,7 +250,8 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
                           static_cast<uint32_t>(sp.page_box_rows), 1, "kv_cache (v)");
     }
   }
-  const int64_t work = static_cast<int64_t>(prm.num_m_blocks) * prm.batch * prm.num_q_heads;
+  const int64_t work =
+      static_cast<int64_t>(prm.num_m_blocks) * prm.batch * (prm.num_q_heads >> prm.q_pack_log2);
   int64_t grid = call.forced_ctas > 0 ? call.forced_ctas : call.sm_count;
   grid = std::clamp<int64_t>(grid, 1, std::max<int64_t>(1, work));
   launch(sp, static_cast<int>(grid), stream);

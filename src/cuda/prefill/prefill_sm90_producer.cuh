@@ -258,15 +258,18 @@ struct Sm90Producer {
         record_work_faults<T::kBlockM, T::kBlockN, T::kMasked>(p, work.batch, work.m_block, p.paged,
                                                                true, false);
       }
-      const int32_t m0 = work.m_block * T::kBlockM;
-      if (m0 >= seq.q_len) continue;
-      const int32_t rows_valid = min(T::kBlockM, seq.q_len - m0);
-      const int32_t p_lo = seq.kv_len - seq.q_len + m0;
+      // The block's first query token and its tokens (GQA packing: kBlockM >> q_pack_log2 tokens
+      // x the group's heads, PrefillParams::q_pack_log2).
+      const int32_t t0 = (work.m_block * T::kBlockM) >> p.q_pack_log2;
+      if (t0 >= seq.q_len) continue;
+      const int32_t tokens_valid = min(T::kBlockM >> p.q_pack_log2, seq.q_len - t0);
+      const int32_t p_lo = seq.kv_len - seq.q_len + t0;
       const KeyBlockRange range =
-          key_block_range<T::kBlockN, T::kMasked>(p, seq.kv_len, p_lo, p_lo + rows_valid - 1);
+          key_block_range<T::kBlockN, T::kMasked>(p, seq.kv_len, p_lo, p_lo + tokens_valid - 1);
       const int32_t num_tiles = range.count();
-      if (num_tiles == 0) continue;  // the consumers write zeros without Q
-      const int32_t kv_head = work.head / p.group_size;
+      if (num_tiles == 0) continue;                        // the consumers write zeros without Q
+      const int32_t q_head0 = work.head << p.q_pack_log2;  // the item's first query head
+      const int32_t kv_head = q_head0 / p.group_size;
       KvRows rows;
       rows.batch = work.batch;
       rows.kv_head = kv_head;
@@ -311,12 +314,14 @@ struct Sm90Producer {
         if (it == 0 && lead) {
           mbarrier_wait(smem.q_empty(), (q_iter & 1u) ^ 1u);
           mbarrier_arrive_expect_tx(smem.q_full(), T::kQBytes);
-          const int32_t tok = seq.q_start + m0;
+          // One box of kBlockM rows: (64 dims, 1 head, kBlockM tokens), or packed (64 dims, the
+          // group's heads, its tokens), whose rows land token-major as the packing orders them.
+          const int32_t tok = seq.q_start + t0;
           const int32_t batch = p.cu_seqlens_q ? 0 : work.batch;
 #pragma unroll
           for (int c = 0; c < T::kColBlocks; ++c) {
             tma_load_4d(smem.q() + c * T::kQColBlockBytes, &sp.tma_q, smem.q_full(), c * 64,
-                        work.head, tok, batch);
+                        q_head0, tok, batch);
           }
         }
         // V

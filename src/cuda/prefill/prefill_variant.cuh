@@ -193,9 +193,10 @@ __device__ __forceinline__ void record_work_faults(const PrefillParams& p, int b
   if (sequence) record_sequence_faults(p, b, paged);
   if (!pages || p.kv.block_table == nullptr) return;
   const SequenceInfo seq = sequence_info(p, b, paged);
-  const int32_t m0 = m_block * kBlockM;
-  const int32_t p_lo = seq.kv_len - seq.q_len + m0;
-  const int32_t p_hi = p_lo + min(kBlockM, seq.q_len - m0) - 1;
+  // Query tokens of the block (a GQA-packed block holds kBlockM >> q_pack_log2 of them).
+  const int32_t t0 = (m_block * kBlockM) >> p.q_pack_log2;
+  const int32_t p_lo = seq.kv_len - seq.q_len + t0;
+  const int32_t p_hi = p_lo + min(kBlockM >> p.q_pack_log2, seq.q_len - t0) - 1;
   const KeyBlockRange range = key_block_range<kBlockN, kMasked>(p, seq.kv_len, p_lo, p_hi);
   const int64_t token_mask = (int64_t{1} << p.kv_page_shift) - 1;
   for (int32_t i = 0; i < range.count(); ++i) {
