@@ -108,6 +108,35 @@ detail::AppendKvProblem append_problem_of(const detail::ForwardProblem& p, bool 
   return a;
 }
 
+// The context part's problem: prefill over the cache rows of the context requests.
+detail::PrefillProblem prefill_problem_of(const detail::ForwardProblem& p) {
+  detail::PrefillProblem pp;
+  pp.device = p.device;
+  pp.dtype = p.dtype;
+  pp.kv_dtype = p.kv_dtype;
+  pp.paged = true;
+  pp.batch = p.num_context;
+  pp.total_q = p.num_context_tokens;
+  pp.max_seqlen_q = p.max_context_len;
+  pp.max_seqlen_kv = p.max_kv_len;
+  pp.has_lse = p.has_lse;
+  return pp;
+}
+
+// The generation part's problem: decode over the generation rows.
+detail::DecodeProblem decode_problem_of(const detail::ForwardProblem& p, const ForwardArgs& args) {
+  detail::DecodeProblem dp;
+  dp.device = p.device;
+  dp.dtype = p.dtype;
+  dp.kv_dtype = p.kv_dtype;
+  dp.num_rows = static_cast<int64_t>(p.num_generation) * args.beam_width;
+  dp.beam_width = args.beam_width;
+  dp.max_seq_len = p.max_kv_len;
+  dp.has_lse = p.has_lse;
+  dp.has_indirection = args.cache_indirection.defined();
+  return dp;
+}
+
 }  // namespace
 
 std::string fused_forward_unsupported(const AttentionSpec& spec, const detail::ForwardProblem& p) {
@@ -133,10 +162,27 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   const int64_t token_bytes = align_up(num_tokens * 4);
   const int64_t needed = q_bytes + cu_bytes + past_bytes + 2 * token_bytes;
 
+  // Which kernels the parts run: the fused ones where they serve the part. backend 'auto' runs
+  // the naive kernels for a part the fused ones cannot serve; an explicit 'fused' raises instead,
+  // before anything is enqueued (no silent fallback: docs/configuration.md).
+  const detail::PrefillProblem pp = prefill_problem_of(p);
+  const detail::DecodeProblem dp = decode_problem_of(p, args);
+  const bool has_context = p.num_context > 0 && ctx_tokens > 0;
+  const std::string prefill_reason =
+      fused && has_context ? fused_prefill_unsupported(spec, pp) : std::string();
+  const std::string decode_reason =
+      fused && gen_rows > 0 ? fused_decode_unsupported(spec, dp) : std::string();
+  if (spec.backend == Backend::kFused) {
+    ATTNKIT_CHECK(prefill_reason.empty(),
+                  "forward: backend 'fused' cannot serve the context requests: ", prefill_reason);
+    ATTNKIT_CHECK(decode_reason.empty(),
+                  "forward: backend 'fused' cannot serve the generation requests: ", decode_reason);
+  }
+  const bool fused_prefill_call = fused && has_context && prefill_reason.empty();
+  const bool fused_decode_call = fused && gen_rows > 0 && decode_reason.empty();
+
   // The decode part's arguments, and its split workspace checked before anything is enqueued.
   DecodeArgs decode;
-  detail::DecodeProblem dp;
-  bool fused_decode_call = false;
   if (gen_rows > 0) {
     decode.kv_cache = cache_rows(args.kv_cache, p.num_context, gen_rows);
     decode.beam_width = args.beam_width;
@@ -146,15 +192,6 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     decode.workspace = args.decode_workspace;
     decode.deterministic = args.deterministic;
     decode.batch_invariant = args.batch_invariant;
-    dp.device = p.device;
-    dp.dtype = p.dtype;
-    dp.kv_dtype = p.kv_dtype;
-    dp.num_rows = gen_rows;
-    dp.beam_width = args.beam_width;
-    dp.max_seq_len = p.max_kv_len;
-    dp.has_lse = p.has_lse;
-    dp.has_indirection = args.cache_indirection.defined();
-    fused_decode_call = fused && fused_decode_unsupported(spec, dp).empty();
     if (fused_decode_call) {
       fused_decode_check_workspace(spec, decode, dp, "forward: decode_workspace");
     }
@@ -219,7 +256,7 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
   }
 
   // ---- context requests: prefill over the cache (rows 0 .. num_context - 1).
-  if (p.num_context > 0 && ctx_tokens > 0) {
+  if (has_context) {
     const KvCacheView ctx_cache = cache_rows(args.kv_cache, 0, p.num_context);
     PrefillArgs prefill;
     prefill.q = TensorView(q_rot, p.dtype, {ctx_tokens, hq, dim}, p.device);
@@ -229,17 +266,7 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     prefill.lse = token_rows(args.lse, 0, ctx_tokens);
     prefill.max_seqlen_q = p.max_context_len;
     prefill.max_seqlen_kv = p.max_kv_len;
-    detail::PrefillProblem pp;
-    pp.device = p.device;
-    pp.dtype = p.dtype;
-    pp.kv_dtype = p.kv_dtype;
-    pp.paged = true;
-    pp.batch = p.num_context;
-    pp.total_q = ctx_tokens;
-    pp.max_seqlen_q = p.max_context_len;
-    pp.max_seqlen_kv = p.max_kv_len;
-    pp.has_lse = p.has_lse;
-    if (fused && fused_prefill_unsupported(spec, pp).empty()) {
+    if (fused_prefill_call) {
       fused_prefill(spec, prefill, pp, stream);
     } else {
       vanilla_prefill(spec, prefill, pp, stream);

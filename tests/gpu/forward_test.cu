@@ -177,5 +177,53 @@ TEST(Forward, RejectsBadInputWithoutWriting) {
   EXPECT_EQ(after.pool().bytes(), cache.pool().bytes()) << "cache written by a rejected call";
 }
 
+// No silent fallback: a part of the step that the fused kernels cannot serve (here ALiBi over 272
+// query heads, past the fused prefill's and decode's slope tables) raises under an explicit
+// backend 'fused', before anything is written, and runs on the naive kernels under 'auto'.
+TEST(Forward, ExplicitFusedRaisesForAPartItCannotServe) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 4);
+  AttentionSpec spec = llama_like(272, 1, 64);
+  spec.alibi = true;
+  spec.backend = Backend::kFused;
+  OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 1, 64, 16, 1, 2, rng);
+  fill_finite(cache, DType::kBF16, 1, rng);
+  cache.set_seq_len(0, 5);
+  DeviceKvCache dcache(cache);
+  const int64_t width = int64_t{272 + 2} * 64;
+  HostTensor qkv(DType::kBF16, {5, width});
+  qkv.fill_uniform(rng, -1.0f, 1.0f);
+  const HostTensor poison = poisoned(DType::kBF16, {5, 272, 64});
+  HostTensor hcu = int32_tensor({0, 5}), hpast = int32_tensor({0});
+  DeviceTensor dqkv(qkv), dout(poison);
+  ForwardArgs args;
+  args.qkv = dqkv;
+  args.num_context = 1;
+  args.cu_seqlens_q = hcu;
+  args.past_lens = hpast;
+  args.kv_cache = dcache.view();
+  args.out = dout;
+  try {
+    forward(spec, args);
+    ADD_FAILURE() << "backend 'fused' ran a context part it cannot serve";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot serve the context requests"), std::string::npos)
+        << e.what();
+  }
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  for (double x : downloaded(dout, poison).to_double()) {
+    ASSERT_TRUE(std::isnan(x)) << "output written by a rejected call";
+  }
+  OracleKvCache after = cache;
+  dcache.download_pool(after);
+  EXPECT_EQ(after.pool().bytes(), cache.pool().bytes()) << "cache written by a rejected call";
+  spec.backend = Backend::kAuto;
+  forward(spec, args);
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  for (double x : downloaded(dout, poison).to_double()) {
+    ASSERT_TRUE(std::isfinite(x)) << "backend 'auto' left an output row unwritten";
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::test
