@@ -375,23 +375,24 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
 }
 
 // GQA packing of the sm90 kernel (PrefillParams::q_pack_log2): log2 of the group, where the group
-// is a power of two of at most 128 heads without ALiBi (one slope a head: the tile's rows would
-// need one each), and packing computes fewer rows than one head a block: ceil(q G / 128) <
-// G ceil(q / 128), i.e. blocks of short sequences that one head leaves part empty (chunked
-// prefill, speculative verification, GQA decode-like calls). Else 0. Forced (tests): true packs or
-// raises, false never packs.
-int q_pack_log2(const PrefillParams& prm, int32_t max_seqlen_q, std::optional<bool> forced) {
+// is a power of two that divides the block's bm rows, without ALiBi (one slope a head: the tile's
+// rows would need one each), and packing computes fewer rows than one head a block:
+// ceil(q G / bm) < G ceil(q / bm), i.e. blocks of short sequences that one head leaves part empty
+// (chunked prefill, speculative verification, short GQA prompts). Else 0. Forced (tests): true
+// packs or raises, false never packs.
+int q_pack_log2(const PrefillParams& prm, int bm, int32_t max_seqlen_q,
+                std::optional<bool> forced) {
   const int64_t g = prm.group_size;
-  const bool can = g > 1 && g <= 128 && (g & (g - 1)) == 0 && !prm.alibi;
+  const bool can = g > 1 && (g & (g - 1)) == 0 && bm % g == 0 && !prm.alibi;
   if (forced) {
     ATTNKIT_CHECK(!*forced || can,
-                  "prefill: the sm90 kernel packs the heads of a GQA group of 2 "
-                  "to 128 (a power of two) without ALiBi; got group ",
-                  g, prm.alibi ? " with ALiBi" : "");
+                  "prefill: the sm90 kernel packs the heads of a GQA group of a power of two that "
+                  "divides its ",
+                  bm, "-row blocks, without ALiBi; got group ", g, prm.alibi ? " with ALiBi" : "");
     if (!*forced) return 0;
   } else {
     const int64_t q = max_seqlen_q;
-    if (!can || (q * g + 127) / 128 >= g * ((q + 127) / 128)) return 0;
+    if (!can || (q * g + bm - 1) / bm >= g * ((q + bm - 1) / bm)) return 0;
   }
   int log2 = 0;
   while ((int64_t{1} << log2) < g) ++log2;
@@ -438,7 +439,10 @@ Sm90Call sm90_call(const CallShape& c, const AttentionSpec& spec, bool masked, i
 
 }  // namespace
 
-int prefill_block_m(PrefillTile tile) { return tile == PrefillTile::kM64 ? 64 : 128; }
+int prefill_block_m(PrefillTile tile, int head_dim) {
+  if (tile == PrefillTile::kSm90) return sm90_block_m(head_dim);
+  return tile == PrefillTile::kM64 ? 64 : 128;
+}
 int prefill_block_n(PrefillTile tile, int head_dim, bool masked) {
   if (tile == PrefillTile::kSm90) return sm90_block_n(head_dim, masked);
   return tile == PrefillTile::kM128W4N128 ? 128 : 64;
@@ -628,11 +632,11 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   const PrefillTile tile =
       pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked,
                 p.max_seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
-  const int bm = prefill_block_m(tile);
+  const int bm = prefill_block_m(tile, spec.head_dim);
   ATTNKIT_CHECK(!forced_q_pack || !*forced_q_pack || tile == PrefillTile::kSm90,
                 "prefill: GQA packing is a mode of the sm90 kernel");
   if (tile == PrefillTile::kSm90) {
-    prm.q_pack_log2 = q_pack_log2(prm, p.max_seqlen_q, forced_q_pack);
+    prm.q_pack_log2 = q_pack_log2(prm, bm, p.max_seqlen_q, forced_q_pack);
   }
   prm.num_m_blocks = static_cast<int32_t>(
       ((static_cast<int64_t>(p.max_seqlen_q) << prm.q_pack_log2) + bm - 1) / bm);
@@ -742,7 +746,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   const PrefillTile tile =
       pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
                 /*masked=*/false, p.seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
-  const int bm = prefill_block_m(tile);
+  const int bm = prefill_block_m(tile, spec.head_dim);
   // The tiles the statistics count: the skip tile of the sm90 kernel is one consumer warpgroup's
   // 64 rows; the portable kernel's is its CTA tile.
   const int stats_bm = tile == PrefillTile::kSm90 ? 64 : bm;

@@ -32,8 +32,8 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.
 int prefill_smem_bytes(int head_dim, PrefillTile tile, bool quant_kv);
-// Query rows per CTA.
-int prefill_block_m(PrefillTile tile);
+// Query rows per CTA (the sm90 kernel's depend on head_dim).
+int prefill_block_m(PrefillTile tile, int head_dim);
 // Keys per tile (the sm90 kernel's depend on head_dim and the mask).
 int prefill_block_n(PrefillTile tile, int head_dim, bool masked);
 // Threads per CTA.

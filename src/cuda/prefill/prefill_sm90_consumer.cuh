@@ -107,11 +107,7 @@ struct Sm90Consumer {
                    make_uint4(0, 0, 0, 0));
     }
     fence_proxy_async_smem();
-    if (wg == 0) {
-      named_barrier_sync<kConsumerBarrier0>(128);
-    } else {
-      named_barrier_sync<kConsumerBarrier0 + 1>(128);
-    }
+    named_barrier_sync(kConsumerBarrier0 + wg, 128);
   }
 
   // ---- softmax --------------------------------------------------------------------------------
@@ -154,8 +150,7 @@ struct Sm90Consumer {
     if constexpr (kSkip) {
       const bool mine = (!row_valid[0] || skips_row(tile_max[0], st.max[0], sp.skip_log2_lambda)) &&
                         (!row_valid[1] || skips_row(tile_max[1], st.max[1], sp.skip_log2_lambda));
-      const bool all = wg == 0 ? named_barrier_all<kConsumerBarrier0>(mine, 128)
-                               : named_barrier_all<kConsumerBarrier0 + 1>(mine, 128);
+      const bool all = named_barrier_all(kConsumerBarrier0 + wg, mine, 128);
       // The same in every thread; the warp vote tells ptxas so (a uniform predicate), without
       // which it serializes the wgmma of the branches that depend on it (C7518).
       if (__all_sync(0xffffffffu, all)) {
@@ -203,19 +198,12 @@ struct Sm90Consumer {
     }
   }
 
-  __device__ void turn_begin() const {
-    if (wg == 0) {
-      named_barrier_sync<kPingPongBarrier0>(256);
-    } else {
-      named_barrier_sync<kPingPongBarrier0 + 1>(256);
-    }
-  }
+  // The warpgroups take turns in a ring: w waits at its barrier, which w - 1 arrives at when its
+  // turn ends (256 threads: the waiting warpgroup and the arriving one).
+  __device__ void turn_begin() const { named_barrier_sync(kPingPongBarrier0 + wg, 256); }
   __device__ void turn_end() const {
-    if (wg == 0) {
-      named_barrier_arrive<kPingPongBarrier0 + 1>(256);
-    } else {
-      named_barrier_arrive<kPingPongBarrier0>(256);
-    }
+    const int next = wg + 1 == T::kConsumerWarpgroups ? 0 : wg + 1;
+    named_barrier_arrive(kPingPongBarrier0 + next, 256);
   }
 
   // ---- epilogue -------------------------------------------------------------------------------
@@ -263,7 +251,7 @@ struct Sm90Consumer {
     // Skip-softmax statistics of this warpgroup: key tiles visited and skipped.
     unsigned long long tiles_visited = 0, tiles_skipped = 0;
     // Warpgroup 0 takes the first turn.
-    if (wg == 1) named_barrier_arrive<kPingPongBarrier0>(256);
+    if (wg == T::kConsumerWarpgroups - 1) named_barrier_arrive(kPingPongBarrier0, 256);
 
     for (int64_t w = sched.first(); sched.valid(w); w = sched.next(w)) {
       const PrefillWorkTile work = sched.tile(p, w);
@@ -431,9 +419,9 @@ struct Sm90Consumer {
       atomicAdd(sp.skip_counts, tiles_visited);
       atomicAdd(sp.skip_counts + 1, tiles_skipped);
     }
-    // Warpgroup 1's last turn_end left an arrival at warpgroup 0's barrier: take it, so that no
-    // named barrier is pending when the CTA exits.
-    if (wg == 0) named_barrier_sync<kPingPongBarrier0>(256);
+    // The last warpgroup's last turn_end left an arrival at warpgroup 0's barrier: take it, so
+    // that no named barrier is pending when the CTA exits.
+    if (wg == 0) named_barrier_sync(kPingPongBarrier0, 256);
   }
 };
 

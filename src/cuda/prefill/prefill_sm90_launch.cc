@@ -193,14 +193,13 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
     const int64_t tok_bytes = prm.q_tok_stride * eb, head_bytes = prm.q_head_stride * eb;
     const int64_t batch_bytes =
         packed ? tok_bytes * std::max<int64_t>(1, q.shape[0]) : prm.q_batch_stride * eb;
-    sp.tma_q = make_map(
-        call.dtype, prm.q,
-        {static_cast<uint64_t>(call.head_dim), static_cast<uint64_t>(prm.num_q_heads), tokens,
-         batches},
-        {static_cast<uint64_t>(head_bytes), static_cast<uint64_t>(tok_bytes),
-         static_cast<uint64_t>(batch_bytes)},
-        1u << prm.q_pack_log2,
-        static_cast<uint32_t>(Sm90PrefillTraits<128, false>::kBlockM >> prm.q_pack_log2), "q");
+    sp.tma_q = make_map(call.dtype, prm.q,
+                        {static_cast<uint64_t>(call.head_dim),
+                         static_cast<uint64_t>(prm.num_q_heads), tokens, batches},
+                        {static_cast<uint64_t>(head_bytes), static_cast<uint64_t>(tok_bytes),
+                         static_cast<uint64_t>(batch_bytes)},
+                        1u << prm.q_pack_log2,
+                        static_cast<uint32_t>(sm90_block_m(call.head_dim) >> prm.q_pack_log2), "q");
   }
   if (!prm.paged) {
     sp.kv_mode = Sm90KvMode::kTmaTensor;

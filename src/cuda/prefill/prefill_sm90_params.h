@@ -26,7 +26,7 @@ enum class Sm90KvMode : int32_t {
 };
 
 struct Sm90PrefillParams {
-  CUtensorMap tma_q;  // (D, Hq, tokens, batch), box (64, 1, kBlockM, 1)
+  CUtensorMap tma_q;  // (D, Hq, tokens, batch), box (64, G, kBlockM / G, 1), G = 2^q_pack_log2
   CUtensorMap tma_k;  // kTmaTensor: (D, Hkv, tokens, batch); kTmaPaged: (D, T, Hkv, blocks)
   CUtensorMap tma_v;
   PrefillParams base;

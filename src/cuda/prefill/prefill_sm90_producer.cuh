@@ -39,8 +39,8 @@ using namespace attnkit::cuda::sm90;
 
 // Named barriers of the kernel (0 is __syncthreads).
 constexpr int kProducerBarrier = 1;   // the producer warpgroup, after a gathered tile
-constexpr int kPingPongBarrier0 = 2;  // consumer warpgroup 0's turn to issue MMAs; 1's is 3
-constexpr int kConsumerBarrier0 = 4;  // consumer warpgroup 0 alone; 1's is 5
+constexpr int kPingPongBarrier0 = 2;  // consumer warpgroup w's turn to issue MMAs: 2 + w
+constexpr int kConsumerBarrier0 = 5;  // consumer warpgroup w alone: 5 + w (at most 3 consumers)
 
 // Shared-memory addresses of one CTA.
 template <class T>

@@ -15,7 +15,7 @@ namespace attnkit::cuda::prefill {
 constexpr int sm90_block_n(int head_dim, bool masked) {
   switch (head_dim) {
     case 64:
-      return masked ? 128 : 192;
+      return 128;  // S, P and O of 64 x 128 fit the 160 registers of three consumers
     case 128:
       return masked ? 128 : 176;
     case 256:
@@ -25,20 +25,28 @@ constexpr int sm90_block_n(int head_dim, bool masked) {
   }
 }
 
+// Consumer warpgroups of 64 query rows each. head_dim 64 takes three (192-row blocks, as
+// FlashAttention-3 does): its MMAs are half those of head_dim 128 per exponential, so the softmax
+// of one warpgroup needs two others' MMAs to hide under, and its small O and S fit the 160
+// registers that three consumers leave each.
+constexpr int sm90_consumer_warpgroups(int head_dim) { return head_dim == 64 ? 3 : 2; }
+constexpr int sm90_block_m(int head_dim) { return 64 * sm90_consumer_warpgroups(head_dim); }
+
 template <int kHeadDim_, bool kMasked_, bool kSkip_ = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kMasked = kMasked_;
   static constexpr bool kSkip = kSkip_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
-  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kConsumerWarpgroups = sm90_consumer_warpgroups(kHeadDim);
+  static constexpr int kBlockM = sm90_block_m(kHeadDim);
   static constexpr int kBlockN = sm90_block_n(kHeadDim, kMasked || kSkip);
-  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kStages = 2;  // K and V rings: the next tile loads under this one's MMAs
-  // Registers a thread after setmaxnreg: 40 x 128 + 232 x 256 = the 168 x 384 of the launch.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // Registers a thread after setmaxnreg: two consumers 40 x 128 + 232 x 256 = the 168 x 384 of
+  // the launch; three 32 x 128 + 160 x 384 = 128 x 512.
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : 40;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : 232;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <=
                     65536 / kThreads / 8 * 8 * kThreads,
                 "setmaxnreg budget");
