@@ -177,23 +177,22 @@ TEST(Forward, RejectsBadInputWithoutWriting) {
   EXPECT_EQ(after.pool().bytes(), cache.pool().bytes()) << "cache written by a rejected call";
 }
 
-// No silent fallback: a part of the step that the fused kernels cannot serve (here ALiBi over 272
-// query heads, past the fused prefill's and decode's slope tables) raises under an explicit
-// backend 'fused', before anything is written, and runs on the naive kernels under 'auto'.
+// No silent fallback: a part of the step that the fused kernels cannot serve (here head_dim 32:
+// the fused append_kv serves it, the fused prefill does not) raises under an explicit backend
+// 'fused', before anything is written, and runs on the naive kernels under 'auto'.
 TEST(Forward, ExplicitFusedRaisesForAPartItCannotServe) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() + 4);
-  AttentionSpec spec = llama_like(272, 1, 64);
-  spec.alibi = true;
+  AttentionSpec spec = llama_like(4, 2, 32);
   spec.backend = Backend::kFused;
-  OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 1, 64, 16, 1, 2, rng);
-  fill_finite(cache, DType::kBF16, 1, rng);
+  OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 2, 32, 16, 1, 2, rng);
+  fill_finite(cache, DType::kBF16, 2, rng);
   cache.set_seq_len(0, 5);
   DeviceKvCache dcache(cache);
-  const int64_t width = int64_t{272 + 2} * 64;
+  const int64_t width = int64_t{4 + 4} * 32;
   HostTensor qkv(DType::kBF16, {5, width});
   qkv.fill_uniform(rng, -1.0f, 1.0f);
-  const HostTensor poison = poisoned(DType::kBF16, {5, 272, 64});
+  const HostTensor poison = poisoned(DType::kBF16, {5, 4, 32});
   HostTensor hcu = int32_tensor({0, 5}), hpast = int32_tensor({0});
   DeviceTensor dqkv(qkv), dout(poison);
   ForwardArgs args;

@@ -296,6 +296,19 @@ PrefillTile choose_tile(const std::vector<PrefillTile>& tiles, int64_t ctas_m128
 // causal 512 / 1k / 2k 147 / 210 / 257 vs 171 / 223 / 266 (4k: 296 vs 297, 8k 337 vs 318); D=256
 // causal 512 197 vs 208 (1k 292 vs 265). Every other row of the grid is faster on sm90
 // (docs/performance.md).
+// Whether the sm90 kernel packs a GQA group's heads into its blocks (PrefillParams::q_pack_log2)
+// when not forced: the group is a power of two that divides the block's bm rows, there is no ALiBi
+// (one slope a head: a tile's rows would need one each), and packing computes fewer rows than one
+// head a block, ceil(q G / bm) < G ceil(q / bm): blocks of short sequences that one head leaves
+// part empty (chunked prefill, speculative verification, short GQA prompts).
+bool sm90_packable(int64_t group, bool alibi, int bm) {
+  return group > 1 && (group & (group - 1)) == 0 && bm % group == 0 && !alibi;
+}
+bool sm90_packs(int64_t group, bool alibi, int bm, int32_t max_seqlen_q) {
+  const int64_t q = max_seqlen_q;
+  return sm90_packable(group, alibi, bm) && (q * group + bm - 1) / bm < group * ((q + bm - 1) / bm);
+}
+
 bool sm90_preferred(int head_dim, bool masked, int32_t max_seqlen_kv) {
   if (head_dim == 64) return max_seqlen_kv > (masked ? 2048 : 512);
   if (head_dim == 256 && masked) return max_seqlen_kv > 512;
@@ -304,9 +317,10 @@ bool sm90_preferred(int head_dim, bool masked, int32_t max_seqlen_kv) {
 
 // The kernel a call runs. sm90_reason: "" when the sm90 kernel can serve the call (else why
 // not); it is preferred wherever it can, and a forced kSm90 it cannot serve raises with the reason.
+// `packs`: the sm90 kernel would pack the call's GQA group (sm90_packs).
 PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int32_t batch,
                       int32_t max_seqlen_q, int32_t heads, bool masked, int32_t max_seqlen_kv,
-                      const std::string& sm90_reason, FusedKernel choice) {
+                      bool packs, const std::string& sm90_reason, FusedKernel choice) {
   const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
   const DeviceLimits dev = device_limits(c.device);
   std::vector<PrefillTile> tiles;
@@ -336,9 +350,11 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   }
   // 8-bit caches: the sm90 kernel widens them in its producer warpgroup (gathered loads), which
   // ran at 77-92 TFLOP/s against the portable kernel's 233-269 (H200, D=128 causal paged64 fp8,
-  // 2k / 8k): auto keeps them on the portable kernel until they are read natively in fp8.
+  // 2k / 8k): auto keeps them on the portable kernel until they are read natively in fp8. A call
+  // the sm90 kernel packs runs there at any length (D=128, 8 query heads a KV head, 16k tokens:
+  // 16-token prompts 1.8 -> 10.7 TFLOP/s, 64-token 26 -> 44 against one head a block).
   if (choice == FusedKernel::kAuto && sm90_reason.empty() && !quant_kv &&
-      sm90_preferred(c.head_dim, masked, max_seqlen_kv)) {
+      (packs || sm90_preferred(c.head_dim, masked, max_seqlen_kv))) {
     return PrefillTile::kSm90;
   }
   const int64_t ctas = static_cast<int64_t>(batch) * heads * ((max_seqlen_q + 127) / 128);
@@ -374,25 +390,19 @@ void set_schedule(PrefillParams& prm, const CallShape& c, PrefillTile tile, bool
   prm.section_pairs = static_cast<int32_t>(std::clamp<int64_t>(section, 1, pairs));
 }
 
-// GQA packing of the sm90 kernel (PrefillParams::q_pack_log2): log2 of the group, where the group
-// is a power of two that divides the block's bm rows, without ALiBi (one slope a head: the tile's
-// rows would need one each), and packing computes fewer rows than one head a block:
-// ceil(q G / bm) < G ceil(q / bm), i.e. blocks of short sequences that one head leaves part empty
-// (chunked prefill, speculative verification, short GQA prompts). Else 0. Forced (tests): true
-// packs or raises, false never packs.
+// The sm90 kernel's GQA packing of a call (PrefillParams::q_pack_log2): log2 of the group where
+// sm90_packs, else 0. Forced (tests): true packs or raises, false never packs.
 int q_pack_log2(const PrefillParams& prm, int bm, int32_t max_seqlen_q,
                 std::optional<bool> forced) {
   const int64_t g = prm.group_size;
-  const bool can = g > 1 && (g & (g - 1)) == 0 && bm % g == 0 && !prm.alibi;
   if (forced) {
-    ATTNKIT_CHECK(!*forced || can,
+    ATTNKIT_CHECK(!*forced || sm90_packable(g, prm.alibi, bm),
                   "prefill: the sm90 kernel packs the heads of a GQA group of a power of two that "
                   "divides its ",
                   bm, "-row blocks, without ALiBi; got group ", g, prm.alibi ? " with ALiBi" : "");
     if (!*forced) return 0;
-  } else {
-    const int64_t q = max_seqlen_q;
-    if (!can || (q * g + bm - 1) / bm >= g * ((q + bm - 1) / bm)) return 0;
+  } else if (!sm90_packs(g, prm.alibi, bm, max_seqlen_q)) {
+    return 0;
   }
   int log2 = 0;
   while ((int64_t{1} << log2) < g) ++log2;
@@ -521,12 +531,15 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
 }
 
 namespace {
+// `packable`: a prefill call (dense calls do not pack GQA groups).
 std::string choice_name(const AttentionSpec& spec, const CallShape& shape, bool masked,
-                        int32_t seqlen) {
+                        int32_t seqlen, bool packable) {
   try {
     const Sm90Call call = sm90_call(shape, spec, masked, 0);
+    const bool packs =
+        packable && sm90_packs(spec.group_size(), spec.alibi, sm90_block_m(spec.head_dim), seqlen);
     return prefill_tile_name(pick_tile(shape, std::nullopt, 1, seqlen, spec.num_q_heads, masked,
-                                       seqlen, sm90_unsupported(call), spec.fused_kernel));
+                                       seqlen, packs, sm90_unsupported(call), spec.fused_kernel));
   } catch (const Error&) {
     return "";
   }
@@ -537,13 +550,14 @@ std::string prefill_kernel_choice(const AttentionSpec& spec, const detail::Prefi
                                   int32_t seqlen) {
   if (!prefill_unsupported(spec, p).empty()) return "";
   return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged},
-                     spec.mask.kind != MaskKind::kNone, seqlen);
+                     spec.mask.kind != MaskKind::kNone, seqlen, /*packable=*/true);
 }
 
 std::string dense_kernel_choice(const AttentionSpec& spec, const detail::DenseProblem& p,
                                 int32_t seqlen) {
   if (!dense_unsupported(spec, p).empty()) return "";
-  return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, false, seqlen);
+  return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, false, seqlen,
+                     /*packable=*/false);
 }
 
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
@@ -629,9 +643,10 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     call.k = &args.k;
     call.v = &args.v;
   }
-  const PrefillTile tile =
-      pick_tile(shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked,
-                p.max_seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
+  const PrefillTile tile = pick_tile(
+      shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked, p.max_seqlen_kv,
+      sm90_packs(prm.group_size, prm.alibi, sm90_block_m(spec.head_dim), p.max_seqlen_q),
+      sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile, spec.head_dim);
   ATTNKIT_CHECK(!forced_q_pack || !*forced_q_pack || tile == PrefillTile::kSm90,
                 "prefill: GQA packing is a mode of the sm90 kernel");
@@ -743,9 +758,9 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
     forced_tile = PrefillTile::kSm90;
     call.skip_log2_lambda = static_cast<float>(std::log2(lambda));
   }
-  const PrefillTile tile =
-      pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
-                /*masked=*/false, p.seqlen_kv, sm90_unsupported(call), spec.fused_kernel);
+  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
+                                     /*masked=*/false, p.seqlen_kv, /*packs=*/false,
+                                     sm90_unsupported(call), spec.fused_kernel);
   const int bm = prefill_block_m(tile, spec.head_dim);
   // The tiles the statistics count: the skip tile of the sm90 kernel is one consumer warpgroup's
   // 64 rows; the portable kernel's is its CTA tile.
