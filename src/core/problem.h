@@ -51,10 +51,11 @@ struct ForwardProblem {
   DType kv_dtype = DType::kBF16;
   int64_t num_tokens = 0;
   int64_t num_context_tokens = 0;
-  int32_t num_context = 0;      // context requests
-  int32_t num_generation = 0;   // generation requests
-  int32_t max_context_len = 0;  // longest chunk
-  int32_t max_kv_len = 0;       // longest row after the step
+  int32_t num_context = 0;         // context requests
+  int32_t num_generation = 0;      // generation requests
+  int32_t max_context_len = 0;     // longest chunk
+  int32_t max_kv_len = 0;          // longest row after the step
+  int32_t max_context_kv_len = 0;  // longest context request's row after the step
   bool has_lse = false;
 };
 ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& args);

@@ -223,6 +223,9 @@ ForwardProblem validate_forward(const AttentionSpec& spec, const ForwardArgs& ar
             total, " tokens, more than the row capacity of kv_cache (", facts.row_capacity,
             " slots)");
     p.max_kv_len = std::max<int32_t>(p.max_kv_len, static_cast<int32_t>(total));
+    if (i < p.num_context) {
+      p.max_context_kv_len = std::max<int32_t>(p.max_context_kv_len, static_cast<int32_t>(total));
+    }
   }
 
   if (args.cache_indirection.defined()) {

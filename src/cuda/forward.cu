@@ -118,7 +118,7 @@ detail::PrefillProblem prefill_problem_of(const detail::ForwardProblem& p) {
   pp.batch = p.num_context;
   pp.total_q = p.num_context_tokens;
   pp.max_seqlen_q = p.max_context_len;
-  pp.max_seqlen_kv = p.max_kv_len;
+  pp.max_seqlen_kv = p.max_context_kv_len;  // the context part's kernel choice: its own rows
   pp.has_lse = p.has_lse;
   return pp;
 }
@@ -265,7 +265,7 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     prefill.out = token_rows(args.out, 0, ctx_tokens);
     prefill.lse = token_rows(args.lse, 0, ctx_tokens);
     prefill.max_seqlen_q = p.max_context_len;
-    prefill.max_seqlen_kv = p.max_kv_len;
+    prefill.max_seqlen_kv = p.max_context_kv_len;
     if (fused_prefill_call) {
       fused_prefill(spec, prefill, pp, stream);
     } else {
