@@ -5,8 +5,6 @@
 // context rows). backend=vanilla: the naive kernels serve every part.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>

@@ -238,6 +238,7 @@ void expect_rows_zero(const Result& r, int64_t begin, int64_t end, const char* w
 // Token rows [begin, end) still hold the sentinels (never written).
 void expect_rows_untouched(const Result& r, int64_t begin, int64_t end, const char* what) {
   Result fresh;
+  fresh.total_q = r.total_q;
   fresh.out = fresh_out(r.total_q);
   fresh.lse = fresh_lse(r.total_q);
   for (int64_t t = begin; t < end; ++t) {

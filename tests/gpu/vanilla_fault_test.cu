@@ -6,10 +6,7 @@
 // every other row equals the same call with good metadata bit for bit.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <climits>
-#include <cmath>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
