@@ -52,7 +52,7 @@ void run_route(Route route, const char* op, bool checked, Stream stream, Referen
     }
     return;
   }
-  cuda::note_cuda_call();
+  const cuda::CudaCallScope call;  // the current device, read once for the call's launches
   if (route == Route::kCudaVanilla) {
     cuda_vanilla();
   } else {

@@ -70,6 +70,22 @@ std::vector<DeviceInfo> devices();
 // by `what`; a capturing stream throws when capture_is_error, else returns false. Without CUDA:
 // false.
 void note_cuda_call();
+
+// One entry-point call's work on the CUDA backend (core/dispatch.cc opens one around it): marks
+// the call (note_cuda_call) and reads the calling thread's current device once, so that the
+// launches of the call take it (and the device's fault word, fault_site) from here instead of
+// asking the runtime again. The device is read at every call, never kept from one call to the
+// next, so a caller that switches devices between calls is followed. Without CUDA: nothing.
+class CudaCallScope {
+ public:
+  CudaCallScope();
+  ~CudaCallScope();
+  CudaCallScope(const CudaCallScope&) = delete;
+  CudaCallScope& operator=(const CudaCallScope&) = delete;
+
+ private:
+  int previous_device_;
+};
 bool take_device_fault(Stream stream, const char* what, bool capture_is_error, DeviceFault* fault,
                        int* device);
 

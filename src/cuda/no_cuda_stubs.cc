@@ -74,6 +74,8 @@ void merge_states(const MergeStatesArgs&, const detail::MergeStatesProblem&, Str
 std::vector<DeviceInfo> devices() { return {}; }
 // Nothing runs on a device without CUDA: there is never a fault to report.
 void note_cuda_call() {}
+CudaCallScope::CudaCallScope() : previous_device_(-1) {}
+CudaCallScope::~CudaCallScope() { (void)previous_device_; }
 bool take_device_fault(Stream, const char*, bool, DeviceFault*, int*) { return false; }
 
 }  // namespace attnkit::cuda

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "core/element.h"
 
@@ -71,6 +72,21 @@ uint64_t test_seed() {
     return s;
   }();
   return seed;
+}
+
+bool small_test_scale() {
+  static const bool small = [] {
+    const char* env = std::getenv("ATTNKIT_TEST_SCALE");
+    const std::string value = env != nullptr ? env : "";
+    if (value.empty() || value == "full") return false;
+    if (value == "small") {
+      std::fprintf(stderr, "[attnkit] ATTNKIT_TEST_SCALE=small: large cases run scaled down\n");
+      return true;
+    }
+    std::fprintf(stderr, "ATTNKIT_TEST_SCALE: accepted full (or unset) and small, got '%s'\n", env);
+    std::exit(2);
+  }();
+  return small;
 }
 
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {

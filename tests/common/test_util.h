@@ -46,6 +46,19 @@ class HostTensor {
 // A fresh seed per test run (printed so a failure can be replayed with ATTNKIT_TEST_SEED).
 uint64_t test_seed();
 
+// ATTNKIT_TEST_SCALE: unset or "full" runs every case at its full size; "small" runs the large
+// cases of the gpu suite (long sequences, big batches, many repeated calls) scaled down for
+// compute-sanitizer (scripts/gpu_sanitize.sh), each keeping every kernel choice, tile and stage
+// boundary and fault path of its full size (the tests say what each keeps). Any other value
+// stops the test program with a message.
+bool small_test_scale();
+
+// `full`, or `small` under ATTNKIT_TEST_SCALE=small.
+template <typename T>
+T at_test_scale(T full, T small) {
+  return small_test_scale() ? small : full;
+}
+
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
 bool any_nan(const std::vector<double>& a);
 

@@ -151,15 +151,13 @@ std::vector<TakenFault> check_bad_tokens(const std::string& what, const Attentio
     const int64_t diff = first_difference(bad.pool, expected_pool);
     EXPECT_EQ(diff, -1) << "the pool differs from the good tokens' call at byte " << diff
                         << " (block " << diff / cache.view().block_stride_bytes << ")";
+    const OutputRows got{bad.q_out.bytes().data(), q_row_bytes, nullptr, 0, n};
+    const OutputRows ref{good_q.bytes().data(), q_row_bytes, nullptr, 0, ng};
     for (int64_t t = 0, g = 0; t < n; ++t) {
-      const uint8_t* row = bad.q_out.bytes().data() + t * q_row_bytes;
       if (tokens[t].bad) {
-        EXPECT_TRUE(std::all_of(row, row + q_row_bytes, [](uint8_t b) { return b == 0; }))
-            << "q_out of bad token " << t << " is not zeros";
+        EXPECT_TRUE(is_zeroed_row(got, t)) << "q_out of bad token " << t;
       } else {
-        EXPECT_EQ(std::memcmp(row, good_q.bytes().data() + g * q_row_bytes, q_row_bytes), 0)
-            << "q_out of good token " << t << " differs from the good tokens' call";
-        ++g;
+        EXPECT_TRUE(same_row(got, t, ref, g++)) << "q_out of good token " << t;
       }
     }
     faults.push_back(bad.fault);

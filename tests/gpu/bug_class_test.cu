@@ -227,6 +227,24 @@ int32_t longest(const std::vector<int32_t>& lens) {
   return std::max(1, *std::max_element(lens.begin(), lens.end()));
 }
 
+// Runs call(out, lse), a GPU call that writes into the device outputs it is given (NaN-poisoned,
+// of cpu_out's and cpu_lse's shapes), and holds what it wrote to the fp64 oracle and the CPU
+// reference's outputs (expect_attention_matches). `outs` (optional) receives the output.
+template <typename Call>
+void check_gpu_call(const std::string& run, const OracleAccumulator& oracle,
+                    const HostTensor& cpu_out, const HostTensor& cpu_lse,
+                    std::vector<HostTensor>* outs, Call call) {
+  HostTensor out_poison = cpu_out, lse_poison = cpu_lse;
+  out_poison.fill(NAN);
+  lse_poison.fill(NAN);
+  DeviceTensor dout(out_poison), dlse(lse_poison);
+  ASSERT_NO_THROW(call(dout.view(), dlse.view())) << run;
+  ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+  const HostTensor out = downloaded(dout, cpu_out), lse = downloaded(dlse, cpu_lse);
+  expect_attention_matches(run, oracle, out, &lse, cpu_out, &cpu_lse);
+  if (outs != nullptr) outs->push_back(out);
+}
+
 // Prefill over a packed batch on the CPU reference and on the GPU (backend fused) with each of
 // `kernels`: every output within docs/testing.md's bound of the fp64 oracle
 // (expect_attention_matches). `outs` (optional) receives the GPU outputs of the kernels that ran.
@@ -266,26 +284,24 @@ void check_packed_prefill(const std::string& what, const AttentionSpec& spec, co
   DeviceTensor dq(b.q), dk(b.k), dv(b.v), dcq(hcu_q), dckv(hcu_kv);
   for (FusedKernel kernel : kernels) {
     if (!kernel_runs(kernel, d, dtype)) continue;
-    const std::string run = what + kernel_str(kernel);
-    DeviceTensor dout(poisoned(dtype, {tq, hq, d})), dlse(poisoned(DType::kF32, {tq, hq}));
-    PrefillArgs g;
-    g.q = dq;
-    g.k = dk;
-    g.v = dv;
-    g.cu_seqlens_q = dcq;
-    g.cu_seqlens_kv = dckv;
-    g.out = dout;
-    g.lse = dlse;
-    g.max_seqlen_q = longest(b.q_lens);
-    g.max_seqlen_kv = longest(b.kv_lens);
-    AttentionSpec gspec = spec;
-    gspec.backend = Backend::kFused;
-    gspec.fused_kernel = kernel;
-    ASSERT_NO_THROW(prefill(gspec, g)) << run;
-    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-    const HostTensor out = downloaded(dout, cpu_out), lse = downloaded(dlse, cpu_lse);
-    expect_attention_matches(run, oracle, out, &lse, cpu_out, &cpu_lse);
-    if (outs != nullptr) outs->push_back(out);
+    check_gpu_call(what + kernel_str(kernel), oracle, cpu_out, cpu_lse, outs,
+                   [&](TensorView out, TensorView lse) {
+                     PrefillArgs g;
+                     g.q = dq;
+                     g.k = dk;
+                     g.v = dv;
+                     g.cu_seqlens_q = dcq;
+                     g.cu_seqlens_kv = dckv;
+                     g.out = out;
+                     g.lse = lse;
+                     g.max_seqlen_q = longest(b.q_lens);
+                     g.max_seqlen_kv = longest(b.kv_lens);
+                     AttentionSpec gspec = spec;
+                     gspec.backend = Backend::kFused;
+                     gspec.fused_kernel = kernel;
+                     prefill(gspec, g);
+                   });
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -332,24 +348,22 @@ void check_paged_prefill(const std::string& what, const AttentionSpec& spec,
   DeviceTensor dq(q), dcu(hcu);
   for (FusedKernel kernel : kernels) {
     if (!kernel_runs(kernel, d, dtype)) continue;
-    const std::string run = what + kernel_str(kernel);
-    DeviceTensor dout(poisoned(dtype, {tq, hq, d})), dlse(poisoned(DType::kF32, {tq, hq}));
-    PrefillArgs g;
-    g.q = dq;
-    g.cu_seqlens_q = dcu;
-    g.kv_cache = &dcache.view();
-    g.out = dout;
-    g.lse = dlse;
-    g.max_seqlen_q = longest(q_lens);
-    g.max_seqlen_kv = longest(kv_lens);
-    AttentionSpec gspec = spec;
-    gspec.backend = Backend::kFused;
-    gspec.fused_kernel = kernel;
-    ASSERT_NO_THROW(prefill(gspec, g)) << run;
-    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-    const HostTensor out = downloaded(dout, cpu_out), lse = downloaded(dlse, cpu_lse);
-    expect_attention_matches(run, oracle, out, &lse, cpu_out, &cpu_lse);
-    if (outs != nullptr) outs->push_back(out);
+    check_gpu_call(what + kernel_str(kernel), oracle, cpu_out, cpu_lse, outs,
+                   [&](TensorView out, TensorView lse) {
+                     PrefillArgs g;
+                     g.q = dq;
+                     g.cu_seqlens_q = dcu;
+                     g.kv_cache = &dcache.view();
+                     g.out = out;
+                     g.lse = lse;
+                     g.max_seqlen_q = longest(q_lens);
+                     g.max_seqlen_kv = longest(kv_lens);
+                     AttentionSpec gspec = spec;
+                     gspec.backend = Backend::kFused;
+                     gspec.fused_kernel = kernel;
+                     prefill(gspec, g);
+                   });
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -388,25 +402,24 @@ void check_decode(const std::string& what, const AttentionSpec& spec, const Orac
   DeviceTensor dq(q);
   for (int32_t s : splits) {
     const std::string run = what + " splits=" + std::to_string(s);
-    DeviceTensor dout(poisoned(dtype, {rows, hq, d})), dlse(poisoned(DType::kF32, {rows, hq}));
-    DecodeArgs g;
-    g.q = dq;
-    g.kv_cache = dcache.view();
-    g.out = dout;
-    g.lse = dlse;
-    g.num_splits = s;
-    AttentionSpec gspec = spec;
-    gspec.backend = Backend::kFused;
-    const int64_t before = wgmma_launches();
-    ASSERT_NO_THROW(decode(gspec, g)) << run;
-    ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-    if (wgmma >= 0) {
-      EXPECT_EQ(wgmma_launches() - before, wgmma)
-          << run << ": the Hopper warpgroup-MMA decode kernel " << (wgmma ? "did not run" : "ran");
-    }
-    const HostTensor out = downloaded(dout, cpu_out), lse = downloaded(dlse, cpu_lse);
-    expect_attention_matches(run, oracle, out, &lse, cpu_out, &cpu_lse);
-    if (outs != nullptr) outs->push_back(out);
+    check_gpu_call(run, oracle, cpu_out, cpu_lse, outs, [&](TensorView out, TensorView lse) {
+      DecodeArgs g;
+      g.q = dq;
+      g.kv_cache = dcache.view();
+      g.out = out;
+      g.lse = lse;
+      g.num_splits = s;
+      AttentionSpec gspec = spec;
+      gspec.backend = Backend::kFused;
+      const int64_t before = wgmma_launches();
+      decode(gspec, g);
+      if (wgmma >= 0) {
+        EXPECT_EQ(wgmma_launches() - before, wgmma)
+            << run << ": the Hopper warpgroup-MMA decode kernel "
+            << (wgmma ? "did not run" : "ran");
+      }
+    });
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -461,22 +474,17 @@ HostTensor random_q(DType dtype, int64_t tokens, int32_t hq, int32_t d, std::mt1
   return q;
 }
 
-// Writes K/V of tokens at positions [0, n) of `row` through append_kv on the CPU reference and on
-// the GPU (fused): an earlier request's prompt, which later rows reuse. The two caches must agree
-// within one unit of the cache dtype, as every forward step below checks again.
-void append_prompt(const AttentionSpec& spec, OracleKvCache& cpu_cache, DeviceKvCache& gpu_cache,
-                   int32_t row, int32_t n, std::mt19937_64& rng, const std::string& what) {
-  SCOPED_TRACE(what);
-  const int32_t hq = spec.num_q_heads, hkv = spec.num_kv_heads, d = spec.head_dim;
-  HostTensor qkv(DType::kBF16, {n, int64_t{hq + 2 * hkv} * d});
-  qkv.fill_uniform(rng, -2.0f, 2.0f);
-  std::vector<int32_t> positions(n), rows(n, row);
-  for (int32_t i = 0; i < n; ++i) positions[i] = i;
+// append_kv of `qkv` (fused input, no bias) at `positions` of `rows` on the CPU reference and on
+// the GPU (backend fused): the two caches must agree within one unit of the cache dtype.
+void append_on_both(const AttentionSpec& spec, const HostTensor& qkv,
+                    const std::vector<int32_t>& positions, const std::vector<int32_t>& rows,
+                    OracleKvCache& cpu_cache, DeviceKvCache& gpu_cache) {
+  const int64_t n = static_cast<int64_t>(positions.size());
   AttentionSpec cpu_spec = spec;
   cpu_spec.backend = Backend::kAuto;
   run_append_kv(cpu_spec, qkv, positions, rows, cpu_cache.view());
   DeviceTensor dqkv(qkv), dpos(int32_tensor(positions)), drow(int32_tensor(rows)),
-      dq_out(poisoned(DType::kBF16, {n, hq, d}));
+      dq_out(poisoned(DType::kBF16, {n, spec.num_q_heads, spec.head_dim}));
   AppendKvArgs a;
   a.qkv = dqkv;
   a.positions = dpos;
@@ -490,8 +498,23 @@ void append_prompt(const AttentionSpec& spec, OracleKvCache& cpu_cache, DeviceKv
   OracleKvCache gpu_copy = cpu_cache;
   gpu_cache.download_pool(gpu_copy);
   const UnitsReport r = compare_bytes(cpu_cache.view().dtype, gpu_copy.pool(), cpu_cache.pool());
-  EXPECT_LE(r.max_units, 1.0) << "the prompt's cache after append_kv differs by " << r.max_units
-                              << " units at element " << r.worst;
+  EXPECT_LE(r.max_units, 1.0) << "append_kv: the cache differs by " << r.max_units
+                              << " units at element " << r.worst << " (gpu " << r.worst_a
+                              << ", reference " << r.worst_b << ")";
+}
+
+// Writes K/V of tokens at positions [0, n) of `row` through append_kv on the CPU reference and on
+// the GPU (fused): an earlier request's prompt, which later rows reuse. The two caches must agree
+// within one unit of the cache dtype, as every forward step below checks again.
+void append_prompt(const AttentionSpec& spec, OracleKvCache& cpu_cache, DeviceKvCache& gpu_cache,
+                   int32_t row, int32_t n, std::mt19937_64& rng, const std::string& what) {
+  SCOPED_TRACE(what);
+  HostTensor qkv(DType::kBF16,
+                 {n, int64_t{spec.num_q_heads + 2 * spec.num_kv_heads} * spec.head_dim});
+  qkv.fill_uniform(rng, -2.0f, 2.0f);
+  std::vector<int32_t> positions(n), rows(n, row);
+  for (int32_t i = 0; i < n; ++i) positions[i] = i;
+  append_on_both(spec, qkv, positions, rows, cpu_cache, gpu_cache);
 }
 
 AttentionSpec rope_spec(int32_t hq, int32_t hkv, int32_t d) {
@@ -622,25 +645,8 @@ TEST(BugClass, KvScalesAreApplied) {
           positions.push_back(i < 20 ? i : 3 + (i - 20));  // row 0: 0..19, row 1: 3..19
           row_of.push_back(i < 20 ? 0 : 1);
         }
-        run_append_kv(spec, qkv, positions, row_of, cpu_cache.view());
-        DeviceTensor dqkv(qkv), dpos(int32_tensor(positions)), drow(int32_tensor(row_of)),
-            dq_out(poisoned(DType::kBF16, {n, 8, d}));
-        AppendKvArgs a;
-        a.qkv = dqkv;
-        a.positions = dpos;
-        a.row_of_token = drow;
-        a.kv_cache = gpu_cache.view();
-        a.q_out = dq_out;
-        AttentionSpec gspec = spec;
-        gspec.backend = Backend::kFused;
-        ASSERT_NO_THROW(append_kv(gspec, a));
-        ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-        OracleKvCache gpu_copy = cpu_cache;
-        gpu_cache.download_pool(gpu_copy);
-        const UnitsReport r = compare_bytes(kv, gpu_copy.pool(), cpu_cache.pool());
-        EXPECT_LE(r.max_units, 1.0)
-            << "append_kv: cache differs by " << r.max_units << " units at element " << r.worst
-            << " (gpu " << r.worst_a << ", reference " << r.worst_b << ")";
+        append_on_both(spec, qkv, positions, row_of, cpu_cache, gpu_cache);
+        if (HasFatalFailure()) return;
       }
       // Prefill and decode over a cache of values in [-1, 1] (stored = x / scale).
       {
@@ -897,6 +903,34 @@ std::string prefill_choice(const AttentionSpec& spec, DType kv_dtype, bool paged
   return cuda::prefill::prefill_kernel_choice(spec, p, seqlen);
 }
 
+// Fills every row of `cache` (row `row` with row_len keys, the others with 1 .. max_other), then
+// decodes row `row` alone (a copy of it, the heuristic's splits; no warpgroup-MMA kernel) and in
+// the batch (wgmma_in_batch: check_decode's expectation), both against the oracle; prints how far
+// the row's two outputs are apart.
+void check_decode_alone_and_in_batch(const std::string& what, const AttentionSpec& spec,
+                                     OracleKvCache& cache, int32_t row, int32_t row_len,
+                                     int32_t max_other, int wgmma_in_batch, std::mt19937_64& rng) {
+  const int64_t rows = cache.view().num_rows();
+  std::uniform_int_distribution<int32_t> len_of(1, max_other);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t len = r == row ? row_len : len_of(rng);
+    fill_row(cache, r, len, false, rng);
+    cache.set_seq_len(r, len);
+  }
+  const int64_t per_row = int64_t{spec.num_q_heads} * spec.head_dim;
+  const HostTensor q = random_q(DType::kBF16, rows, spec.num_q_heads, spec.head_dim, rng);
+  const HostTensor q_row =
+      elements_of(q, row * per_row, per_row, {1, spec.num_q_heads, spec.head_dim});
+  std::vector<HostTensor> a, b;
+  check_decode(what + " alone", spec, row_copy(cache, row, rng), q_row, {0}, 0, &a);
+  check_decode(what + " in a batch", spec, cache, q, {0}, wgmma_in_batch, &b);
+  if (::testing::Test::HasFatalFailure()) return;
+  if (!a.empty() && !b.empty()) {
+    std::printf("[bug class] %s: max |alone - in batch| = %g\n", what.c_str(),
+                max_rows_diff(a[0], b[0], row * per_row));
+  }
+}
+
 // One row computed alone and inside batches that make the call take another kernel, each against
 // the oracle and the CPU reference within the bound of docs/testing.md (the default mode is not
 // bitwise batch-invariant; the largest difference between the two is printed):
@@ -987,49 +1021,18 @@ TEST(BugClass, ResultDoesNotDependOnTheBatch) {
   // Decode: GQA 32/2 alone (mma.sync, split by the heuristic) and among 12 rows (warpgroup MMA).
   {
     const AttentionSpec spec = plain_spec(32, 2, 128);
-    const int32_t rows = 12, row = 3;
-    OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 2, 128, 16, rows, 94, rng);
-    std::uniform_int_distribution<int32_t> len_of(1, 700);
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t len = r == row ? 1500 : len_of(rng);
-      fill_row(cache, r, len, false, rng);
-      cache.set_seq_len(r, len);
-    }
-    const HostTensor q = random_q(DType::kBF16, rows, 32, 128, rng);
-    const HostTensor q_row = elements_of(q, int64_t{row} * 32 * 128, 32 * 128, {1, 32, 128});
-    const int wgmma = wgmma_decode_available() ? 1 : -1;
-    std::vector<HostTensor> a, b;
-    check_decode("GQA 32/2 decode alone", spec, row_copy(cache, row, rng), q_row, {0}, 0, &a);
-    check_decode("GQA 32/2 decode in a batch", spec, cache, q, {0}, wgmma, &b);
+    OracleKvCache cache = OracleKvCache::paged(DType::kBF16, 2, 128, 16, 12, 94, rng);
+    check_decode_alone_and_in_batch("GQA 32/2 decode", spec, cache, 3, 1500, 700,
+                                    wgmma_decode_available() ? 1 : -1, rng);
     if (HasFatalFailure()) return;
-    if (!a.empty() && !b.empty()) {
-      std::printf("[bug class] GQA 32/2 decode: max |alone - in batch| = %g\n",
-                  max_rows_diff(a[0], b[0], int64_t{row} * 32 * 128));
-    }
   }
   // Decode over an fp8 cache: 1 row (split, 2 CTAs an SM) and 64 rows x 8 KV heads (4 CTAs an SM).
   {
     const AttentionSpec spec = plain_spec(8, 8, 128);
     if (!decode_runs(spec, DType::kBF16, DType::kFp8E4M3)) return;
-    const int32_t rows = 64, row = 17;
-    OracleKvCache cache = OracleKvCache::paged(DType::kFp8E4M3, 8, 128, 32, rows, 63, rng);
+    OracleKvCache cache = OracleKvCache::paged(DType::kFp8E4M3, 8, 128, 32, 64, 63, rng);
     set_random_scales(cache, true, 1.05, rng);
-    std::uniform_int_distribution<int32_t> len_of(1, 200);
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t len = r == row ? 2000 : len_of(rng);
-      fill_row(cache, r, len, false, rng);
-      cache.set_seq_len(r, len);
-    }
-    const HostTensor q = random_q(DType::kBF16, rows, 8, 128, rng);
-    const HostTensor q_row = elements_of(q, int64_t{row} * 8 * 128, 8 * 128, {1, 8, 128});
-    std::vector<HostTensor> a, b;
-    check_decode("fp8 decode alone", spec, row_copy(cache, row, rng), q_row, {0}, 0, &a);
-    check_decode("fp8 decode in a batch", spec, cache, q, {0}, 0, &b);
-    if (HasFatalFailure()) return;
-    if (!a.empty() && !b.empty()) {
-      std::printf("[bug class] fp8 decode: max |alone - in batch| = %g\n",
-                  max_rows_diff(a[0], b[0], int64_t{row} * 8 * 128));
-    }
+    check_decode_alone_and_in_batch("fp8 decode", spec, cache, 17, 2000, 200, 0, rng);
   }
 }
 

@@ -127,29 +127,46 @@ DecodeCase batch_case(const Shape& s, int rows, int at, int32_t target_len, int3
   return c;
 }
 
+// The batches a target row runs in: `rows` rows with the target at `at`, the others' lengths up
+// to max_other, one of them long_row keys (> 0), an explicit max_seq_len (> 0).
+struct Batch {
+  int rows, at;
+  int32_t max_other, long_row, max_seq_len;
+};
+
 // The target row (3000 keys: three 1024-key splits, the last one partial) alone, then inside
 // batches of 7 and 64 rows, twice each with other rows and lengths, once with an explicit
 // max_seq_len far above the longest row: every result equal to the first bit for bit.
+// ATTNKIT_TEST_SCALE=small: a target of 2100 keys (three splits, the last partial), the other
+// rows shorter (the 64-row batches' up to 150 keys, without a long row: the pool of a batch is
+// sized by its longest row), a long row of 4100 keys (five splits) in a batch of 7.
 void expect_invariant(const Shape& s, uint64_t salt) {
   std::mt19937_64 rng(test_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
-  DecodeCase alone = batch_case(s, 1, 0, 3000, 1, 0, rng);
-  const TargetRow target = make_target(alone, 3000, rng());
+  const int32_t target_len = at_test_scale(3000, 2100);
+  DecodeCase alone = batch_case(s, 1, 0, target_len, 1, 0, rng);
+  const TargetRow target = make_target(alone, target_len, rng());
   SCOPED_TRACE(alone.str());
   PreparedCase first(alone, salt);
   plant(first, 0, target);
   const RowBits reference = run_row(first, 0);
   first.check();  // the mode's result against the oracle
-  struct Batch {
-    int rows, at;
-    int32_t max_other, long_row, max_seq_len;
-  };
+  const std::vector<Batch> batches = at_test_scale<std::vector<Batch>>({{7, 3, 2500, 7000, 0},
+                                                                        {7, 6, 4000, 0, 0},
+                                                                        {64, 50, 1500, 9000, 0},
+                                                                        {64, 0, 3000, 0, 0},
+                                                                        {7, 2, 2000, 0, 20000},
+                                                                        {1, 0, 1, 0, 12000}},
+                                                                       {{7, 3, 1200, 4100, 0},
+                                                                        {7, 6, 2500, 0, 0},
+                                                                        {64, 50, 150, 0, 0},
+                                                                        {64, 0, 150, 0, 0},
+                                                                        {7, 2, 500, 0, 20000},
+                                                                        {1, 0, 1, 0, 12000}});
   int n = 0;
-  for (const Batch& b :
-       {Batch{7, 3, 2500, 7000, 0}, Batch{7, 6, 4000, 0, 0}, Batch{64, 50, 1500, 9000, 0},
-        Batch{64, 0, 3000, 0, 0}, Batch{7, 2, 2000, 0, 20000}, Batch{1, 0, 1, 0, 12000}}) {
+  for (const Batch& b : batches) {
     SCOPED_TRACE(detail::concat("batch of ", b.rows, ", the row at ", b.at, ", max_seq_len ",
                                 b.max_seq_len));
-    DecodeCase c = batch_case(s, b.rows, b.at, 3000, b.max_other, b.long_row, rng);
+    DecodeCase c = batch_case(s, b.rows, b.at, target_len, b.max_other, b.long_row, rng);
     c.max_seq_len = b.max_seq_len;
     PreparedCase pc(c, salt + 1 + n++);
     plant(pc, b.at, target);
@@ -179,10 +196,12 @@ TEST(DecodeBatchInvariant, GroupsOfSixteenAndThirtyTwo) {
 }
 
 // Through a caller DecodeWorkspace as well: the same bits as the per-call workspace.
+// ATTNKIT_TEST_SCALE=small: a row of 2100 keys, the others up to 1200 and one of 4100.
 TEST(DecodeBatchInvariant, CallerWorkspaceGivesTheSameBits) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() ^ 0xb17);
-  DecodeCase c = batch_case({8, 2, DType::kBF16}, 7, 4, 3000, 2500, 5000, rng);
+  DecodeCase c = batch_case({8, 2, DType::kBF16}, 7, 4, at_test_scale(3000, 2100),
+                            at_test_scale(2500, 1200), at_test_scale(5000, 4100), rng);
   PreparedCase pc(c, 12500);
   const RowBits plain = run_row(pc, 4);
   DecodeWorkspace ws(pc.spec, 7, DecodeWorkspace::kMaxSplits, Device::cuda(0));

@@ -188,35 +188,51 @@ inline void oracle(const DecodeCase& c, const HostCache& h, const HostTensor& q,
                       j < c.mask.sink_tokens;
       if (in) keys.push_back(j);
     }
+    // Where each attended key is stored (a beam's keys through its indirection row).
+    std::vector<int64_t> key_block(keys.size()), key_slot(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const int64_t j = keys[i];
+      const int64_t src =
+          c.beam_width > 1
+              ? seq * c.beam_width +
+                    h.indirection.data<
+                        int32_t>()[(seq * c.beam_width + beam) * h.indirection.view().shape[2] + j]
+              : r;
+      key_slot[i] = slot_of(c, h, j);
+      key_block[i] =
+          c.paged
+              ? h.block_table.data<int32_t>()[src * h.max_blocks + key_slot[i] / h.tokens_per_block]
+              : src;
+    }
+    // The keys' K and V of one KV head (x = stored * scale; the optional scales of 16-bit caches
+    // are honoured too), read once for the query heads of its group.
+    std::vector<double> k_rows(keys.size() * c.head_dim), v_rows(k_rows.size());
+    std::vector<double> q_row(c.head_dim);
     for (int h_q = 0; h_q < c.hq; ++h_q) {
       const int head = h_q / group;
+      if (h_q % group == 0) {
+        for (size_t i = 0; i < keys.size(); ++i) {
+          const int64_t t = key_slot[i] % h.tokens_per_block;
+          for (int d = 0; d < c.head_dim; ++d) {
+            double kv = h.pool.get(h.element(key_block[i], 0, head, t, d, c));
+            double vv = h.pool.get(h.element(key_block[i], 1, head, t, d, c));
+            kv *= h.k_scales[head];
+            vv *= h.v_scales[head];
+            k_rows[i * c.head_dim + d] = kv;
+            v_rows[i * c.head_dim + d] = vv;
+          }
+        }
+      }
+      for (int d = 0; d < c.head_dim; ++d) q_row[d] = q.get((r * c.hq + h_q) * c.head_dim + d);
       std::vector<double> logit(keys.size()), logit_f(keys.size());
-      std::vector<std::vector<double>> vrows(keys.size());
       for (size_t i = 0; i < keys.size(); ++i) {
         const int64_t j = keys[i];
-        const int64_t src =
-            c.beam_width > 1 ? seq * c.beam_width +
-                                   h.indirection.data<int32_t>()[(seq * c.beam_width + beam) *
-                                                                     h.indirection.view().shape[2] +
-                                                                 j]
-                             : r;
-        const int64_t slot = slot_of(c, h, j);
-        const int64_t block =
-            c.paged ? h.block_table.data<int32_t>()[src * h.max_blocks + slot / h.tokens_per_block]
-                    : src;
+        const double* k_row = &k_rows[i * c.head_dim];
         double dot = 0.0;
         float dot_f = 0.0f;
-        vrows[i].resize(c.head_dim);
         for (int d = 0; d < c.head_dim; ++d) {
-          const double qv = q.get((r * c.hq + h_q) * c.head_dim + d);
-          double kv = h.pool.get(h.element(block, 0, head, slot % h.tokens_per_block, d, c));
-          double vv = h.pool.get(h.element(block, 1, head, slot % h.tokens_per_block, d, c));
-          // x = stored * scale; the optional scales of 16-bit caches are honoured too.
-          kv *= h.k_scales[head];
-          vv *= h.v_scales[head];
-          dot += qv * kv;
-          dot_f += static_cast<float>(qv) * static_cast<float>(kv);
-          vrows[i][d] = vv;
+          dot += q_row[d] * k_row[d];
+          dot_f += static_cast<float>(q_row[d]) * static_cast<float>(k_row[d]);
         }
         auto transform = [&](double x) {
           x *= scale;
@@ -241,9 +257,10 @@ inline void oracle(const DecodeCase& c, const HostCache& h, const HostTensor& q,
         const float w_r = static_cast<float>(round_to(c.dtype, w_f));
         sum += w;
         sum_f += w_f;
+        const double* v_row = &v_rows[i * c.head_dim];
         for (int d = 0; d < c.head_dim; ++d) {
-          acc[d] += w * vrows[i][d];
-          acc_f[d] += w_r * static_cast<float>(vrows[i][d]);
+          acc[d] += w * v_row[d];
+          acc_f[d] += w_r * static_cast<float>(v_row[d]);
         }
       }
       for (int d = 0; d < c.head_dim; ++d) {
@@ -298,17 +315,8 @@ struct PreparedCase {
     args.out = d_out;
     if (c.with_lse) args.lse = d_lse;
     KvCacheView& cache = args.kv_cache;
-    const int64_t elt = static_cast<int64_t>(dtype_size(c.kv_dtype));
-    const int64_t half = static_cast<int64_t>(c.hkv) * h.tokens_per_block * c.head_dim * elt;
-    cache.k_base = d_pool.data();
-    cache.v_base = static_cast<uint8_t*>(d_pool.data()) + half;
-    cache.block_stride_bytes = 2 * half;
-    cache.num_blocks = h.num_blocks;
-    cache.dtype = c.kv_dtype;
-    cache.device = Device::cuda(0);
-    cache.num_kv_heads = c.hkv;
-    cache.tokens_per_block = h.tokens_per_block;
-    cache.head_dim = c.head_dim;
+    cache = paged_cache_view(d_pool.data(), c.kv_dtype, h.num_blocks, c.hkv, h.tokens_per_block,
+                             c.head_dim);
     cache.paged = c.paged;
     if (c.paged) cache.block_table = d_table;
     cache.seq_lens = d_lens;

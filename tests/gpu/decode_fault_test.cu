@@ -18,8 +18,10 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/device_errors.h"
+#include "common/output_rows.h"
 #include "cuda/decode/decode_launch.h"
 #include "gpu/decode_case_util.h"
+#include "gpu/fault_test_util.h"
 #include "gpu/gpu_util.h"
 
 namespace attnkit::test {
@@ -46,57 +48,36 @@ Outputs run(PreparedCase& pc) {
   return o;
 }
 
+// The call's outputs as rows (one a decode row: Hq x D elements, Hq LSEs).
+OutputRows rows_of(const PreparedCase& pc, const Outputs& o) {
+  const int64_t rows = static_cast<int64_t>(pc.c.seq_lens.size());
+  return {o.out.data(), o.out.size() / static_cast<size_t>(rows), o.lse.data(), pc.c.hq, rows};
+}
+
 // Row `bad` of `got` is zeros (+0.0 in every element) with LSE -inf; with `bitwise`, every other
 // row equals `good` bit for bit (else: only free of NaN, for the accumulating merge, whose L2 sums
 // vary in their last bits from run to run).
 void expect_row_zeroed(const PreparedCase& pc, const Outputs& good, const Outputs& got, int64_t bad,
                        bool bitwise = true) {
-  const int64_t rows = static_cast<int64_t>(pc.c.seq_lens.size());
-  const size_t row_bytes = got.out.size() / static_cast<size_t>(rows);
-  const size_t row_heads = static_cast<size_t>(pc.c.hq);
-  for (int64_t r = 0; r < rows; ++r) {
+  const OutputRows g = rows_of(pc, got), ref = rows_of(pc, good);
+  for (int64_t r = 0; r < g.rows; ++r) {
     SCOPED_TRACE(detail::concat("row ", r, bad == r ? " (the faulting row)" : ""));
-    const uint8_t* g = got.out.data() + r * row_bytes;
-    const float* lse = got.lse.data() + r * row_heads;
     if (r == bad) {
-      size_t nonzero = 0;
-      for (size_t i = 0; i < row_bytes; ++i) nonzero += g[i] != 0;
-      EXPECT_EQ(nonzero, 0u) << "bytes of the faulting row's output that are not +0.0";
-      for (size_t h = 0; h < row_heads; ++h) {
-        EXPECT_TRUE(std::isinf(lse[h]) && lse[h] < 0) << "head " << h << " lse " << lse[h];
-      }
+      EXPECT_TRUE(is_zeroed_row(g, r));
     } else if (bitwise) {
-      EXPECT_EQ(std::memcmp(g, good.out.data() + r * row_bytes, row_bytes), 0)
-          << "the output differs from the call with good metadata";
-      EXPECT_EQ(std::memcmp(lse, good.lse.data() + r * row_heads, row_heads * sizeof(float)), 0)
-          << "the lse differs from the call with good metadata";
+      EXPECT_TRUE(same_row(g, r, ref, r));
     } else {
-      for (size_t h = 0; h < row_heads; ++h) EXPECT_FALSE(std::isnan(lse[h])) << "head " << h;
+      for (int64_t h = 0; h < g.heads; ++h)
+        EXPECT_FALSE(std::isnan(g.lse_row(r)[h])) << "head " << h;
     }
   }
 }
 
 // check_device_errors() throws DeviceFaultError for a fault of this kind, argument, row, index,
 // value and bound, recorded by a decode call; the word is clear afterwards.
-void expect_fault(FaultKind kind, FaultArg arg, int64_t row, int64_t index, int64_t value,
-                  int64_t bound) {
-  try {
-    check_device_errors();
-    ADD_FAILURE() << "no device fault reported";
-  } catch (const DeviceFaultError& e) {
-    const DeviceFault& f = e.fault();
-    EXPECT_EQ(f.kind, static_cast<int32_t>(kind)) << e.what();
-    EXPECT_EQ(f.op, static_cast<int32_t>(Op::kDecode)) << e.what();
-    EXPECT_EQ(f.arg, static_cast<int32_t>(arg)) << e.what();
-    EXPECT_EQ(f.row, row) << e.what();
-    EXPECT_EQ(f.index, index) << e.what();
-    EXPECT_EQ(f.value, value) << e.what();
-    EXPECT_EQ(f.bound, bound) << e.what();
-    EXPECT_GE(f.count, 1u);
-    EXPECT_NE(std::string(e.what()).find(std::string("decode: ") + fault_arg_name(arg)),
-              std::string::npos)
-        << e.what();
-  }
+void expect_decode_fault(FaultKind kind, FaultArg arg, int64_t row, int64_t index, int64_t value,
+                         int64_t bound) {
+  expect_fault(take_device_fault(), {kind, arg, Op::kDecode, row, index, value, bound, 0});
   EXPECT_NO_THROW(check_device_errors());
 }
 
@@ -156,7 +137,8 @@ void block_id_faults(const DecodeCase& base, uint64_t salt, bool expect_wgmma = 
           const Outputs got = run(pc);
           expect_row_zeroed(pc, good, got, 1);
         }
-        expect_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, column, value, pc.h.num_blocks);
+        expect_decode_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, column, value,
+                            pc.h.num_blocks);
       }
     }
   }
@@ -225,7 +207,7 @@ TEST(DecodeFault, BadBlockIdCyclicCache) {
         BadTableEntry bad(pc, 1, 0, value);
         expect_row_zeroed(pc, good, run(pc), 1);
       }
-      expect_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, 0, value, pc.h.num_blocks);
+      expect_decode_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, 0, value, pc.h.num_blocks);
     }
   }
 }
@@ -254,7 +236,7 @@ TEST(DecodeFault, EverySplitMergeZeroesTheFaultingRow) {
       BadTableEntry bad(pc, 1, 20, 10000);  // keys 320-335: split 2 of 128 keys each
       expect_row_zeroed(pc, good, run(pc), 1, bitwise);
     }
-    expect_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, 20, 10000, pc.h.num_blocks);
+    expect_decode_fault(FaultKind::kBlockId, FaultArg::kBlockTable, 1, 20, 10000, pc.h.num_blocks);
   }
 }
 
@@ -288,7 +270,7 @@ TEST(DecodeFault, BadSeqLen) {
           BadSeqLen bad(pc, 1, value);
           expect_row_zeroed(pc, good, run(pc), 1);
         }
-        expect_fault(FaultKind::kSeqLen, FaultArg::kSeqLens, 1, 0, value, 112);
+        expect_decode_fault(FaultKind::kSeqLen, FaultArg::kSeqLens, 1, 0, value, 112);
       }
     }
   }
@@ -310,8 +292,8 @@ TEST(DecodeFault, CyclicCacheNegativeSeqLen) {
     BadSeqLen bad(pc, 1, -1);
     expect_row_zeroed(pc, good, run(pc), 1);
   }
-  expect_fault(FaultKind::kSeqLen, FaultArg::kSeqLens, 1, 0, -1,
-               std::numeric_limits<int64_t>::max());
+  expect_decode_fault(FaultKind::kSeqLen, FaultArg::kSeqLens, 1, 0, -1,
+                      std::numeric_limits<int64_t>::max());
 }
 
 // A cache_indirection entry that names no beam (beam_width 2): row s * 2 + b, index t.
@@ -338,7 +320,7 @@ TEST(DecodeFault, BadCacheIndirectionEntry) {
         const Outputs got = run(pc);
         pc.d_ind.upload(pc.h.indirection);
         expect_row_zeroed(pc, good, got, 2);
-        expect_fault(FaultKind::kIndirection, FaultArg::kCacheIndirection, 2, 100, value, 2);
+        expect_decode_fault(FaultKind::kIndirection, FaultArg::kCacheIndirection, 2, 100, value, 2);
       }
     }
   }

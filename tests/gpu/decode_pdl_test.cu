@@ -62,7 +62,8 @@ const char* stale_name(Stale s) {
 // (negative and past its end), or the stale length moves the splits' ranges or only the last
 // key: attending over any of them is wrong. The oracle is the final table's. Against a build whose
 // prologue issued its first copies from the values read before the wait, with their check after it
-// switched off, every stale case fails.
+// switched off, every stale case fails. ATTNKIT_TEST_SCALE=small: a row of 2049 keys (the same
+// grid of 32 splits; the shorter stale row still 1000 keys short).
 TEST(DecodeFused, ProgrammaticLaunchSeesTheTableThePreviousKernelWrote) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   int major = 0;
@@ -88,7 +89,7 @@ TEST(DecodeFused, ProgrammaticLaunchSeesTheTableThePreviousKernelWrote) {
         c.hq = 32;
         c.hkv = 8;
         c.page = page;
-        c.seq_lens = {4001};
+        c.seq_lens = {at_test_scale(4001, 2049)};
         c.num_splits = 32;
         PreparedCase pc(c, salt++);
         pc.args.workspace = &ws;

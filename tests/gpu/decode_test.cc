@@ -327,7 +327,11 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
 // 3-CTA build (a grid whose splits keep >= 1024 keys). Every call must have run the build the rule
 // names; calls out of its scope (ALiBi, a window, an 8-bit cache) must not run it. With the V
 // descriptor's two byte offsets exchanged every case fails (0.54-1.97 against bounds of
-// ~0.006-0.012).
+// ~0.006-0.012). ATTNKIT_TEST_SCALE=small: six (group, page) pairs (every group, every page and
+// the contiguous cache, both dtypes, per-head V scales and far split means among them) of rows
+// up to 800 keys (7 splits still of more than a tile), the 40-row grid's other rows up to 300
+// keys next to its 4500-key row (the build rule reads the grid and the longest row only), the
+// out-of-scope rows up to 300.
 TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   int major = 0;
@@ -346,7 +350,7 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
     for (int pi = 0; pi < 6; ++pi) {
       // Half of the (group, page) pairs, every group and every page among them: the fp64 oracle
       // on the host is most of the test's time (~50 s on an H200 with all 30 pairs).
-      if ((g + pi) % 2 != 0) continue;
+      if (small_test_scale() ? !(pi == g || (g == 1 && pi == 5)) : (g + pi) % 2 != 0) continue;
       DecodeCase c;
       c.hq = groups[g].first;
       c.hkv = groups[g].second;
@@ -358,7 +362,7 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
       c.v_half_offset = pi % 3 == 2 ? 0.5f : 0.0f;
       // 12 rows (and more KV heads): the grid has SMs / 16 CTAs, the kernel's rule; short rows
       // keep the 2-CTA build.
-      c.seq_lens = lengths(rng, 12, c.page, 1500);
+      c.seq_lens = lengths(rng, 12, c.page, at_test_scale(1500, 800));
       c.seq_lens[4] = 63;
       c.seq_lens[5] = 64;
       c.seq_lens[6] = 65;
@@ -377,7 +381,7 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   wide.hq = 32;
   wide.hkv = 2;
   wide.page = 32;
-  wide.seq_lens = lengths(rng, 40, 32, 4500);
+  wide.seq_lens = lengths(rng, 40, 32, at_test_scale(4500, 300));
   wide.seq_lens[7] = 4500;
   int sm_count = 0;
   ATTNKIT_CUDA_OK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
@@ -395,7 +399,7 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   DecodeCase outside;
   outside.hq = 32;
   outside.hkv = 1;
-  outside.seq_lens = lengths(rng, 12, 16, 700);
+  outside.seq_lens = lengths(rng, 12, 16, at_test_scale(700, 300));
   outside.alibi = true;
   DecodeCase window = outside;
   window.alibi = false;
@@ -470,7 +474,7 @@ StreamCases stream_cases() {
 // Split-KV calls in flight together on two streams, and one captured in a CUDA graph and replayed
 // between eager calls: each call's workspace and arrival counters must be its own. Context
 // lengths are not multiples of the 64-key tile nor of the page, so every split's last tile is
-// partial.
+// partial. ATTNKIT_TEST_SCALE=small: two rounds of each (the second reuses what the first left).
 TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   const StreamCases c = stream_cases();
@@ -478,7 +482,8 @@ TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
   cudaStream_t s1 = nullptr, s2 = nullptr;
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  for (int round = 0; round < 3; ++round) {
+  const int rounds = at_test_scale(3, 2);
+  for (int round = 0; round < rounds; ++round) {
     pa.poison(s1);
     pb.poison(s2);
     pm.poison(s2);
@@ -497,7 +502,7 @@ TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
   ASSERT_NO_THROW(decode(pa.spec, pa.args, s1));
   ATTNKIT_CUDA_OK(cudaStreamEndCapture(s1, &graph));
   ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < rounds; ++round) {
     ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
     pa.poison(s1);
     pb.poison(s2);
@@ -520,7 +525,8 @@ TEST(DecodeFused, SplitKvAcrossStreamsAndInsideGraphs) {
 // the graph, not a one-time host action): a count left over from the previous replay would leave
 // the merge undone and the poisoned outputs in place. Two calls captured back to back (heuristic
 // and forced splits), a third (MQA, two M blocks) on a stream forked into the capture, replayed
-// four times with poisoned outputs, then the same calls eagerly.
+// four times with poisoned outputs, then the same calls eagerly. ATTNKIT_TEST_SCALE=small: two
+// replays (the second finds the counters the first left).
 TEST(DecodeFused, SplitCountersZeroedAtEveryGraphReplay) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   DecodeCase a;
@@ -558,7 +564,7 @@ TEST(DecodeFused, SplitCountersZeroedAtEveryGraphReplay) {
   ATTNKIT_CUDA_OK(cudaStreamWaitEvent(s1, join));
   ATTNKIT_CUDA_OK(cudaStreamEndCapture(s1, &graph));
   ATTNKIT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 4; ++replay) {
+  for (int replay = 0; replay < at_test_scale(4, 2); ++replay) {
     SCOPED_TRACE(detail::concat("replay ", replay));
     pa.poison(s1);
     pb.poison(s1);
@@ -589,14 +595,15 @@ TEST(DecodeFused, SplitCountersZeroedAtEveryGraphReplay) {
 
 // The split workspace comes from the stream's pool, whose memory holds whatever earlier users
 // left (fill patterns here, and the partials and counters of the first of two back-to-back calls):
-// every call must write all of its outputs itself and not depend on it.
+// every call must write all of its outputs itself and not depend on it. ATTNKIT_TEST_SCALE=small:
+// the rows of 4000 and 2500 keys have 2000 and 1250 (64 and 128 splits still leave splits empty).
 TEST(DecodeFused, SplitWorkspaceFromADirtyPool) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   DecodeCase c;
   c.hq = 32;
   c.hkv = 8;
   c.page = 16;
-  c.seq_lens = {4000, 1, 2500, 100};
+  c.seq_lens = at_test_scale<std::vector<int32_t>>({4000, 1, 2500, 100}, {2000, 1, 1250, 100});
   PreparedCase pc(c, 950);
   cudaStream_t stream = nullptr;
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -808,6 +815,8 @@ TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
 // the results are the reference's whatever the entries hold. Rows shorter than the max_seq_len
 // hint (the early ramp's guess points past them), table entries past the rows' ends that lie
 // outside the pool, groups of 4 and 8 heads, bf16 and fp8 caches, pages 16 to 64.
+// ATTNKIT_TEST_SCALE=small: rows of about half the keys (2049; 1537 and 2048), the same 32 forced
+// splits of the same grids (the prefetch rule reads the splits and the grid, not the lengths).
 TEST(DecodeFused, PrefetchBeforeTheWaitOfManySplitCalls) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   uint64_t salt = 1450;
@@ -821,7 +830,8 @@ TEST(DecodeFused, PrefetchBeforeTheWaitOfManySplitCalls) {
       // One row x 8 KV heads x 32 splits, two rows x 4 KV heads x 32 splits: 256 CTAs.
       for (int32_t hkv : {8, 4}) {
         c.hkv = hkv;
-        c.seq_lens = hkv == 8 ? std::vector<int32_t>{4001} : std::vector<int32_t>{3001, 4096};
+        c.seq_lens = hkv == 8 ? std::vector<int32_t>{at_test_scale(4001, 2049)}
+                              : at_test_scale<std::vector<int32_t>>({3001, 4096}, {1537, 2048});
         for (int32_t max_seq : {0, 8191}) {
           c.max_seq_len = max_seq;
           c.num_splits = 32;
@@ -895,7 +905,7 @@ TEST(DecodeWorkspace, ManySplitCallsThroughOneWorkspaceEager) {
 
 // Split calls through one workspace captured into a CUDA graph (forced and heuristic splits,
 // changing shapes), replayed several times with poisoned outputs, with eager calls through the
-// same workspace on the same stream between the replays.
+// same workspace on the same stream between the replays. ATTNKIT_TEST_SCALE=small: two replays.
 TEST(DecodeWorkspace, CapturedGraphReplaysThroughOneWorkspace) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() ^ 1600);
@@ -918,7 +928,7 @@ TEST(DecodeWorkspace, CapturedGraphReplaysThroughOneWorkspace) {
   cudaGraphExec_t exec = nullptr;
   capture_decode_calls(prepared, stream, &graph, &exec);
   if (HasFatalFailure()) return;
-  for (int replay = 0; replay < 3; ++replay) {
+  for (int replay = 0; replay < at_test_scale(3, 2); ++replay) {
     SCOPED_TRACE(detail::concat("replay ", replay));
     replay_and_check(prepared, exec, stream);
     expect_counters_zero(ws);
@@ -936,6 +946,7 @@ TEST(DecodeWorkspace, CapturedGraphReplaysThroughOneWorkspace) {
 }
 
 // Two streams, one workspace each, split calls in flight on both at once.
+// ATTNKIT_TEST_SCALE=small: three rounds (the third re-zeroes one workspace between calls).
 TEST(DecodeWorkspace, TwoStreamsTwoWorkspaces) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   const StreamCases c = stream_cases();
@@ -951,7 +962,7 @@ TEST(DecodeWorkspace, TwoStreamsTwoWorkspaces) {
   cudaStream_t s1 = nullptr, s2 = nullptr;
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   ATTNKIT_CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  for (int round = 0; round < 4; ++round) {
+  for (int round = 0; round < at_test_scale(4, 3); ++round) {
     SCOPED_TRACE(detail::concat("round ", round));
     pa.poison(s1);
     pm.poison(s1);
@@ -1081,16 +1092,8 @@ TEST(DecodeFused, RejectsUnsupportedCallsBeforeLaunch) {
   DecodeArgs args;
   args.q = d_q;
   args.out = d_out;
-  const int64_t half = static_cast<int64_t>(c.hkv) * h.tokens_per_block * c.head_dim * 2;
-  args.kv_cache.k_base = d_pool.data();
-  args.kv_cache.v_base = static_cast<uint8_t*>(d_pool.data()) + half;
-  args.kv_cache.block_stride_bytes = 2 * half;
-  args.kv_cache.num_blocks = h.num_blocks;
-  args.kv_cache.dtype = c.kv_dtype;
-  args.kv_cache.device = Device::cuda(0);
-  args.kv_cache.num_kv_heads = c.hkv;
-  args.kv_cache.tokens_per_block = h.tokens_per_block;
-  args.kv_cache.head_dim = c.head_dim;
+  args.kv_cache = paged_cache_view(d_pool.data(), c.kv_dtype, h.num_blocks, c.hkv,
+                                   h.tokens_per_block, c.head_dim);
   args.kv_cache.block_table = d_table;
   args.kv_cache.seq_lens = d_lens;
   try {

@@ -1,6 +1,7 @@
 // Pieces of the device-fault tests (bad device metadata through the public API, docs/safety.md):
-// the recorded fault of a call, its expected fields, and a device KV cache whose pool sits between
-// guard bands of sentinel bytes, so that a write outside the pool is seen.
+// the recorded fault of a call and its expected fields, a call's outputs and their rows, and a
+// device KV cache whose pool sits between guard bands of sentinel bytes, so that a write outside
+// the pool is seen.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,7 +14,9 @@
 #include <vector>
 
 #include "attnkit/device_errors.h"
+#include "common/output_rows.h"
 #include "common/reference_oracle.h"
+#include "gpu/gpu_case_util.h"
 #include "gpu/gpu_util.h"
 
 namespace attnkit::test {
@@ -72,64 +75,75 @@ inline void expect_fault(const TakenFault& taken, const ExpectedFault& e) {
   EXPECT_EQ(taken.message.rfind(prefix, 0), 0u) << taken.message;
 }
 
-// A copy of an oracle cache on the device: the pool between two guard bands of kSentinel bytes
+// One attention call with device metadata: the fault check_device_errors() reported after it,
+// its out [rows, Hq, D] (bf16) and lse [rows, Hq].
+struct AttnOutcome {
+  TakenFault fault;
+  HostTensor out, lse;
+
+  OutputRows rows() const {
+    const TensorView o = out.view();
+    return {out.bytes().data(), static_cast<size_t>(o.shape[1] * o.shape[2]) * 2, lse.data<float>(),
+            o.shape[1], o.shape[0]};
+  }
+};
+
+// Runs call(out, lse), which must return, into NaN-poisoned device outputs of `rows` rows (bf16
+// Hq x D, Hq LSEs), from a cleared status word.
+template <typename Call>
+AttnOutcome run_with_outputs(int64_t rows, int32_t hq, int32_t d, Call call) {
+  drain_device_faults();
+  const HostTensor out_poison = poisoned(DType::kBF16, {rows, hq, d});
+  const HostTensor lse_poison = poisoned(DType::kF32, {rows, hq});
+  DeviceTensor dout(out_poison), dlse(lse_poison);
+  AttnOutcome outcome;
+  EXPECT_NO_THROW(call(dout.view(), dlse.view()));
+  outcome.fault = take_device_fault();
+  outcome.out = downloaded(dout, out_poison);
+  outcome.lse = downloaded(dlse, lse_poison);
+  return outcome;
+}
+
+// `bad`'s rows in `faulting` are zeros with LSE -inf, the others equal `good`'s (the same call
+// with good metadata, which recorded no fault) byte for byte.
+inline void expect_faulting_rows(const AttnOutcome& bad, const AttnOutcome& good,
+                                 const std::vector<int64_t>& faulting) {
+  EXPECT_FALSE(good.fault.faulted) << "the call with good metadata faulted: " << good.fault.message;
+  expect_rows_zeroed_where(bad.rows(), good.rows(), [&](int64_t r) {
+    return std::find(faulting.begin(), faulting.end(), r) != faulting.end();
+  });
+}
+
+// A copy of an oracle cache on the device: the pool between two guard bands of sentinel bytes
 // (each at least four blocks, so that a block id just outside the pool, -1 included, lands in
 // one), the block table, seq_lens and scales as device copies.
 class GuardedDeviceCache {
  public:
-  static constexpr uint8_t kSentinel = 0xA5;
-
-  explicit GuardedDeviceCache(const OracleKvCache& host) : view_(host.view()) {
+  explicit GuardedDeviceCache(const OracleKvCache& host)
+      : view_(host.view()),
+        pool_(host.pool().bytes(),
+              std::max<int64_t>(64 << 10, 4 * host.view().block_stride_bytes)) {
     const KvCacheView h = host.view();
-    pool_bytes_ = static_cast<int64_t>(host.pool().bytes().size());
-    guard_bytes_ = (std::max<int64_t>(64 << 10, 4 * h.block_stride_bytes) + 255) / 256 * 256;
-    const int64_t total = pool_bytes_ + 2 * guard_bytes_;
-    if (cudaMalloc(&buffer_, static_cast<size_t>(total)) != cudaSuccess) std::abort();
-    cudaMemset(buffer_, kSentinel, static_cast<size_t>(total));
-    cudaMemcpy(buffer_ + guard_bytes_, host.pool().bytes().data(), static_cast<size_t>(pool_bytes_),
-               cudaMemcpyHostToDevice);
     const int64_t v_offset = static_cast<uint8_t*>(h.v_base) - static_cast<uint8_t*>(h.k_base);
-    view_.k_base = buffer_ + guard_bytes_;
-    view_.v_base = buffer_ + guard_bytes_ + v_offset;
+    view_.k_base = pool_.data();
+    view_.v_base = pool_.data() + v_offset;
     view_.device = Device::cuda(0);
-    view_.block_table = mirror(h.block_table, block_table_);
-    view_.seq_lens = mirror(h.seq_lens, seq_lens_);
-    view_.k_scale = mirror(h.k_scale, k_scale_);
-    view_.v_scale = mirror(h.v_scale, v_scale_);
+    view_.block_table = device_copy(h.block_table, block_table_);
+    view_.seq_lens = device_copy(h.seq_lens, seq_lens_);
+    view_.k_scale = device_copy(h.k_scale, k_scale_);
+    view_.v_scale = device_copy(h.v_scale, v_scale_);
   }
-  GuardedDeviceCache(const GuardedDeviceCache&) = delete;
-  GuardedDeviceCache& operator=(const GuardedDeviceCache&) = delete;
-  ~GuardedDeviceCache() { cudaFree(buffer_); }
 
   const KvCacheView& view() const { return view_; }
 
-  // The pool's bytes now; ADD_FAILURE for every guard band byte that is not the sentinel.
+  // The pool's bytes now; a failure for every guard band byte that is not the sentinel.
   std::vector<uint8_t> pool_checking_guards(const std::string& what) const {
-    std::vector<uint8_t> all(static_cast<size_t>(pool_bytes_ + 2 * guard_bytes_));
-    cudaMemcpy(all.data(), buffer_, all.size(), cudaMemcpyDeviceToHost);
-    int64_t before = 0, after = 0;
-    for (int64_t i = 0; i < guard_bytes_; ++i) {
-      before += all[i] != kSentinel;
-      after += all[guard_bytes_ + pool_bytes_ + i] != kSentinel;
-    }
-    EXPECT_EQ(before, 0) << what << ": bytes written before the pool";
-    EXPECT_EQ(after, 0) << what << ": bytes written after the pool";
-    return std::vector<uint8_t>(all.begin() + guard_bytes_,
-                                all.begin() + guard_bytes_ + pool_bytes_);
+    return pool_.download_checking_guards(what + ": the pool");
   }
 
  private:
-  static TensorView mirror(const TensorView& t, DeviceTensor& storage) {
-    if (!t.defined()) return TensorView();
-    HostTensor copy(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim));
-    std::memcpy(copy.view().data, t.data, copy.numel() * dtype_size(t.dtype));
-    storage = DeviceTensor(copy);
-    return storage.view();
-  }
-
   KvCacheView view_;
-  uint8_t* buffer_ = nullptr;
-  int64_t pool_bytes_ = 0, guard_bytes_ = 0;
+  GuardedDeviceBuffer pool_;
   DeviceTensor block_table_, seq_lens_, k_scale_, v_scale_;
 };
 

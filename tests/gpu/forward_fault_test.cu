@@ -5,8 +5,6 @@
 // context rows). backend=vanilla: the naive kernels serve every part.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -22,9 +20,8 @@ namespace {
 constexpr int32_t kHq = 4, kHkv = 2, kDim = 64, kTpb = 16;
 
 struct ForwardOutcome {
-  TakenFault fault;
+  AttnOutcome attn;  // out [6, Hq, D], lse [6, Hq]
   std::vector<uint8_t> pool;
-  HostTensor out, lse;  // [6, Hq, D], [6, Hq]
 };
 
 // One context request (row 0: 5 new tokens at 0 .. 4) and one generation request (row 1: 20
@@ -36,26 +33,22 @@ ForwardOutcome run_forward(const OracleKvCache& cache, const HostTensor& qkv) {
   spec.head_dim = kDim;
   spec.rope.style = RopeStyle::kGptNeox;
   spec.backend = Backend::kVanilla;
-  drain_device_faults();
   GuardedDeviceCache dcache(cache);
-  const HostTensor out_poison = poisoned(DType::kBF16, {6, kHq, kDim});
-  const HostTensor lse_poison = poisoned(DType::kF32, {6, kHq});
-  DeviceTensor dqkv(qkv), dout(out_poison), dlse(lse_poison);
+  DeviceTensor dqkv(qkv);
   const HostTensor cu = int32_tensor({0, 5, 6}), past = int32_tensor({0, 20});
-  ForwardArgs args;
-  args.qkv = dqkv;
-  args.num_context = 1;
-  args.cu_seqlens_q = cu;
-  args.past_lens = past;
-  args.kv_cache = dcache.view();
-  args.out = dout;
-  args.lse = dlse;
   ForwardOutcome outcome;
-  EXPECT_NO_THROW(forward(spec, args));
-  outcome.fault = take_device_fault();
+  outcome.attn = run_with_outputs(6, kHq, kDim, [&](TensorView out, TensorView lse) {
+    ForwardArgs args;
+    args.qkv = dqkv;
+    args.num_context = 1;
+    args.cu_seqlens_q = cu;
+    args.past_lens = past;
+    args.kv_cache = dcache.view();
+    args.out = out;
+    args.lse = lse;
+    forward(spec, args);
+  });
   outcome.pool = dcache.pool_checking_guards("forward");
-  outcome.out = downloaded(dout, out_poison);
-  outcome.lse = downloaded(dlse, lse_poison);
   return outcome;
 }
 
@@ -74,21 +67,10 @@ ForwardCase forward_case(std::mt19937_64& rng) {
   return c;
 }
 
-// Rows 0 .. 4 (the context request) equal `good` byte for byte; row 5 is zeros, LSE -inf.
+// Rows 0 .. 4 (the context request) equal `good` byte for byte; row 5 (the generation request)
+// is zeros, LSE -inf.
 void expect_generation_row_faulted(const ForwardOutcome& bad, const ForwardOutcome& good) {
-  EXPECT_FALSE(good.fault.faulted) << good.fault.message;
-  const size_t out_row = size_t{kHq} * kDim * 2, lse_row = size_t{kHq} * 4;
-  EXPECT_EQ(std::memcmp(bad.out.bytes().data(), good.out.bytes().data(), 5 * out_row), 0)
-      << "the context rows differ from the call with good metadata";
-  EXPECT_EQ(std::memcmp(bad.lse.bytes().data(), good.lse.bytes().data(), 5 * lse_row), 0)
-      << "the context rows' lse differs from the call with good metadata";
-  const uint8_t* row = bad.out.bytes().data() + 5 * out_row;
-  EXPECT_TRUE(std::all_of(row, row + out_row, [](uint8_t b) { return b == 0; }))
-      << "the generation row is not zeros";
-  for (int32_t h = 0; h < kHq; ++h) {
-    const float lse = bad.lse.data<float>()[5 * kHq + h];
-    EXPECT_TRUE(std::isinf(lse) && lse < 0) << "generation row lse " << lse;
-  }
+  expect_faulting_rows(bad.attn, good.attn, {5});
 }
 
 TEST(ForwardFault, BlockIdOfTheGenerationRowNamesForwardAndTheCacheRow) {
@@ -101,8 +83,8 @@ TEST(ForwardFault, BlockIdOfTheGenerationRowNamesForwardAndTheCacheRow) {
   const ForwardOutcome bad = run_forward(c.cache, c.qkv);
   // append_kv refuses the new token (1 fault) and decode its row's keys 16 .. 20 of that page
   // (5 faults): all name row 1 of the caller's cache, column 1.
-  expect_fault(bad.fault, {FaultKind::kBlockId, FaultArg::kBlockTable, Op::kForward, 1, 1, 10000,
-                           c.cache.view().num_blocks, 6});
+  expect_fault(bad.attn.fault, {FaultKind::kBlockId, FaultArg::kBlockTable, Op::kForward, 1, 1,
+                                10000, c.cache.view().num_blocks, 6});
   expect_generation_row_faulted(bad, good);
   // The pool is the good call's, less the token it wrote into block `written`.
   std::vector<uint8_t> expected = good.pool;
@@ -120,7 +102,7 @@ TEST(ForwardFault, SeqLenOfTheGenerationRowNamesTheCacheRow) {
   const ForwardOutcome good = run_forward(c.cache, c.qkv);
   c.cache.set_seq_len(1, 1000);  // the row holds 32 slots
   const ForwardOutcome bad = run_forward(c.cache, c.qkv);
-  expect_fault(bad.fault,
+  expect_fault(bad.attn.fault,
                {FaultKind::kSeqLen, FaultArg::kSeqLens, Op::kForward, 1, 0, 1000, 32, 1});
   expect_generation_row_faulted(bad, good);
   // append_kv does not read seq_lens: it wrote the new tokens as the good call did.

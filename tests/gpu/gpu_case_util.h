@@ -90,10 +90,10 @@ class DeviceKvCache {
     view_.k_base = pool_.data();
     view_.v_base = static_cast<uint8_t*>(pool_.data()) + v_offset;
     view_.device = Device::cuda(0);
-    view_.block_table = mirror(h.block_table, block_table_);
-    view_.seq_lens = mirror(h.seq_lens, seq_lens_);
-    view_.k_scale = mirror(h.k_scale, k_scale_);
-    view_.v_scale = mirror(h.v_scale, v_scale_);
+    view_.block_table = device_copy(h.block_table, block_table_);
+    view_.seq_lens = device_copy(h.seq_lens, seq_lens_);
+    view_.k_scale = device_copy(h.k_scale, k_scale_);
+    view_.v_scale = device_copy(h.v_scale, v_scale_);
   }
   const KvCacheView& view() const { return view_; }
   void download_pool(OracleKvCache& host) const { pool_.download(host.pool()); }
@@ -104,13 +104,6 @@ class DeviceKvCache {
   }
 
  private:
-  static TensorView mirror(const TensorView& t, DeviceTensor& storage) {
-    if (!t.defined()) return TensorView();
-    HostTensor copy(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim));
-    std::memcpy(copy.view().data, t.data, copy.numel() * dtype_size(t.dtype));
-    storage = DeviceTensor(copy);
-    return storage.view();
-  }
   KvCacheView view_;
   DeviceTensor pool_, block_table_, seq_lens_, k_scale_, v_scale_;
 };

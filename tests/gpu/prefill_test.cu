@@ -319,17 +319,7 @@ void run_and_check(const Case& c) {
     d_lens = DeviceTensor(p.seq_lens);
     d_ks = DeviceTensor(p.k_scale);
     d_vs = DeviceTensor(p.v_scale);
-    const int64_t elt = static_cast<int64_t>(dtype_size(c.kv_dtype));
-    view.k_base = d_pool.data();
-    view.v_base = static_cast<uint8_t*>(d_pool.data()) +
-                  static_cast<int64_t>(c.hkv) * c.page * c.head_dim * elt;
-    view.block_stride_bytes = 2LL * c.hkv * c.page * c.head_dim * elt;
-    view.num_blocks = p.num_blocks;
-    view.dtype = c.kv_dtype;
-    view.device = Device::cuda(0);
-    view.num_kv_heads = c.hkv;
-    view.tokens_per_block = c.page;
-    view.head_dim = c.head_dim;
+    view = paged_cache_view(d_pool.data(), c.kv_dtype, p.num_blocks, c.hkv, c.page, c.head_dim);
     view.block_table = d_table;
     view.seq_lens = d_lens;
     view.k_scale = d_ks;
@@ -385,18 +375,27 @@ MaskSpec mask_of(MaskKind kind, int window = 0, int sinks = 0) {
 }
 
 // ---- lengths around the tile sizes, every mask kind, every tile forced ----------------------
+// ATTNKIT_TEST_SCALE=small runs the lengths as one varlen batch per kernel and mask instead of one
+// call each: every sequence still starts its own query and key tiles and ends at its length.
 TEST(PrefillLengths, TileBoundariesEveryTile) {
   ATTNKIT_SKIP_WITHOUT_GPU();
+  const std::vector<int> lengths = {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 37, 191, 257};
+  std::vector<std::vector<int>> calls;
+  if (small_test_scale()) {
+    calls.push_back(lengths);
+  } else {
+    for (int n : lengths) calls.push_back({n});
+  }
   for (int d : {128, 64, 256}) {
     for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
       for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
-        for (int n : {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 37, 191, 257}) {
+        for (const std::vector<int>& q_lens : calls) {
           Case c;
           c.head_dim = d;
           c.hq = 2;
           c.hkv = 2;
           c.mask = mask_of(mask);
-          c.q_lens = {n};
+          c.q_lens = q_lens;
           c.tile = tile;
           run_and_check(c);
           if (HasFatalFailure()) return;
@@ -407,14 +406,18 @@ TEST(PrefillLengths, TileBoundariesEveryTile) {
 }
 
 // ---- CTA order: sections of every size (1 pair, uneven, one section) visit every query block ----
+// ATTNKIT_TEST_SCALE=small: sections of 1 pair, of 7 (7 + 7 + 1: an uneven last section) and one
+// section (1000, clamped to the 15 pairs).
 TEST(PrefillSchedule, UnevenSectionsCoverEveryBlock) {
   ATTNKIT_SKIP_WITHOUT_GPU();
+  const std::vector<int> sections =
+      at_test_scale<std::vector<int>>({1, 2, 4, 7, 14, 15, 1000}, {1, 7, 1000});
   for (int d : {64, 128, 256}) {
     for (PrefillTile tile : tiles_for(d, DType::kBF16)) {
       for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
         // 5 sequences x 3 query heads (GQA onto one KV head) = 15 pairs; the longest has 4
         // query blocks of 64 rows, the shortest one row.
-        for (int section : {1, 2, 4, 7, 14, 15, 1000}) {
+        for (int section : sections) {
           Case c;
           c.head_dim = d;
           c.hq = 3;
@@ -532,36 +535,73 @@ TEST(PrefillPaged, EveryTileEveryPageForced) {
 // every tile and every cache dtype, chunks after cached prefixes, sequence lengths of 1, tile - 1,
 // tile, tile + 1 and odd, so runs end inside a page, pages end inside a tile, and whole runs or
 // pages start past the sequence (block-table entries of -1 that must never be read).
+struct PagedRun {
+  DType kv;
+  int page;
+  MaskKind mask;
+};
+
+// The (cache dtype, page, mask) runs of RowRunsEveryPageEveryCacheEveryTile for queries of
+// `dtype`. Full size: every cache dtype, page and mask (f16: pages 8, 32 and 128). Under
+// ATTNKIT_TEST_SCALE=small, per kernel (head_dim, tile), each kernel instantiation (query dtype,
+// 16- or 8-bit cache, mask) still runs and so does every page size (a runtime value) of every
+// tile: bf16 runs each page once per cache kind with the mask alternating, the 8-bit runs also
+// alternating fp8 and int8 (the two share a kernel; every pair of mask and 8-bit dtype runs); f16
+// (the same copies with another query type) runs pages 8 and 128, one a mask, 16-bit, fp8 and
+// int8.
+std::vector<PagedRun> row_run_cases(DType dtype) {
+  const MaskKind causal = MaskKind::kCausal, none = MaskKind::kNone;
+  std::vector<PagedRun> runs;
+  if (small_test_scale()) {
+    if (dtype == DType::kF16) {
+      return {{dtype, 8, causal},
+              {dtype, 128, none},
+              {DType::kFp8E4M3, 8, causal},
+              {DType::kInt8, 128, none}};
+    }
+    const int pages[] = {8, 16, 32, 64, 128};
+    const DType eight_bit[] = {DType::kFp8E4M3, DType::kInt8, DType::kFp8E4M3, DType::kInt8,
+                               DType::kFp8E4M3};
+    const MaskKind eight_bit_mask[] = {causal, none, none, causal, causal};
+    for (int k = 0; k < 5; ++k) runs.push_back({dtype, pages[k], k % 2 == 0 ? causal : none});
+    for (int k = 0; k < 5; ++k) runs.push_back({eight_bit[k], pages[k], eight_bit_mask[k]});
+    return runs;
+  }
+  for (DType kv : {dtype, DType::kFp8E4M3, DType::kInt8}) {
+    for (int page : {8, 16, 32, 64, 128}) {
+      // f16 q: the pages at both ends and one in the middle.
+      if (dtype == DType::kF16 && page != 8 && page != 32 && page != 128) continue;
+      for (MaskKind mask : {causal, none}) runs.push_back({kv, page, mask});
+    }
+  }
+  return runs;
+}
+
 TEST(PrefillPaged, RowRunsEveryPageEveryCacheEveryTile) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   // The paged kernels (row runs of 1-8 rows per thread, one block id per run) in every compiled
   // tile: runs that end past the sequence, pages smaller than a 16-row share (head_dim 256: two
   // runs per thread), padded rows (80/96), both masks, 16-bit and 8-bit caches.
   for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const std::vector<PagedRun> runs = row_run_cases(dtype);
     for (int d : {128, 64, 256, 80, 96}) {
       for (PrefillTile tile : tiles_for(d, dtype)) {
-        for (DType kv : {dtype, DType::kFp8E4M3, DType::kInt8}) {
-          for (int page : {8, 16, 32, 64, 128}) {
-            // f16 q: the pages at both ends and one in the middle.
-            if (dtype == DType::kF16 && page != 8 && page != 32 && page != 128) continue;
-            for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
-              Case c;
-              c.dtype = dtype;
-              c.head_dim = d;
-              c.source = KvSource::kPaged;
-              c.kv_dtype = kv;
-              c.page = page;
-              c.hq = 2;
-              c.hkv = 1;
-              c.per_head_scales = page == 16;
-              c.mask = mask_of(mask);
-              c.q_lens = {1, 63, 64, 65, 37, 1};
-              c.kv_lens = {1, 63, 64 + 64, 65 + 70, 37 + 3 * page + 1, 129};
-              c.tile = tile;
-              run_and_check(c);
-              if (HasFatalFailure()) return;
-            }
-          }
+        for (const PagedRun& run : runs) {
+          Case c;
+          c.dtype = dtype;
+          c.head_dim = d;
+          c.source = KvSource::kPaged;
+          c.kv_dtype = run.kv;
+          c.page = run.page;
+          c.hq = 2;
+          c.hkv = 1;
+          c.per_head_scales = run.page == 16;
+          c.mask = mask_of(run.mask);
+          c.q_lens = {1, 63, 64, 65, 37, 1};
+          c.kv_lens = {1, 63, 64 + 64, 65 + 70, 37 + 3 * run.page + 1, 129};
+          c.tile = tile;
+          run_and_check(c);
+          if (HasFatalFailure()) return;
         }
       }
     }
@@ -623,6 +663,8 @@ TEST(PrefillMasks, SlidingWindowSinksAlibiSoftcap) {
 // ---- kernels that run their edge tiles and interior tiles in separate copies of the tile step
 // (the 128-key tile at head_dim 64, head_dim 256 masked): every mask kind and logit modifier,
 // queries after a cache (kv_len > q_len), lengths that end inside a tile and on its end ---------
+// ATTNKIT_TEST_SCALE=small shortens the 600- and 1000-key sequences to 384 and 640 keys (3 and 5
+// key tiles of 128: still first, interior and last tiles, the diagonal among them).
 TEST(PrefillMasks, EdgeAndInteriorTilesOfSplitKernels) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   const MaskVariant variants[] = {
@@ -645,8 +687,9 @@ TEST(PrefillMasks, EdgeAndInteriorTilesOfSplitKernels) {
       c.alibi = var.alibi;
       c.softcap = var.softcap;
       c.tile = tile;
-      c.q_lens = {600, 1, 128, 300, 77};
-      c.kv_lens = {600, 513, 1000, 384, 640};
+      c.q_lens = at_test_scale<std::vector<int>>({600, 1, 128, 300, 77}, {384, 1, 128, 300, 77});
+      c.kv_lens =
+          at_test_scale<std::vector<int>>({600, 513, 1000, 384, 640}, {384, 513, 640, 384, 640});
       run_and_check(c);
       if (HasFatalFailure()) return;
     }
@@ -738,9 +781,15 @@ __global__ void naive_prefill_f32(const uint16_t* q, const uint16_t* k, const ui
   lse[index] = sum > 0.f ? mx + logf(sum) : -INFINITY;
 }
 
+// ATTNKIT_TEST_SCALE=small: sequences of up to 1024 tokens (8192 -> 1024, 4097 -> 513, 2049 ->
+// 257: each still a tile multiple or one past it) under the same max_seqlen bound of 8192, which
+// keeps the kernels of the full case (the plain kM128W4 causal kernel past kShortCausalKeys) and
+// its grid of 64 query blocks a sequence (most of them empty), several waves of CTAs or, for the
+// persistent sm90 kernel, many more work items than CTAs.
 TEST(PrefillLarge, MixedBatchUpTo8kAgainstGpuFp32) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  const std::vector<int> lens = {1, 8192, 7, 4097, 128, 1000, 2, 2049};
+  const std::vector<int> lens = at_test_scale<std::vector<int>>(
+      {1, 8192, 7, 4097, 128, 1000, 2, 2049}, {1, 1024, 7, 513, 128, 1000, 2, 257});
   for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
     for (int d : {128, 64}) {
       if (!compiled(d, DType::kBF16)) continue;
@@ -839,6 +888,8 @@ TEST(PrefillSm90, KeyTileAndStageBoundaries) {
 // More work items than CTAs (1, 3 and 7 persistent CTAs walk every item), uneven varlen batches,
 // a causal batch of tiny and long sequences, sequences without queries in a block (q_len below
 // the longest), queries without keys (q_len > kv_len under the causal mask: zeros, LSE -inf).
+// ATTNKIT_TEST_SCALE=small: the 700-token sequence has 400 (4 query blocks; 36 work items or
+// more for the 7 CTAs).
 TEST(PrefillSm90, PersistentSchedulerCoversEveryItem) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   for (int d : {128, 64, 256}) {
@@ -852,8 +903,9 @@ TEST(PrefillSm90, PersistentSchedulerCoversEveryItem) {
         c.hq = 3;
         c.hkv = 1;
         c.mask = mask_of(mask);
-        c.q_lens = {1, 700, 2, 257, 129, 40};
-        c.kv_lens = {1, 700, 90, 257, 300, 20};
+        const int longest = at_test_scale(700, 400);
+        c.q_lens = {1, longest, 2, 257, 129, 40};
+        c.kv_lens = {1, longest, 90, 257, 300, 20};
         c.tile = PrefillTile::kSm90;
         c.ctas = ctas;
         c.section_pairs = section;
@@ -866,12 +918,19 @@ TEST(PrefillSm90, PersistentSchedulerCoversEveryItem) {
 
 // The sm90 kernel over every K/V source at once in one batch with logit modifiers: packed GQA
 // and MQA, paged 16-bit (TMA boxes per page run) and 8-bit (gathered) caches of every page size.
+// ATTNKIT_TEST_SCALE=small: the 8-bit caches alternate fp8 (pages 8, 32, 128) and int8 (16, 64),
+// which share the gathered path; every page and modifier still runs with a 16-bit and an 8-bit
+// cache.
 TEST(PrefillSm90, PagedEveryPageEveryCacheWithModifiers) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   for (int d : {128, 64, 256}) {
     if (!has_sm90(d, DType::kBF16)) continue;
     for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
       for (int page : {8, 16, 32, 64, 128}) {
+        const bool fp8_page = page == 8 || page == 32 || page == 128;
+        if (small_test_scale() && kv != DType::kBF16 && fp8_page != (kv == DType::kFp8E4M3)) {
+          continue;
+        }
         Case c;
         c.head_dim = d;
         c.source = KvSource::kPaged;

@@ -6,10 +6,7 @@
 // every other row equals the same call with good metadata bit for bit.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <climits>
-#include <cmath>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -33,35 +30,6 @@ AttentionSpec vanilla_spec() {
   return spec;
 }
 
-struct AttnOutcome {
-  TakenFault fault;
-  HostTensor out;  // [rows, Hq, D] bf16
-  HostTensor lse;  // [rows, Hq] f32
-};
-
-// Faulting query rows are zeros with LSE -inf; the others equal `good` byte for byte.
-void expect_rows(const AttnOutcome& bad, const AttnOutcome& good, int64_t rows,
-                 const std::vector<int64_t>& faulting) {
-  EXPECT_FALSE(good.fault.faulted) << "the call with good metadata faulted: " << good.fault.message;
-  const size_t out_row = size_t{kHq} * kDim * 2, lse_row = size_t{kHq} * 4;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* out = bad.out.bytes().data() + r * out_row;
-    const float* lse = bad.lse.data<float>() + r * kHq;
-    if (std::find(faulting.begin(), faulting.end(), r) != faulting.end()) {
-      EXPECT_TRUE(std::all_of(out, out + out_row, [](uint8_t b) { return b == 0; }))
-          << "faulting row " << r << ": out is not zeros";
-      for (int32_t h = 0; h < kHq; ++h) {
-        EXPECT_TRUE(std::isinf(lse[h]) && lse[h] < 0) << "faulting row " << r << ": lse " << lse[h];
-      }
-    } else {
-      EXPECT_EQ(std::memcmp(out, good.out.bytes().data() + r * out_row, out_row), 0)
-          << "row " << r << ": out differs from the call with good metadata";
-      EXPECT_EQ(std::memcmp(lse, good.lse.bytes().data() + r * lse_row, lse_row), 0)
-          << "row " << r << ": lse differs from the call with good metadata";
-    }
-  }
-}
-
 std::vector<int64_t> range_of(int64_t first, int64_t end) {
   std::vector<int64_t> rows;
   for (int64_t r = first; r < end; ++r) rows.push_back(r);
@@ -72,29 +40,20 @@ std::vector<int64_t> range_of(int64_t first, int64_t end) {
 
 AttnOutcome run_decode(const AttentionSpec& spec, const OracleKvCache& cache, const HostTensor& q,
                        int32_t beam = 1, const HostTensor* indirection = nullptr) {
-  const int64_t rows = q.view().shape[0];
-  drain_device_faults();
   DeviceKvCache dcache(cache);
-  const HostTensor out_poison = poisoned(DType::kBF16, {rows, kHq, kDim});
-  const HostTensor lse_poison = poisoned(DType::kF32, {rows, kHq});
-  DeviceTensor dq(q), dout(out_poison), dlse(lse_poison), dind;
-  DecodeArgs args;
-  args.q = dq;
-  args.kv_cache = dcache.view();
-  args.beam_width = beam;
-  if (indirection != nullptr) {
-    dind = DeviceTensor(*indirection);
-    args.cache_indirection = dind;
-  }
-  args.out = dout;
-  args.lse = dlse;
-  args.num_splits = 1;
-  AttnOutcome outcome;
-  EXPECT_NO_THROW(decode(spec, args));
-  outcome.fault = take_device_fault();
-  outcome.out = downloaded(dout, out_poison);
-  outcome.lse = downloaded(dlse, lse_poison);
-  return outcome;
+  DeviceTensor dq(q), dind;
+  if (indirection != nullptr) dind = DeviceTensor(*indirection);
+  return run_with_outputs(q.view().shape[0], kHq, kDim, [&](TensorView out, TensorView lse) {
+    DecodeArgs args;
+    args.q = dq;
+    args.kv_cache = dcache.view();
+    args.beam_width = beam;
+    if (indirection != nullptr) args.cache_indirection = dind;
+    args.out = out;
+    args.lse = lse;
+    args.num_splits = 1;
+    decode(spec, args);
+  });
 }
 
 // Four rows of four blocks of 16 (capacity 64): lengths 5, 20, 64, 33.
@@ -124,7 +83,7 @@ TEST(VanillaFault, DecodeSeqLenOutsideTheRow) {
     const AttnOutcome bad = run_decode(vanilla_spec(), cache, q);
     expect_fault(bad.fault,
                  {FaultKind::kSeqLen, FaultArg::kSeqLens, Op::kDecode, 1, 0, len, 64, 1});
-    expect_rows(bad, good, 4, {1});
+    expect_faulting_rows(bad, good, {1});
   }
 }
 
@@ -145,7 +104,7 @@ TEST(VanillaFault, DecodeBlockIdOutsideThePoolWhereRead) {
     // Recorded once per key of that page (the first query head's block).
     expect_fault(bad.fault, {FaultKind::kBlockId, FaultArg::kBlockTable, Op::kDecode, 2, 2, block,
                              num_blocks, 16});
-    expect_rows(bad, good, 4, {2});
+    expect_faulting_rows(bad, good, {2});
   }
   cache.block_id(2, 2) = original;
 }
@@ -162,7 +121,7 @@ TEST(VanillaFault, DecodeInvalidEntryOutsideTheWindowIsNotRead) {
   cache.block_id(2, 0) = -1;  // row 2's query at 63 attends keys 48 .. 63 only
   const AttnOutcome released = run_decode(spec, cache, q);
   EXPECT_FALSE(released.fault.faulted) << released.fault.message;
-  expect_rows(released, good, 4, {});
+  expect_faulting_rows(released, good, {});
 }
 
 // Two sequences of two beams, 30 tokens each; cache_indirection [2, 2, 40].
@@ -195,7 +154,7 @@ TEST(VanillaFault, DecodeIndirectionOutsideTheBeams) {
     const AttnOutcome bad = run_decode(vanilla_spec(), c.cache, q, 2, &c.indirection);
     expect_fault(bad.fault, {FaultKind::kIndirection, FaultArg::kCacheIndirection, Op::kDecode, 2,
                              5, beam, 2, 1});
-    expect_rows(bad, good, 4, {2});
+    expect_faulting_rows(bad, good, {2});
   }
 }
 
@@ -208,7 +167,7 @@ TEST(VanillaFault, DecodeSeqLenPastTheIndirection) {
   c.cache.set_seq_len(3, 50);  // within the row (64) but past cache_indirection's 40 positions
   const AttnOutcome bad = run_decode(vanilla_spec(), c.cache, q, 2, &c.indirection);
   expect_fault(bad.fault, {FaultKind::kSeqLen, FaultArg::kSeqLens, Op::kDecode, 3, 0, 50, 40, 1});
-  expect_rows(bad, good, 4, {3});
+  expect_faulting_rows(bad, good, {3});
 }
 
 // ---- prefill over the cache ----------------------------------------------------------------
@@ -232,26 +191,19 @@ const std::vector<int32_t> kCuQ = {0, 5, 8, 12};
 
 AttnOutcome run_paged_prefill(const AttentionSpec& spec, const PagedPrefill& p,
                               const std::vector<int32_t>& cu) {
-  const int64_t total_q = p.q.view().shape[0];
-  drain_device_faults();
   DeviceKvCache dcache(p.cache);
-  const HostTensor out_poison = poisoned(DType::kBF16, {total_q, kHq, kDim});
-  const HostTensor lse_poison = poisoned(DType::kF32, {total_q, kHq});
-  DeviceTensor dq(p.q), dcu(int32_tensor(cu)), dout(out_poison), dlse(lse_poison);
-  PrefillArgs args;
-  args.q = dq;
-  args.cu_seqlens_q = dcu;
-  args.kv_cache = &dcache.view();
-  args.out = dout;
-  args.lse = dlse;
-  args.max_seqlen_q = 64;
-  args.max_seqlen_kv = 64;
-  AttnOutcome outcome;
-  EXPECT_NO_THROW(prefill(spec, args));
-  outcome.fault = take_device_fault();
-  outcome.out = downloaded(dout, out_poison);
-  outcome.lse = downloaded(dlse, lse_poison);
-  return outcome;
+  DeviceTensor dq(p.q), dcu(int32_tensor(cu));
+  return run_with_outputs(p.q.view().shape[0], kHq, kDim, [&](TensorView out, TensorView lse) {
+    PrefillArgs args;
+    args.q = dq;
+    args.cu_seqlens_q = dcu;
+    args.kv_cache = &dcache.view();
+    args.out = out;
+    args.lse = lse;
+    args.max_seqlen_q = 64;
+    args.max_seqlen_kv = 64;
+    prefill(spec, args);
+  });
 }
 
 TEST(VanillaFault, PrefillCuSeqlensQOutOfOrderOrOutsideTheTokens) {
@@ -276,7 +228,7 @@ TEST(VanillaFault, PrefillCuSeqlensQOutOfOrderOrOutsideTheTokens) {
     const AttnOutcome bad = run_paged_prefill(vanilla_spec(), p, b.cu);
     expect_fault(bad.fault,
                  {b.kind, FaultArg::kCuSeqlensQ, Op::kPrefill, 1, 2, b.value, b.bound, 7});
-    expect_rows(bad, good, 12, range_of(5, 12));
+    expect_faulting_rows(bad, good, range_of(5, 12));
   }
 }
 
@@ -292,7 +244,7 @@ TEST(VanillaFault, PrefillSeqLenOutsideTheRow) {
     // Recorded once for the sequence (by its first query); its 3 query rows are zeros.
     expect_fault(bad.fault,
                  {FaultKind::kSeqLen, FaultArg::kSeqLens, Op::kPrefill, 1, 0, len, 64, 1});
-    expect_rows(bad, good, 12, range_of(5, 8));
+    expect_faulting_rows(bad, good, range_of(5, 8));
   }
 }
 
@@ -309,7 +261,7 @@ TEST(VanillaFault, PrefillBlockIdOutsideThePoolWhereRead) {
   const AttnOutcome bad = run_paged_prefill(vanilla_spec(), p, kCuQ);
   expect_fault(bad.fault, {FaultKind::kBlockId, FaultArg::kBlockTable, Op::kPrefill, 2, 1, 10000,
                            num_blocks, 11 + 12 + 13 + 14});
-  expect_rows(bad, good, 12, range_of(8, 12));
+  expect_faulting_rows(bad, good, range_of(8, 12));
 }
 
 // ---- packed prefill ------------------------------------------------------------------------
@@ -324,27 +276,20 @@ TEST(VanillaFault, PackedPrefillCuSeqlensKvOutsideTheKeys) {
   k.fill_uniform(rng, -1.0f, 1.0f);
   v.fill_uniform(rng, -1.0f, 1.0f);
   auto run = [&](const std::vector<int32_t>& cu_kv) {
-    drain_device_faults();
-    const HostTensor out_poison = poisoned(DType::kBF16, {10, kHq, kDim});
-    const HostTensor lse_poison = poisoned(DType::kF32, {10, kHq});
-    DeviceTensor dq(q), dk(k), dv(v), dcq(int32_tensor(cu_q)), dckv(int32_tensor(cu_kv)),
-        dout(out_poison), dlse(lse_poison);
-    PrefillArgs args;
-    args.q = dq;
-    args.k = dk;
-    args.v = dv;
-    args.cu_seqlens_q = dcq;
-    args.cu_seqlens_kv = dckv;
-    args.out = dout;
-    args.lse = dlse;
-    args.max_seqlen_q = 16;
-    args.max_seqlen_kv = 16;
-    AttnOutcome outcome;
-    EXPECT_NO_THROW(prefill(vanilla_spec(), args));
-    outcome.fault = take_device_fault();
-    outcome.out = downloaded(dout, out_poison);
-    outcome.lse = downloaded(dlse, lse_poison);
-    return outcome;
+    DeviceTensor dq(q), dk(k), dv(v), dcq(int32_tensor(cu_q)), dckv(int32_tensor(cu_kv));
+    return run_with_outputs(10, kHq, kDim, [&](TensorView out, TensorView lse) {
+      PrefillArgs args;
+      args.q = dq;
+      args.k = dk;
+      args.v = dv;
+      args.cu_seqlens_q = dcq;
+      args.cu_seqlens_kv = dckv;
+      args.out = out;
+      args.lse = lse;
+      args.max_seqlen_q = 16;
+      args.max_seqlen_kv = 16;
+      prefill(vanilla_spec(), args);
+    });
   };
   const AttnOutcome good = run(good_cu_kv);
   // Entry 2 = 100 is past the 16 keys: sequences 1 and 2 (query rows 1 .. 9) fault, all with the
@@ -352,12 +297,12 @@ TEST(VanillaFault, PackedPrefillCuSeqlensKvOutsideTheKeys) {
   const AttnOutcome bad = run({0, 1, 100, 16});
   expect_fault(bad.fault, {FaultKind::kCuSeqlensRange, FaultArg::kCuSeqlensKv, Op::kPrefill, 1, 2,
                            100, 16, 9});
-  expect_rows(bad, good, 10, range_of(1, 10));
+  expect_faulting_rows(bad, good, range_of(1, 10));
   // Entry 3 below entry 2: sequence 2 (rows 7 .. 9) only.
   const AttnOutcome order = run({0, 1, 7, 5});
   expect_fault(order.fault,
                {FaultKind::kCuSeqlensOrder, FaultArg::kCuSeqlensKv, Op::kPrefill, 2, 3, 5, 7, 3});
-  expect_rows(order, good, 10, range_of(7, 10));
+  expect_faulting_rows(order, good, range_of(7, 10));
 }
 
 }  // namespace

@@ -21,6 +21,10 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 
 inline cudaStream_t as_cuda_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+// The calling thread's current device: the one read when its entry-point call began
+// (CudaCallScope, cuda_backend.h), else cudaGetDevice (a failure throws Error naming `what`).
+int current_device(const char* what);
+
 // Makes `device` current for a scope and restores the caller's device after it. With `what` a
 // failed switch throws attnkit::Error naming it; with nullptr (destructors, which must not throw)
 // the failure is left to the next checked call.

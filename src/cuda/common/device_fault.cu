@@ -20,6 +20,8 @@ std::atomic<DeviceFault*> g_words[kMaxDevices] = {};
 // The op and row offset of the calling thread's innermost FaultOpScope; op -1: none open.
 thread_local int32_t t_scope_op = -1;
 thread_local int32_t t_scope_row_offset = 0;
+// The current device of the calling thread's entry-point call (CudaCallScope); -1: none open.
+thread_local int t_call_device = -1;
 
 // The device whose work `stream` holds (the current device for the legacy stream).
 int device_of(cudaStream_t stream, const char* what) {
@@ -52,11 +54,32 @@ DeviceFault* fault_word(int device) {
   return static_cast<DeviceFault*>(address);
 }
 
-FaultSite fault_site(Op op) {
+// cudaGetDevice is a query of the runtime's per-thread state, far cheaper than a launch, but a call
+// launches several kernels (forward() three families, decode its grid and a merge) and each
+// launch's host work also asks for the device (decode's plan, the shared-memory opt-in): the
+// call scope reads it once and the word is a lookup in g_words. The device is not cached across
+// calls (a thread-local device kept between calls would miss a cudaSetDevice of the caller).
+CudaCallScope::CudaCallScope() : previous_device_(t_call_device) {
+  note_cuda_call();
+  int device = -1;
+  // A failure is left to the first launch, whose current_device() reports it as before.
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  t_call_device = device;
+}
+
+CudaCallScope::~CudaCallScope() { t_call_device = previous_device_; }
+
+int current_device(const char* what) {
+  if (t_call_device >= 0) return t_call_device;
   int device = 0;
-  check_cuda(cudaGetDevice(&device), "device fault word: cudaGetDevice");
-  if (t_scope_op < 0) return {fault_word(device), static_cast<int32_t>(op), 0};
-  return {fault_word(device), t_scope_op, t_scope_row_offset};
+  check_cuda(cudaGetDevice(&device), what);
+  return device;
+}
+
+FaultSite fault_site(Op op) {
+  DeviceFault* word = fault_word(current_device("device fault word: cudaGetDevice"));
+  if (t_scope_op < 0) return {word, static_cast<int32_t>(op), 0};
+  return {word, t_scope_op, t_scope_row_offset};
 }
 
 FaultOpScope::FaultOpScope(Op op, int32_t table_row_offset)

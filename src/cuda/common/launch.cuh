@@ -16,8 +16,7 @@ namespace attnkit::cuda {
 template <auto kKernel>
 void opt_in_dynamic_smem_once(int smem_bytes, const char* what) {
   static std::once_flag flags[16];
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int device = current_device("cudaGetDevice");
   std::call_once(flags[device & 15], [&] {
     check_cuda(
         cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),

@@ -62,8 +62,7 @@ DecodeKernelInfo info_traits() {
   prepare_kernel<Traits, DecodeLogits::kPlain>();
   // Cached per device: the heuristic runs on every call without a split override.
   static std::atomic<int> cached[16] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  const int device = current_device("decode: cudaGetDevice");
   int ctas = cached[device & 15].load(std::memory_order_relaxed);
   if (ctas == 0) {
     int value = 0;

@@ -305,8 +305,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   params.num_q_heads = spec.num_q_heads;
   params.num_kv_heads = spec.num_kv_heads;
   params.group_size = spec.group_size();
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "decode: cudaGetDevice");
+  const int device = current_device("decode: cudaGetDevice");
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   plan.sm_count = sm_count;
   plan.compute_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
