@@ -37,6 +37,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// bar.red.and: whether `pred` holds in every one of the `threads` threads that meet at barrier
+// `id` (a warpgroup's vote in one barrier, no shared memory).
 __device__ __forceinline__ bool named_barrier_all(int id, bool pred, int threads) {
   uint32_t all;
   asm volatile(
@@ -52,23 +54,6 @@ __device__ __forceinline__ bool named_barrier_all(int id, bool pred, int threads
   return all != 0;
 }
 
-// bar.red.and: whether `pred` holds in every one of the `threads` threads that meet at barrier
-// kId (a warpgroup's vote in one barrier, no shared memory).
-template <int kId>
-__device__ __forceinline__ bool named_barrier_all(bool pred, int threads) {
-  uint32_t all;
-  asm volatile(
-      "{\n"
-      ".reg .pred p, q;\n"
-      "setp.ne.u32 p, %1, 0;\n"
-      "bar.red.and.pred q, %2, %3, p;\n"
-      "selp.u32 %0, 1, 0, q;\n"
-      "}\n"
-      : "=r"(all)
-      : "r"(static_cast<uint32_t>(pred)), "n"(kId), "r"(threads)
-      : "memory");
-  return all != 0;
-}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -361,7 +361,7 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
   return choose_tile(tiles, ctas, dev.sm_count, masked && !c.paged, max_seqlen_kv);
 }
 
-// The CTA order's section size (both schedulers), measured on H200 (docs/prefill_design.md):
+// The CTA order's section size (both schedulers; H200 measurements):
 // without a mask, sections of about one resident wave (ceil(resident CTAs / query blocks) pairs)
 // read each K/V tile from DRAM once (D=256 S=512: 1.12 GB -> 0.20 GB, +16%). Under a causal mask
 // a CTA's work grows with its query block and a heavy block started late stretches the tail:
