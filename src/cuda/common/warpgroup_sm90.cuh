@@ -54,7 +54,6 @@ __device__ __forceinline__ bool named_barrier_all(int id, bool pred, int threads
   return all != 0;
 }
 
-
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
