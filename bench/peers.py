@@ -47,7 +47,9 @@ import sys
 import tempfile
 import time
 
-SUITES = ("decode", "prefill", "dense", "append")
+SUITES = ("decode", "prefill", "dense", "append", "fp8")
+# The attnkit bench command of a suite (fp8: `attnkit bench prefill --dtype fp8_e4m3`).
+BENCH_COMMAND = {"fp8": "prefill"}
 
 # Per suite: the shape keys that identify a row (table columns, in order), their column titles,
 # the metric and its unit, and how the plot groups rows (panels) and labels the x axis.
@@ -69,6 +71,14 @@ SUITE_INFO = {
         titles=("batch", "S", "heads", "D"),
         metric="tflops", unit="TFLOP/s", panel=("q_heads", "head_dim"), x=("seqlen",),
         what="dense diffusion attention, no mask: 4 S^2 D H per batch element / time"),
+    "fp8": dict(
+        keys=("head_dim", "seqlen", "batch", "q_heads", "kv_heads", "causal", "page"),
+        titles=("D", "S", "batch", "Hq", "Hkv", "causal", "page"),
+        metric="tflops", unit="TFLOP/s", panel=("head_dim", "causal"), x=("seqlen", "page"),
+        what="FP8 context FMHA (fp8 e4m3 q / k / v, bf16 out; page > 0: over an fp8 cache): "
+             "4 S^2 D H per sequence (halved when causal) / time. SDPA has no fp8: its cuDNN and "
+             "FlashAttention-2 columns run bf16; fa3-fp8 is FlashAttention-3's fp8 forward where "
+             "flash_attn_interface imports"),
     "append": dict(
         keys=("tokens", "q_heads", "kv_heads", "head_dim", "page", "kv_dtype"),
         titles=("tokens", "Hq", "Hkv", "D", "page", "kv"),
@@ -79,7 +89,7 @@ SUITE_INFO = {
 
 # Column order of the implementations; others follow alphabetically.
 IMPL_ORDER = ("attnkit", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex", "flashinfer",
-              "torch-copy")
+              "fa3-fp8", "torch-copy")
 
 TOKENS = 16384  # batch x S of the prefill grid
 HIDDEN = 2048  # heads x D of the prefill grid
@@ -97,6 +107,10 @@ def prefill_shape(head_dim, seqlen, causal):
     heads = HIDDEN // head_dim
     return dict(head_dim=head_dim, seqlen=seqlen, batch=max(1, TOKENS // seqlen), q_heads=heads,
                 kv_heads=heads, causal=causal, page=0, kv_dtype="bf16")
+
+
+def fp8_shape(head_dim, seqlen, causal, page=0):
+    return dict(prefill_shape(head_dim, seqlen, causal), page=page)
 
 
 def dense_shape(seqlen, batch, heads=24, head_dim=128):
@@ -125,6 +139,12 @@ def grid(suite: str, quick: bool) -> list:
         # attnkit's grid: batch 2 at 4096 and 16384 tokens, 1 at 32760 (not a multiple of a tile).
         sizes = ((2, 4096), (1, 32760)) if quick else ((2, 4096), (2, 16384), (1, 32760))
         return [dense_shape(seqlen, batch) for batch, seqlen in sizes]
+    if suite == "fp8":
+        if quick:
+            return [fp8_shape(128, 8192, c) for c in (False, True)]
+        return [fp8_shape(d, s, c) for d in (128, 256) for c in (False, True)
+                for s in (4096, 8192, 16384)] + [fp8_shape(128, 8192, c, page=64)
+                                                 for c in (False, True)]
     if suite == "append":
         return [append_shape()] if quick else [append_shape(kv_dtype=k)
                                                for k in ("bf16", "fp8_e4m3", "int8")]
@@ -211,6 +231,10 @@ def normalize_row(suite: str, row: dict) -> dict:
             out["impl"] = f"attnkit-{variant}"
         if backend not in (None, "", "fused", "auto") and backend not in out["impl"]:
             out["impl"] += f"-{backend}"
+    if suite == "fp8":
+        out["page"] = int(out.get("page") or 0)
+        out["causal"] = bool(out.get("causal", False))
+        out.setdefault("kv_heads", out.get("q_heads"))
     if suite == "prefill":
         layout = out.pop("kv_layout", None)
         if layout is not None and "page" not in out:
@@ -260,7 +284,7 @@ def cli_shape_args(suite: str, shape: dict, quick: bool = False) -> list:
         pairs = [("--batch", "batch"), ("--context", "context"), ("--q-heads", "q_heads"),
                  ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"), ("--page", "page"),
                  ("--kv-dtype", "kv_dtype")]
-    elif suite == "prefill":
+    elif suite in ("prefill", "fp8"):
         pairs = [("--batch", "batch"), ("--seqlen", "seqlen"), ("--heads", "q_heads"),
                  ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim")]
     elif suite == "dense":
@@ -277,6 +301,12 @@ def cli_shape_args(suite: str, shape: dict, quick: bool = False) -> list:
             args.append("--causal")
         if shape.get("page"):
             args += ["--page", str(shape["page"]), "--kv-dtype", shape["kv_dtype"]]
+    if suite == "fp8":
+        args += ["--dtype", "fp8_e4m3"]
+        if shape.get("causal"):
+            args.append("--causal")
+        if shape.get("page"):
+            args += ["--page", str(shape["page"]), "--kv-dtype", "fp8_e4m3"]
     if suite == "append":
         args += ["--kv-dtype", shape["kv_dtype"]]
     if suite == "dense":
@@ -296,8 +326,9 @@ def run_attnkit(cli: str, suite: str, extra: list, timeout: float = 600) -> dict
     load_attnkit_json's dict, or {"rows": [], "error": why}."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "attnkit.json")
-        attempts = [[cli, "bench", suite, *extra, "--json", path],
-                    [cli, "bench", suite, *extra, "--json"]]
+        command = BENCH_COMMAND.get(suite, suite)
+        attempts = [[cli, "bench", command, *extra, "--json", path],
+                    [cli, "bench", command, *extra, "--json"]]
         errors = []
         for cmd in attempts:
             try:
@@ -701,6 +732,15 @@ def row_targets(suite: str, shape: dict, cells: dict, shapes: list) -> list:
                 out.append((">= 700 TFLOP/s", cells.get("attnkit", {}).get(metric), 700.0))
         elif s >= 4096:
             out.append((">= 1.00x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 1.0))
+    elif suite == "fp8":
+        d, s, page = shape.get("head_dim"), shape.get("seqlen") or 0, shape.get("page") or 0
+        mine = cells.get("attnkit", {}).get(metric)
+        if page:
+            base = _cells_of(shapes, shape, page=0).get("attnkit", {}).get(metric)
+            out.append((">= 0.90x packed", mine / base if mine and base else None, 0.9))
+        elif s >= 4096:
+            goal = 1100.0 if d == 256 else 1000.0
+            out.append((f">= {goal:.0f} TFLOP/s", mine, goal))
     elif suite == "dense":
         out.append((">= 1.05x cuDNN", _ratio(cells, "sdpa-cudnn", metric), 1.05))
     elif suite == "append":
@@ -1001,9 +1041,19 @@ class Peers:
         mats = [(torch.randn(size, size, device="cuda", dtype=torch.bfloat16),
                  torch.randn(size, size, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
         gemm_ms = self.time_eager(lambda i: mats[i][0] @ mats[i][1], 2)
+        out = {"torch copy_tbps": 2.0 * n / (copy_ms * 1e-3) / 1e12,
+               "torch gemm_bf16_tflops": 2.0 * size ** 3 / (gemm_ms * 1e-3) / 1e12}
+        try:  # the fp8 GEMM ceiling (torch._scaled_mm, e4m3 x e4m3 -> bf16)
+            one = torch.ones((), device="cuda")
+            f8 = [(a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t())
+                  for a, b in mats]
+            fp8_ms = self.time_eager(lambda i: torch._scaled_mm(
+                f8[i][0], f8[i][1], scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 2)
+            out["torch gemm_fp8_tflops"] = 2.0 * size ** 3 / (fp8_ms * 1e-3) / 1e12
+        except Exception as error:  # noqa: BLE001 - an older torch: no fp8 ceiling
+            self.log(f"fp8 GEMM ceiling: {type(error).__name__}")
         torch.cuda.empty_cache()
-        return {"torch copy_tbps": 2.0 * n / (copy_ms * 1e-3) / 1e12,
-                "torch gemm_bf16_tflops": 2.0 * size ** 3 / (gemm_ms * 1e-3) / 1e12}
+        return out
 
     def device(self) -> dict:
         torch = self.torch
@@ -1151,6 +1201,29 @@ class Peers:
     def suite_dense(self, s: dict) -> list:
         return self._attention_peers("dense", s, s["batch"], s["seqlen"], s["q_heads"],
                                      s["head_dim"], False, ["sdpa-cudnn", "sdpa-flash", "flex"])
+
+    def suite_fp8(self, s: dict) -> list:
+        rows = []
+        if not s.get("page"):
+            rows = self._attention_peers("fp8", s, s["batch"], s["seqlen"], s["q_heads"],
+                                         s["head_dim"], s["causal"], ["sdpa-cudnn", "sdpa-flash"])
+        rows.append(self.measure("fp8", s, "fa3-fp8", lambda: self.fa3_fp8(s)))
+        return rows
+
+    def fa3_fp8(self, s: dict) -> dict:
+        """FlashAttention-3's fp8 forward (flash_attn_interface), packed shapes only."""
+        if s.get("page"):
+            raise RuntimeError("fa3-fp8: packed rows only")
+        torch = self.torch
+        import flash_attn_interface  # noqa: PLC0415 - optional peer
+
+        b, n, h, d = s["batch"], s["seqlen"], s["q_heads"], s["head_dim"]
+        sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                      .to(torch.float8_e4m3fn) for _ in range(3)) for _ in range(3)]
+        flops = 4.0 * n * n * d * h * b / (2 if s["causal"] else 1)
+        ms = self.time_eager(lambda i: flash_attn_interface.flash_attn_func(
+            *sets[i], causal=s["causal"]), 3)
+        return dict(time_ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
 
     def suite_append(self, s: dict) -> list:
         torch = self.torch

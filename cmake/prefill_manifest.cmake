@@ -12,10 +12,11 @@
 #         head_dim 64 and 128) and the split-warp kernel (head_dim 256, m64).
 #   sm90: the Hopper warpgroup kernels (prefill_sm90_kernel.cuh), tile "ws": both masks, with and
 #         without logit modifiers, and (in a second file, _skip.cu) the skip-softmax kernels of
-#         the unmasked calls.
+#         the unmasked calls. dtype fp8 is the FP8 kernel (fp8 e4m3 q, k, v; head_dim 128 and
+#         256; no skip-softmax).
 #
-# ATTNKIT_KERNEL_SUBSET keeps head_dim 128 bf16 (sm80 m128 and sm90), the set CI compiles on two
-# cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a full build.
+# ATTNKIT_KERNEL_SUBSET keeps head_dim 128 bf16 (sm80 m128 and sm90) and the head_dim 128 FP8
+# kernel, the set CI compiles on two cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a full build.
 
 set(ATTNKIT_PREFILL_MANIFEST
   "sm80 64 bf16 m128" "sm80 64 bf16 m64" "sm80 64 bf16 m128w4" "sm80 64 bf16 m128w4n128"
@@ -27,7 +28,8 @@ set(ATTNKIT_PREFILL_MANIFEST
   "sm80 256 bf16 m64" "sm80 256 f16 m64"
   "sm90 64 bf16 ws" "sm90 64 f16 ws"
   "sm90 128 bf16 ws" "sm90 128 f16 ws"
-  "sm90 256 bf16 ws" "sm90 256 f16 ws")
+  "sm90 256 bf16 ws" "sm90 256 f16 ws"
+  "sm90 128 fp8 ws" "sm90 256 fp8 ws")
 
 set(ATTNKIT_PREFILL_HEAD_DIMS "64;80;96;128;256" CACHE STRING
     "Head dims whose prefill kernels a full build compiles")
@@ -68,7 +70,8 @@ function(attnkit_prefill_manifest out_var)
     list(GET fields 2 dtype)
     list(GET fields 3 tile)
     if(ATTNKIT_KERNEL_SUBSET)
-      if(NOT (dim EQUAL 128 AND dtype STREQUAL "bf16" AND (tile STREQUAL "m128" OR tile STREQUAL "ws")))
+      if(NOT (dim EQUAL 128 AND (dtype STREQUAL "bf16" OR dtype STREQUAL "fp8") AND
+              (tile STREQUAL "m128" OR tile STREQUAL "ws")))
         continue()
       endif()
     elseif(NOT dim IN_LIST ATTNKIT_PREFILL_HEAD_DIMS)
@@ -79,6 +82,8 @@ function(attnkit_prefill_manifest out_var)
     endif()
     if(dtype STREQUAL "bf16")
       set(dt "DType::kBF16")
+    elseif(dtype STREQUAL "fp8")
+      set(dt "DType::kFp8E4M3")
     else()
       set(dt "DType::kF16")
     endif()
@@ -100,9 +105,13 @@ function(attnkit_prefill_manifest out_var)
       set(header "cuda/prefill/prefill_kernel.cuh")
       string(APPEND table "ATTNKIT_PREFILL_KERNEL(false, ${dim}, ${dt}, ${tile_cpp})\n")
     else()
-      string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE(${dim}, ${dt})\n")
-      # The skip-softmax kernels in a file of their own: two cores compile both files at once.
-      set(skip_body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(${dim}, ${dt})\n")
+      if(dtype STREQUAL "fp8")
+        string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_FP8(${dim})\n")
+      else()
+        string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE(${dim}, ${dt})\n")
+        # The skip-softmax kernels in a file of their own: two cores compile both files at once.
+        set(skip_body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(${dim}, ${dt})\n")
+      endif()
       set(header "cuda/prefill/prefill_sm90_kernel.cuh")
       string(APPEND table "ATTNKIT_PREFILL_KERNEL(true, ${dim}, ${dt}, PrefillTile::kSm90)\n")
     endif()

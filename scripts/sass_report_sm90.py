@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per sm90 prefill kernel of a cubin or library: warpgroup MMAs (HGMMA) and local-memory
+"""Per sm90 prefill kernel of a cubin or library: warpgroup MMAs (HGMMA; QGMMA for fp8) and local-memory
 instructions (LDL / STL: spills) of the consumer and producer warpgroups. The consumers' code runs
 before the producer's setmaxnreg.dec (USETMAXREG.DEALLOC) in the SASS of prefill_sm90_kernel.
 
@@ -18,7 +18,7 @@ def main() -> int:
         return 2
     sass = subprocess.run(["cuobjdump", "-sass", sys.argv[1]], capture_output=True, text=True,
                           check=True).stdout
-    print("| kernel (head_dim, dtype, masked, logit mods, skip) | HGMMA | consumer LDL/STL | producer LDL/STL |")
+    print("| kernel (head_dim, dtype, masked, logit mods, skip) | HGMMA / QGMMA | consumer LDL/STL | producer LDL/STL |")
     print("|---|---|---|---|")
     for func in re.split(r"\n\s*Function : ", sass)[1:]:
         name = func.split("\n", 1)[0]
@@ -28,10 +28,10 @@ def main() -> int:
         lines = func.split("\n")
         split = next((i for i, l in enumerate(lines) if "USETMAXREG.DEALLOC" in l), len(lines))
         spills = [bool(re.search(r"\b(LDL|STL)\b", l)) for l in lines]
-        dtype = {"2": "bf16", "1": "f16"}.get(m.group(2), m.group(2))
+        dtype = {"2": "bf16", "1": "f16", "3": "fp8"}.get(m.group(2), m.group(2))
         print(f"| {m.group(1)}, {dtype}, {'yes' if m.group(3) == '1' else 'no'}, "
               f"{'yes' if m.group(4) == '1' else 'no'}, {'yes' if m.group(5) == '1' else 'no'} | "
-              f"{sum('HGMMA' in l for l in lines)} | "
+              f"{sum('HGMMA' in l or 'QGMMA' in l for l in lines)} | "
               f"{sum(spills[:split])} | {sum(spills[split:])} |")
     return 0
 

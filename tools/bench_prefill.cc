@@ -108,14 +108,21 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
   check_at_least(kCommand, "--kv-heads", o.kv_heads, 0);
   if (o.page != 0) check_one_of(kCommand, "--page", o.page, {0, 8, 16, 32, 64, 128});
   const DType kv = parse_kv_dtype(kCommand, "--kv-dtype", o.kv_dtype);
-  if (kv != DType::kBF16 && o.page == 0) {
+  if (kv != DType::kBF16 && o.page == 0 && o.dtype != "fp8_e4m3") {
     throw Error("bench prefill: --kv-dtype " + o.kv_dtype +
                 ": accepted only with --page (a paged cache; packed K/V are bf16); got --page 0");
   }
-  if (o.dtype != "bf16" && o.dtype != "f16") {
-    throw Error("bench prefill: --dtype: accepted bf16, f16; got '" + o.dtype + "'");
+  if (o.dtype != "bf16" && o.dtype != "f16" && o.dtype != "fp8_e4m3") {
+    throw Error("bench prefill: --dtype: accepted bf16, f16, fp8_e4m3; got '" + o.dtype + "'");
   }
-  if (o.dtype != "bf16" && o.page != 0) {
+  // fp8_e4m3: the FP8 kernel (fp8 q, k, v; bf16 out), packed or over an fp8_e4m3 cache.
+  if (o.dtype == "fp8_e4m3" && o.page != 0 && kv != DType::kFp8E4M3) {
+    throw Error(
+        "bench prefill: --dtype fp8_e4m3 with --page: accepted only with --kv-dtype "
+        "fp8_e4m3 (the FP8 kernel reads an fp8 cache); got --kv-dtype " +
+        o.kv_dtype);
+  }
+  if (o.dtype == "f16" && o.page != 0) {
     throw Error("bench prefill: --dtype " + o.dtype +
                 ": accepted only with --page 0 (the paged rows use bf16 queries); got --page " +
                 std::to_string(o.page));
@@ -172,12 +179,15 @@ struct PrefillSet {
 BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) {
   const int64_t tokens = int64_t{s.batch} * s.seqlen;
   const int d = s.head_dim;
-  const DType dtype = s.dtype == "f16" ? DType::kF16 : DType::kBF16;
+  const bool fp8 = s.dtype == "fp8_e4m3";
+  const DType dtype = fp8 ? DType::kFp8E4M3 : s.dtype == "f16" ? DType::kF16 : DType::kBF16;
+  const DType out_dtype = fp8 ? DType::kBF16 : dtype;
   const DType kv_dtype = s.page ? parse_kv_dtype(kCommand, "--kv-dtype", s.kv_dtype) : dtype;
   const size_t kv_elt = dtype_size(kv_dtype);
-  const size_t q_bytes = static_cast<size_t>(tokens) * s.heads * d * 2;
+  const size_t q_bytes = static_cast<size_t>(tokens) * s.heads * d * dtype_size(dtype);
+  const size_t out_bytes = static_cast<size_t>(tokens) * s.heads * d * 2;
   const size_t kv_bytes = static_cast<size_t>(tokens) * s.kv_heads * d * kv_elt;
-  const int sets = rotation_sets(2 * q_bytes + 2 * kv_bytes, session.l2_bytes());
+  const int sets = rotation_sets(q_bytes + out_bytes + 2 * kv_bytes, session.l2_bytes());
   const Device gpu = session.device();
 
   AttentionSpec spec;
@@ -203,19 +213,20 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
   if (s.page) {
     d_table = upload(ids.data(), ids.size() * 4);
     d_lens = upload(lens.data(), lens.size() * 4);
-    d_scale = upload(&scale, 4);
   }
+  if (s.page || fp8) d_scale = upload(&scale, 4);
 
   std::vector<std::unique_ptr<PrefillSet>> set(sets);
   for (int i = 0; i < sets; ++i) {
     set[i] = std::make_unique<PrefillSet>();
     PrefillSet& x = *set[i];
     x.q = DeviceBuffer(q_bytes);
-    x.out = DeviceBuffer(q_bytes);
+    x.out = DeviceBuffer(out_bytes);
     fill_random(x.q, dtype, 10 * i + 1);
     PrefillArgs& a = x.args;
     a.q = TensorView(x.q.get(), dtype, {tokens, s.heads, d}, gpu);
-    a.out = TensorView(x.out.get(), dtype, {tokens, s.heads, d}, gpu);
+    a.out = TensorView(x.out.get(), out_dtype, {tokens, s.heads, d}, gpu);
+    if (fp8) a.q_descale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
     a.cu_seqlens_q = TensorView(d_cu.get(), DType::kInt32, {s.batch + 1}, gpu);
     a.max_seqlen_q = a.max_seqlen_kv = s.seqlen;
     if (s.page) {
@@ -248,6 +259,7 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
       a.k = TensorView(x.k.get(), dtype, {tokens, s.kv_heads, d}, gpu);
       a.v = TensorView(x.v.get(), dtype, {tokens, s.kv_heads, d}, gpu);
       a.cu_seqlens_kv = a.cu_seqlens_q;
+      if (fp8) a.k_descale = a.v_descale = a.q_descale;
     }
   }
   const double ms = session.time_ms(
@@ -271,7 +283,9 @@ void register_bench_prefill(CLI::App& bench) {
   cmd->add_flag("--causal", o->causal, "causal mask (else none)");
   cmd->add_option("--page", o->page, "paged cache with this page size (0 = packed K/V)");
   cmd->add_option("--kv-dtype", o->kv_dtype, "paged cache dtype: bf16, fp8_e4m3, int8");
-  cmd->add_option("--dtype", o->dtype, "q, out and packed K/V dtype: bf16 or f16 (default bf16)");
+  cmd->add_option("--dtype", o->dtype,
+                  "q, out and packed K/V dtype: bf16, f16 or fp8_e4m3 (the FP8 kernel: fp8 q / K / "
+                  "V, bf16 out; default bf16)");
   cmd->add_option("--kernel", o->kernel,
                   "fused kernel: auto, portable (mma.sync, sm80+) or hopper (sm90 warpgroup)");
   add_common_options(*cmd, o->common, 20);

@@ -28,15 +28,26 @@ using Stream = void*;
 // FlashAttention); with kv_len_i == n_i this is ordinary self-attention. K/V come either from
 // packed tensors (k, v, cu_seqlens_kv) or, when `kv_cache` is set, from the cache (kv_len_i =
 // kv_cache->seq_lens[i], row i of its block table): chunked context and prefix reuse.
+//
+// FP8 context attention (CUDA, sm90, head_dim 128 / 256; docs/semantics.md "FP8 attention"): q
+// fp8_e4m3 codes with k / v fp8_e4m3 (packed mode) or an fp8_e4m3 kv_cache (paged mode); out bf16
+// or f16. The logits are (q . k) x q_descale x k_descale x scale, the output (P V) x v_descale,
+// P rounded to fp8 e4m3 on the way (as FlashAttention-3's FP8 forward).
 struct PrefillArgs {
-  TensorView q;                           // [total_q, Hq, D] bf16/f16 (f32 on CPU)
+  TensorView q;                           // [total_q, Hq, D] bf16/f16 (f32 on CPU; fp8_e4m3)
   TensorView cu_seqlens_q;                // int32 [B + 1], cu_seqlens_q[0] == 0, non-decreasing
   TensorView k;                           // [total_kv, Hkv, D], same dtype as q (packed mode)
   TensorView v;                           // [total_kv, Hkv, D] (packed mode)
   TensorView cu_seqlens_kv;               // int32 [B + 1] (packed mode)
   const KvCacheView* kv_cache = nullptr;  // paged mode: K/V of sequence i from row i
-  TensorView out;                         // [total_q, Hq, D], same dtype as q
+  TensorView out;                         // [total_q, Hq, D], same dtype as q (fp8 q: bf16 or f16)
   TensorView lse;  // optional float32 [total_q, Hq], natural log; -inf for empty rows
+  // fp8 q only (optional, 1 where absent): float32 [1] (per tensor) or [B, Hkv] (per sequence and
+  // KV head: q_descale then applies to the group's query heads), on q's device. A paged call's
+  // k / v descales are the cache's k_scale / v_scale (k_descale / v_descale must be absent).
+  TensorView q_descale;
+  TensorView k_descale;
+  TensorView v_descale;
   // Upper bounds of the per-sequence query / key lengths. Required (> 0) for CUDA tensors, whose
   // cu_seqlens live on the device and are never read back; computed from the data on the CPU.
   int32_t max_seqlen_q = 0;

@@ -122,7 +122,7 @@ def fake_cli(tmp_path, monkeypatch):
 def test_parse_args_defaults_and_suites(peers, monkeypatch):
     monkeypatch.delenv("ATTNKIT_CLI", raising=False)
     args = peers.parse_args([])
-    assert args.suite == ["decode", "prefill", "dense", "append"]
+    assert args.suite == ["decode", "prefill", "dense", "append", "fp8"]
     assert args.attnkit_cli == os.path.join("build-gpu", "attnkit")
     assert not args.quick and args.budget_s == 0
     monkeypatch.setenv("ATTNKIT_CLI", "/opt/attnkit")
@@ -402,3 +402,23 @@ def test_write_docs_replaces_only_the_measured_families(peers, tmp_path):
     before = page
     assert peers.main(["--render", str(docs / "perf-results.json"), "--write-docs", str(docs)]) == 0
     assert (docs / "performance.md").read_text() == before
+
+
+def test_fp8_suite_runs_the_prefill_bench_with_fp8_inputs(peers):
+    shapes = peers.grid("fp8", False)
+    packed = [s for s in shapes if not s["page"]]
+    paged = [s for s in shapes if s["page"]]
+    assert {s["head_dim"] for s in packed} == {128, 256} and paged
+    args = peers.cli_shape_args("fp8", paged[0])
+    assert args[args.index("--dtype") + 1] == "fp8_e4m3"
+    assert args[args.index("--kv-dtype") + 1] == "fp8_e4m3"
+    assert "--dtype" in peers.cli_shape_args("fp8", packed[0])
+    row = peers.normalize_row("fp8", dict(packed[0], tflops=900.0, page=None))
+    assert row["page"] == 0 and row["impl"] == "attnkit"
+    cells = {"attnkit": {"tflops": 900.0}}
+    (what, achieved, goal), = peers.row_targets("fp8", packed[0], cells, [(packed[0], cells)])
+    assert achieved == 900.0 and goal == (1100.0 if packed[0]["head_dim"] == 256 else 1000.0)
+    base = dict(paged[0], page=0)
+    rows = [(base, {"attnkit": {"tflops": 1000.0}}), (paged[0], {"attnkit": {"tflops": 850.0}})]
+    (what, achieved, goal), = peers.row_targets("fp8", paged[0], rows[1][1], rows)
+    assert abs(achieved - 0.85) < 1e-9 and goal == 0.9

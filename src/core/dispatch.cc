@@ -67,9 +67,15 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream) 
   const detail::PrefillProblem p = detail::validate_prefill(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_prefill_unsupported(spec, p) : std::string();
+  const Route route = choose_route(spec.backend, p.device, "prefill", reason);
+  // fp8 q has the FP8 kernel alone (the vanilla kernels read 16-bit q): no other route.
+  ATTNKIT_CHECK(p.dtype != DType::kFp8E4M3 || route == Route::kCudaFused,
+                "prefill: fp8_e4m3 q runs on the fused FP8 kernel only (backend 'auto' or "
+                "'fused'), which ",
+                reason.empty() ? std::string("backend 'vanilla' does not select")
+                               : "cannot serve this call: " + reason);
   run_route(
-      choose_route(spec.backend, p.device, "prefill", reason), "prefill", args.checked, stream,
-      [&] { reference::prefill(spec, args, p); },
+      route, "prefill", args.checked, stream, [&] { reference::prefill(spec, args, p); },
       [&] { cuda::vanilla_prefill(spec, args, p, stream); },
       [&] { cuda::fused_prefill(spec, args, p, stream); });
 }

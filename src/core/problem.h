@@ -11,8 +11,9 @@ namespace attnkit::detail {
 
 struct PrefillProblem {
   Device device{};
-  DType dtype = DType::kBF16;     // q / out (and packed k / v)
-  DType kv_dtype = DType::kBF16;  // packed: == dtype; paged: the cache dtype
+  DType dtype = DType::kBF16;      // q / out (and packed k / v)
+  DType kv_dtype = DType::kBF16;   // packed: == dtype; paged: the cache dtype
+  DType out_dtype = DType::kBF16;  // == dtype, except for fp8 q (bf16 or f16)
   bool paged = false;
   int32_t batch = 0;
   int64_t total_q = 0;

@@ -38,14 +38,28 @@ PrefillProblem validate_prefill(const AttentionSpec& spec, const PrefillArgs& ar
   v.expect_given(args.q, "q");
   p.device = args.q.device;
   p.dtype = args.q.dtype;
-  v.expect_float_dtype(args.q, "q");
+  const bool fp8 = p.dtype == DType::kFp8E4M3;
+  if (fp8) {
+    v.check(p.device.is_cuda(), "q",
+            "fp8_e4m3 queries run on cuda only (the FP8 kernel); the CPU reference takes f32, f16 "
+            "or bf16 (dequantize first)");
+  } else {
+    v.expect_float_dtype(args.q, "q");
+  }
   v.expect_shape(args.q, "q", {Dim("total_q"), Dim("Hq", hq), Dim("D", d)});
   v.expect_layout(args.q, "q", Access::kInput);
   p.total_q = args.q.shape[0];
   v.check(p.total_q <= kMaxInt32, "q", "total_q must fit in int32, got ", p.total_q);
   const Dim total_q("total_q", p.total_q);
-  v.expect_tensor(args.out, "out", {p.dtype}, {total_q, Dim("Hq", hq), Dim("D", d)}, p.device,
-                  Access::kOutput, "the dtype of q");
+  if (fp8) {
+    v.expect_tensor(args.out, "out", {DType::kBF16, DType::kF16},
+                    {total_q, Dim("Hq", hq), Dim("D", d)}, p.device, Access::kOutput, "fp8_e4m3 q");
+    p.out_dtype = args.out.dtype;
+  } else {
+    v.expect_tensor(args.out, "out", {p.dtype}, {total_q, Dim("Hq", hq), Dim("D", d)}, p.device,
+                    Access::kOutput, "the dtype of q");
+    p.out_dtype = p.dtype;
+  }
   p.has_lse = args.lse.defined();
   if (p.has_lse) {
     v.expect_tensor(args.lse, "lse", {DType::kF32}, {total_q, Dim("Hq", hq)}, p.device,
@@ -112,6 +126,25 @@ PrefillProblem validate_prefill(const AttentionSpec& spec, const PrefillArgs& ar
                                                 "total_kv = k.shape[0]");
       check_packed_lengths(v, spec, args, batch);
     }
+  }
+
+  // The FP8 descales: fp8 q only; [1] or [B, Hkv] float32 on q's device.
+  for (const auto& [t, name] :
+       {std::pair{&args.q_descale, "q_descale"}, std::pair{&args.k_descale, "k_descale"},
+        std::pair{&args.v_descale, "v_descale"}}) {
+    if (!t->defined()) continue;
+    v.check(fp8, name, "is taken with fp8_e4m3 q only, got q of dtype ", dtype_name(p.dtype));
+    v.check(!p.paged || t == &args.q_descale, name,
+            "must be absent in paged mode: the cache's k_scale / v_scale descale its codes");
+    v.expect_dtype(*t, name, {DType::kF32});
+    v.expect_device(*t, name, p.device);
+    const bool per_tensor = t->ndim == 1 && t->shape[0] == 1;
+    const bool per_head = t->ndim == 2 && t->shape[0] == batch && t->shape[1] == hkv;
+    v.check(per_tensor || per_head, name, "expected shape [1] or [B, Hkv] = [", batch, ", ", hkv,
+            "], got ", t->shape_str());
+    v.check(per_tensor || (t->strides[1] == 1 && t->strides[0] == hkv), name,
+            "a [B, Hkv] descale must be contiguous, got strides (", t->strides[0], ", ",
+            t->strides[1], ")");
   }
 
   // max_seqlen_*: required on cuda (device lengths are not read back), an upper bound if given.

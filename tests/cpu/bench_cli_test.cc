@@ -373,7 +373,7 @@ TEST(BenchCommand, RejectsInvalidOptionsBeforeTouchingTheGpu) {
       {"bench prefill --seqlen 1024 --kv-dtype int8", "--kv-dtype int8: accepted only with --page"},
       {"bench prefill --page 3", "bench prefill: --page: accepted 0, 8, 16, 32, 64, 128; got 3"},
       {"bench prefill --seqlen 1024 --dtype fp8",
-       "bench prefill: --dtype: accepted bf16, f16; got"},
+       "bench prefill: --dtype: accepted bf16, f16, fp8_e4m3; got"},
       {"bench prefill --seqlen 1024 --page 16 --dtype f16",
        "--dtype f16: accepted only with --page 0"},
       {"bench prefill --dtype f16", "--dtype f16: accepted only with --seqlen"},

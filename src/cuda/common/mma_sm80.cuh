@@ -22,6 +22,10 @@ struct F16Tag {
   using Storage = __half;
   using Pair = __half2;
 };
+// The 8-bit one: fp8 e4m3 codes (the sm90 FP8 kernels' wgmma, wgmma_sm90.cuh).
+struct Fp8Tag {
+  using Storage = uint8_t;
+};
 
 template <typename Tag>
 __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4],

@@ -14,10 +14,15 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/mma_sm80.cuh"
 
 namespace attnkit::cuda::sm90 {
+
+// K of one MMA step: 16 for the 16-bit element tags, 32 for Fp8Tag (mma_sm80.cuh).
+template <class Tag>
+constexpr int kMmaK = std::is_same_v<Tag, Fp8Tag> ? 32 : 16;
 
 // Matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63.
@@ -31,11 +36,14 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "cuda/common/wgmma_ops_sm90.inc"
 
-// d[64 x kN] (+)= A (smem) * B (smem), both K-major.
+// d[64 x kN] (+)= A (smem) * B (smem), both K-major; one k16 step (k32 with Fp8Tag).
 template <int kN, class Tag>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                          int scale_d) {
-  if constexpr (kN == 64)
+  if constexpr (std::is_same_v<Tag, Fp8Tag>) {
+    static_assert(kN == 128, "no fp8 wgmma_ss shape for this N (scripts/gen_wgmma_ops.py)");
+    wgmma_ss_m64n128k32(d, desc_a, desc_b, scale_d, Tag{});
+  } else if constexpr (kN == 64)
     wgmma_ss_m64n64k16(d, desc_a, desc_b, scale_d, Tag{});
   else if constexpr (kN == 80)
     wgmma_ss_m64n80k16(d, desc_a, desc_b, scale_d, Tag{});
@@ -57,11 +65,21 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
     static_assert(kN == 64, "no wgmma_ss shape for this N (scripts/gen_wgmma_ops.py)");
 }
 
-// d[64 x kN] (+)= A (registers) * B (smem, MN-major).
+// d[64 x kN] (+)= A (registers) * B (smem): MN-major for 16-bit types (k16), K-major for
+// Fp8Tag (k32).
 template <int kN, class Tag>
 __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)[4],
                                          uint64_t desc_b, int scale_d) {
-  if constexpr (kN == 64)
+  if constexpr (std::is_same_v<Tag, Fp8Tag>) {
+    if constexpr (kN == 64)
+      wgmma_rs_m64n64k32(d, a, desc_b, scale_d, Tag{});
+    else if constexpr (kN == 128)
+      wgmma_rs_m64n128k32(d, a, desc_b, scale_d, Tag{});
+    else if constexpr (kN == 256)
+      wgmma_rs_m64n256k32(d, a, desc_b, scale_d, Tag{});
+    else
+      static_assert(kN == 64, "no fp8 wgmma_rs shape for this N (scripts/gen_wgmma_ops.py)");
+  } else if constexpr (kN == 64)
     wgmma_rs_m64n64k16(d, a, desc_b, scale_d, Tag{});
   else if constexpr (kN == 128)
     wgmma_rs_m64n128k16(d, a, desc_b, scale_d, Tag{});
@@ -71,5 +89,16 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
     static_assert(kN == 64, "no wgmma_rs shape for this N (scripts/gen_wgmma_ops.py)");
 }
 #endif
+
+// Four floats rounded (nearest even, saturating to +-448) to fp8 e4m3, x0 in the low byte: the
+// 8-bit A-operand register of four consecutive k.
+__device__ __forceinline__ uint32_t pack_fp8x4(float x0, float x1, float x2, float x3) {
+  uint16_t lo = 0, hi = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+#endif
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
 
 }  // namespace attnkit::cuda::sm90

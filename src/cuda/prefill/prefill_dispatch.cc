@@ -227,6 +227,23 @@ struct CallShape {
 
 std::string unsupported(const AttentionSpec& spec, const CallShape& c) {
   using detail::concat;
+  if (c.dtype == DType::kFp8E4M3) {
+    // The FP8 kernel alone serves fp8 q; what else it needs is sm90_unsupported's to say.
+    if (c.kv_dtype != DType::kFp8E4M3) {
+      return concat("fp8_e4m3 q with ", dtype_name(c.kv_dtype),
+                    " k / v: the FP8 kernel reads fp8_e4m3 k / v or an fp8_e4m3 kv_cache");
+    }
+    if (!sm90_kernels_compiled(c.head_dim, c.dtype)) {
+      return concat("fp8_e4m3 q with head_dim ", c.head_dim,
+                    ": the FP8 kernel serves head_dim 128 and 256 and is not compiled for this one "
+                    "in this build");
+    }
+    if (spec.alibi && spec.num_q_heads > kMaxAlibiHeads) {
+      return concat("alibi with ", spec.num_q_heads,
+                    " query heads: the fused prefill takes at most ", kMaxAlibiHeads);
+    }
+    return "";
+  }
   if (c.dtype != DType::kBF16 && c.dtype != DType::kF16) {
     return concat("q dtype ", dtype_name(c.dtype), ": the fused prefill takes bf16 or f16");
   }
@@ -322,6 +339,14 @@ PrefillTile pick_tile(const CallShape& c, std::optional<PrefillTile> forced, int
                       int32_t max_seqlen_q, int32_t heads, bool masked, int32_t max_seqlen_kv,
                       bool packs, const std::string& sm90_reason, FusedKernel choice) {
   const bool quant_kv = c.paged && is_8bit(c.kv_dtype);
+  if (c.dtype == DType::kFp8E4M3) {
+    // fp8 q has one kernel: a forced portable tile or an unservable call raises.
+    ATTNKIT_CHECK(!forced || *forced == PrefillTile::kSm90, "prefill: tile ",
+                  prefill_tile_name(*forced), " does not take fp8_e4m3 q (the FP8 kernel is sm90)");
+    ATTNKIT_CHECK(sm90_reason.empty(),
+                  "prefill: the FP8 kernel cannot serve this call: ", sm90_reason);
+    return PrefillTile::kSm90;
+  }
   const DeviceLimits dev = device_limits(c.device);
   std::vector<PrefillTile> tiles;
   for (PrefillTile t : compiled_tiles(c.head_dim, c.dtype)) {
@@ -416,10 +441,27 @@ void check_rows_16b(const TensorView& t, const char* name) {
                 t.shape_str());
   ATTNKIT_CHECK(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
                 ": the fused prefill needs 16-byte aligned data");
+  const int64_t per_16b = 16 / static_cast<int64_t>(dtype_size(t.dtype));
   for (int d = 0; d < t.ndim - 1; ++d) {
-    ATTNKIT_CHECK(t.strides[d] % 8 == 0, name, ": the fused prefill needs strides that are ",
-                  "multiples of 8 elements (16 bytes), got stride ", t.strides[d], " in dim ", d);
+    ATTNKIT_CHECK(t.strides[d] % per_16b == 0, name, ": the fused prefill needs strides that are ",
+                  "multiples of ", per_16b, " elements (16 bytes), got stride ", t.strides[d],
+                  " in dim ", d);
   }
+}
+
+// The FP8 kernel's descale of a [1] / [B, Hkv] tensor (PrefillArgs::q_descale) or of a cache
+// scale ([1] / [Hkv]).
+Descale descale_of(const TensorView& t, bool cache_scale) {
+  Descale d;
+  if (!t.defined()) return d;
+  d.ptr = static_cast<const float*>(t.data);
+  if (cache_scale) {
+    d.head_stride = t.numel() > 1 ? 1 : 0;
+  } else if (t.ndim == 2) {
+    d.batch_stride = static_cast<int32_t>(t.strides[0]);
+    d.head_stride = 1;
+  }
+  return d;
 }
 
 void fill_mods(const AttentionSpec& spec, PrefillParams& prm) {
@@ -507,7 +549,11 @@ std::string prefill_unsupported(const AttentionSpec& spec, const detail::Prefill
   if (spec.skip_softmax || spec.quant) {
     return "skip_softmax and quant are dense() options; the fused prefill serves neither";
   }
-  return unsupported(spec, {p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged});
+  const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
+  const std::string why = unsupported(spec, shape);
+  if (!why.empty() || p.dtype != DType::kFp8E4M3) return why;
+  // fp8 q: the FP8 kernel's device and build needs (the tensors' strides are run_prefill's).
+  return sm90_unsupported(sm90_call(shape, spec, spec.mask.kind != MaskKind::kNone, 0));
 }
 
 std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
@@ -614,6 +660,8 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
       prm.v_scale = static_cast<const float*>(cache.v_scale.data);
       prm.v_scale_per_head = cache.v_scale.numel() > 1;
     }
+    prm.k_descale = descale_of(cache.k_scale, true);
+    prm.v_descale = descale_of(cache.v_scale, true);
   } else {
     check_rows_16b(args.k, "k");
     check_rows_16b(args.v, "v");
@@ -624,7 +672,11 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     prm.v_tok_stride = args.v.strides[0];
     prm.v_head_stride = args.v.strides[1];
     prm.cu_seqlens_kv = static_cast<const int32_t*>(args.cu_seqlens_kv.data);
+    prm.k_descale = descale_of(args.k_descale, false);
+    prm.v_descale = descale_of(args.v_descale, false);
   }
+  prm.q_descale = descale_of(args.q_descale, false);
+  prm.out_f16 = p.out_dtype == DType::kF16;
   prm.batch = p.batch;
   prm.num_q_heads = spec.num_q_heads;
   prm.num_kv_heads = spec.num_kv_heads;

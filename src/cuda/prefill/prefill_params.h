@@ -35,6 +35,15 @@ constexpr PrefillTile kAllPrefillTiles[] = {PrefillTile::kM128, PrefillTile::kM6
 // "m128", "m64", "m128w4", "m128w4n128", "sm90"
 const char* prefill_tile_name(PrefillTile tile);
 
+// A dequantization scale of the FP8 kernels (e4m3 Q / K / V codes): ptr[batch * batch_stride +
+// kv_head * head_stride], 1 where ptr is null. Per tensor: both strides 0; per (sequence, KV head):
+// [B, Hkv]; per KV head (a cache's scales): batch_stride 0.
+struct Descale {
+  const float* ptr = nullptr;
+  int32_t batch_stride = 0;
+  int32_t head_stride = 0;
+};
+
 // One packed-varlen, paged or dense ([B, S, H, D]) attention launch. Element strides; "tok" is
 // the token dimension. Sequence b's queries start at cu_seqlens_q[b] tokens (or b * q_batch_stride
 // elements when cu_seqlens_q is null: dense mode with seqlen_q queries per sequence).
@@ -98,6 +107,13 @@ struct PrefillParams {
   float softcap = 0.f;  // 0: off
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
+
+  // FP8 kernels (q, k and v fp8 e4m3): the logits are (q . k) x q_descale x k_descale x
+  // softmax_scale, the output P V x v_descale (out in bf16 / f16). A paged call takes k / v
+  // descales from the cache's scales. (Last, so that the 16-bit kernels' parameter offsets do not
+  // move.)
+  Descale q_descale, k_descale, v_descale;
+  bool out_f16 = false;  // FP8 kernels: out is f16 (else bf16)
 };
 
 // Whether a call takes the modifier path: soft-cap or ALiBi, or a softmax scale that is not

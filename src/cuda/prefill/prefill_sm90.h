@@ -37,7 +37,8 @@ struct Sm90Call {
 bool sm90_kernels_compiled(int head_dim, DType dtype);
 // "" when the sm90 kernel serves the call, else why not.
 std::string sm90_unsupported(const Sm90Call& call);
-int sm90_smem_bytes(int head_dim, bool masked);
+// fp8: the FP8 kernel (fp8 e4m3 q, k and v).
+int sm90_smem_bytes(int head_dim, bool masked, bool fp8 = false);
 // Runs a call that sm90_unsupported() accepted.
 void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t stream);
 

@@ -43,17 +43,28 @@ struct RowStats {
 // are the skip tile: after S = Q K^T, the warpgroup votes (one bar.red.and) whether every valid
 // row's tile maximum is below its running maximum by more than ln(lambda); a skipped tile takes no
 // exponentials, no rescale and no P V, and its V stage is released unused.
+//
+// kFp8 (T::kFp8, kDType fp8 e4m3): S = Q K^T and O += P V run on fp8 wgmma (k32 steps); P is
+// rounded to e4m3 as 256 x exp2(logit - max) (the factor 2^8 moves P's range [0, 1] away from
+// e4m3's subnormals and cancels in O / l), V comes transposed (Sm90Producer::transpose_v).
 template <class T, DType kDType, bool kMods, bool kSkip = false>
 struct Sm90Consumer {
   using Tag = typename TagOf<kDType>::Type;
+  static constexpr int kMmaK = sm90::kMmaK<Tag>;
   static constexpr int kSRegs = T::kBlockN / 2;
   static constexpr int kORegs = T::kHeadDim / 2;
-  static constexpr int kPSteps = T::kBlockN / 16;  // k16 steps of P V
+  static constexpr int kPSteps = T::kBlockN / kMmaK;  // k steps of P V
+  // log2 of P's scale before its rounding to fp8 (kFp8), 0 for 16-bit P.
+  static constexpr float kPLog2Scale = T::kFp8 ? 8.f : 0.f;
 
   const Sm90PrefillParams& sp;
   Sm90Smem<T> smem;
   int wg;    // consumer warpgroup 0 or 1
   int wtid;  // thread in the warpgroup, 0..127
+
+  __device__ static float descale(const Descale& d, int32_t batch, int32_t kv_head) {
+    return d.ptr ? d.ptr[batch * d.batch_stride + kv_head * d.head_stride] : 1.f;
+  }
 
   // ---- MMAs -----------------------------------------------------------------------------------
   __device__ void issue_qk(float (&s)[kSRegs], int stage) const {
@@ -61,8 +72,9 @@ struct Sm90Consumer {
     const uint32_t k = smem.k(stage);
     fence_operands(s);
     wgmma_fence();
+    // A k step spans 32 bytes (16 bf16 / f16 or 32 fp8 head dims): 4 a 128-byte column block.
 #pragma unroll
-    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < T::kHeadDim / kMmaK; ++kk) {
       const uint32_t in_block = (kk % 4) * 32;
       const uint64_t da = smem_desc_sw128(q + (kk / 4) * T::kQColBlockBytes + in_block, 16, 1024);
       const uint64_t db = smem_desc_sw128(k + (kk / 4) * T::kKvColBlockBytes + in_block, 16, 1024);
@@ -78,7 +90,10 @@ struct Sm90Consumer {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
-      const uint64_t db = smem_desc_sw128(v + kk * 16 * 128, T::kKvColBlockBytes, 1024);
+      // 16-bit V: MN-major, 16 keys (2048 bytes) a step. fp8 V^T: K-major, 32 keys (32 bytes of
+      // its 128-byte rows) a step.
+      const uint64_t db = T::kFp8 ? smem_desc_sw128(v + kk * 32, 16, 1024)
+                                  : smem_desc_sw128(v + kk * 16 * 128, T::kKvColBlockBytes, 1024);
       wgmma_rs<T::kHeadDim, Tag>(o, pa[kk], db, 1);
     }
     wgmma_commit();
@@ -166,10 +181,12 @@ struct Sm90Consumer {
       corr[r] = fast_exp2(st.max[r] - m_use);
       st.max[r] = m_new;
       float sum = 0.f;
+      // (0.f - m is not -m for m = 0: spelled apart so that the 16-bit kernels keep -m_use.)
+      const float offset = T::kFp8 ? kPLog2Scale - m_use : -m_use;
 #pragma unroll
       for (int i = 0; i < T::kBlockN / 8; ++i) {
-        s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], exp_scale, -m_use));
-        s[4 * i + 2 * r + 1] = fast_exp2(fmaf(s[4 * i + 2 * r + 1], exp_scale, -m_use));
+        s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], exp_scale, offset));
+        s[4 * i + 2 * r + 1] = fast_exp2(fmaf(s[4 * i + 2 * r + 1], exp_scale, offset));
         sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
       }
       st.sum[r] = st.sum[r] * corr[r] + sum;
@@ -187,14 +204,26 @@ struct Sm90Consumer {
     }
   }
 
-  // P in the A-operand layout of the k16 steps of P V, rounded to the q dtype.
+  // P in the A-operand layout of the k steps of P V, rounded to the q dtype. fp8: a k32 step's
+  // register holds the accumulator's values of 2 n8 blocks of one row as they lie
+  // (fp8_layout::p_source; the V^T columns are permuted to match, fp8_layout::vt_key).
   __device__ static void to_p(const float (&s)[kSRegs], uint32_t (&pa)[kPSteps][4]) {
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
-      pa[kk][0] = pack_pair<Tag>(s[8 * kk], s[8 * kk + 1]);
-      pa[kk][1] = pack_pair<Tag>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_pair<Tag>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_pair<Tag>(s[8 * kk + 6], s[8 * kk + 7]);
+      if constexpr (T::kFp8) {
+        using fp8_layout::p_source;
+        const float* x = s + 16 * kk;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          pa[kk][r] = pack_fp8x4(x[p_source(r, 0)], x[p_source(r, 1)], x[p_source(r, 2)],
+                                 x[p_source(r, 3)]);
+        }
+      } else {
+        pa[kk][0] = pack_pair<Tag>(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = pack_pair<Tag>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_pair<Tag>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_pair<Tag>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
     }
   }
 
@@ -210,6 +239,8 @@ struct Sm90Consumer {
   // O / l (times the cache's V scale) to out, the LSE (natural log) to lse; rows past the sequence
   // are not written. A row without any key writes zeros and -inf. Row r of the block is query
   // token r >> q_pack_log2 of head q_head0 + (r & (group - 1)) (PrefillParams::q_pack_log2).
+  // OutTag: the output's element (the q dtype; bf16 or f16 for the FP8 kernels).
+  template <class OutTag>
   __device__ void store(const float (&o)[kORegs], const RowStats& st, const SequenceInfo& seq,
                         int32_t m0, int32_t q_head0, float v_scale) const {
     using Elem = uint16_t;
@@ -231,13 +262,26 @@ struct Sm90Consumer {
 #pragma unroll
       for (int i = 0; i < T::kHeadDim / 8; ++i) {
         *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t4) =
-            pack_pair<Tag>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+            pack_pair<OutTag>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
       }
       if (p.lse != nullptr && t4 == 0) {
         p.lse[seq.lse_offset + token * p.lse_tok_stride +
               static_cast<int64_t>(head) * p.lse_head_stride] =
-            sum > 0.f ? (st.max[r] + __log2f(sum)) * kLn2 : -INFINITY;
+            sum > 0.f ? (st.max[r] + __log2f(sum) - kPLog2Scale) * kLn2 : -INFINITY;
       }
+    }
+  }
+
+  __device__ void store(const float (&o)[kORegs], const RowStats& st, const SequenceInfo& seq,
+                        int32_t m0, int32_t q_head0, float v_scale) const {
+    if constexpr (T::kFp8) {
+      if (sp.base.out_f16) {
+        store<F16Tag>(o, st, seq, m0, q_head0, v_scale);
+      } else {
+        store<Bf16Tag>(o, st, seq, m0, q_head0, v_scale);
+      }
+    } else {
+      store<Tag>(o, st, seq, m0, q_head0, v_scale);
     }
   }
 
@@ -272,8 +316,15 @@ struct Sm90Consumer {
       const int32_t num_tiles = range.count();
       const int32_t q_head0 = work.head << pack;  // the item's first query head
       const int32_t kv_head = q_head0 / p.group_size;
-      const float k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.f;
-      const float v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.f;
+      float k_scale, v_scale;
+      if constexpr (T::kFp8) {
+        k_scale =
+            descale(p.q_descale, work.batch, kv_head) * descale(p.k_descale, work.batch, kv_head);
+        v_scale = descale(p.v_descale, work.batch, kv_head);
+      } else {
+        k_scale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.f;
+        v_scale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.f;
+      }
       // A packed call has no ALiBi (one slope a head; run_prefill packs only without it).
       const LogitMods mods = LogitMods::make(p, p.softmax_scale * k_scale, q_head0);
       // The plain path folds the scale into the exponent's FFMA; modified logits are in natural
@@ -310,7 +361,9 @@ struct Sm90Consumer {
       // The first key tile is the sequence's last: its V rows past the sequence are zeroed before
       // its P V (gathered tiles come zero-filled).
       const int32_t first_valid = min(T::kBlockN, seq.kv_len - range.block(0) * T::kBlockN);
-      const bool zero_first = first_valid < T::kBlockN && sp.kv_mode != Sm90KvMode::kGather;
+      // (The FP8 kernels' transpose writes those rows as zeros.)
+      const bool zero_first =
+          !T::kFp8 && first_valid < T::kBlockN && sp.kv_mode != Sm90KvMode::kGather;
 
       // Tile 0: S alone. Its rows have seen no key yet, so skip-softmax never skips it.
       {

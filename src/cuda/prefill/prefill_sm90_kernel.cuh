@@ -28,11 +28,15 @@
 
 namespace attnkit::cuda::prefill {
 
+// The traits of a (head_dim, q dtype, mask, skip) kernel: fp8 e4m3 q takes the FP8 kernel.
+template <int kHeadDim, DType kDType, bool kMasked, bool kSkip>
+using Sm90TraitsOf = Sm90PrefillTraits<kHeadDim, kMasked, kSkip, kDType == DType::kFp8E4M3>;
+
 template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
-__global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked, kSkip>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ Sm90PrefillParams sp) {
 #if defined(ATTNKIT_PREFILL_SM90_DEVICE)
-  using T = Sm90PrefillTraits<kHeadDim, kMasked, kSkip>;
+  using T = Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>;
   using namespace sm90_detail;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Sm90Smem<T> smem{(smem_u32(smem_raw) + 1023u) & ~1023u};
@@ -44,8 +48,13 @@ __global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked, kSkip>::k
     for (int s = 0; s < T::kStages; ++s) {
       sm90::mbarrier_init(smem.k_full(s), 1);
       sm90::mbarrier_init(smem.k_empty(s), kConsumerWarps);
-      sm90::mbarrier_init(smem.v_full(s), 1);
+      // The FP8 kernels' V tiles are transposed by the 128 producer threads, which arrive each.
+      sm90::mbarrier_init(smem.v_full(s), T::kFp8 ? 128 : 1);
       sm90::mbarrier_init(smem.v_empty(s), kConsumerWarps);
+      if constexpr (T::kFp8) {
+        sm90::mbarrier_init(smem.vs_full(s), 1);
+        sm90::mbarrier_init(smem.vs_empty(s), 128);
+      }
       st_shared_u32(smem.kv_fault(s), 0u);  // only paged tiles mark faults
     }
     sm90::mbarrier_init_fence();
@@ -67,7 +76,7 @@ __global__ void __launch_bounds__(Sm90PrefillTraits<kHeadDim, kMasked, kSkip>::k
 
 template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
 void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream) {
-  using T = Sm90PrefillTraits<kHeadDim, kMasked, kSkip>;
+  using T = Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>;
   constexpr auto kernel = prefill_sm90_kernel<kHeadDim, kDType, kMasked, kMods, kSkip>;
   opt_in_dynamic_smem_once<kernel>(
       T::kSmemBytes, "prefill (sm90): cudaFuncSetAttribute(max dynamic shared memory)");
@@ -87,6 +96,8 @@ void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t str
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, false)  \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, false, false)  \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, true, true, false)
+// The FP8 kernels (fp8 e4m3 Q / K / V, head_dim 128 and 256): masks and modifiers, no skip.
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE_FP8(D) ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DType::kFp8E4M3)
 #define ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(D, DT)       \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, true) \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, true)

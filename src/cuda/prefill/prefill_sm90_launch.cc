@@ -42,8 +42,8 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// A 4-d map of 16-bit elements with 128-byte swizzled boxes of 64 x box1 x box2 x 1 elements.
-// strides[i]: bytes between consecutive indices of dim i + 1.
+// A 4-d map of 16-bit (or fp8) elements with 128-byte swizzled boxes of 64 (fp8: 128) x box1 x
+// box2 x 1 elements. strides[i]: bytes between consecutive indices of dim i + 1.
 CUtensorMap make_map(DType dtype, const void* base, const uint64_t (&dims)[4],
                      const uint64_t (&strides)[3], uint32_t box1, uint32_t box2, const char* what) {
   const EncodeTiled encode = encode_tiled();
@@ -52,14 +52,15 @@ CUtensorMap make_map(DType dtype, const void* base, const uint64_t (&dims)[4],
   std::memset(&map, 0, sizeof(map));
   const cuuint64_t gdim[4] = {dims[0], dims[1], dims[2], dims[3]};
   const cuuint64_t gstride[3] = {strides[0], strides[1], strides[2]};
-  const cuuint32_t box[4] = {64, box1, box2, 1};
+  const bool fp8 = dtype == DType::kFp8E4M3;
+  const cuuint32_t box[4] = {fp8 ? 128u : 64u, box1, box2, 1};
   const cuuint32_t elem_stride[4] = {1, 1, 1, 1};
-  const CUresult r = encode(
-      &map,
-      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      const_cast<void*>(base), gdim, gstride, box, elem_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUtensorMapDataType type = fp8                     ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                           : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encode(&map, type, 4, const_cast<void*>(base), gdim, gstride, box, elem_stride,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   ATTNKIT_CHECK(r == CUDA_SUCCESS, "prefill (sm90): cuTensorMapEncodeTiled failed for ", what,
                 " (CUresult ", static_cast<int>(r), ")");
   return map;
@@ -75,7 +76,8 @@ using Sm90Launcher = void (*)(const Sm90PrefillParams&, int, cudaStream_t);
 template <int D, DType kDT>
 Sm90Launcher sm90_launcher_for(bool masked, bool mods, bool skip) {
   if constexpr (sm90_compiled(D, kDT)) {
-    if (skip) {  // unmasked calls only (sm90_unsupported)
+    if (skip) {  // unmasked 16-bit calls only (sm90_unsupported)
+      if constexpr (kDT == DType::kFp8E4M3) return nullptr;
       return mods ? &launch_prefill_sm90<D, kDT, false, true, true>
                   : &launch_prefill_sm90<D, kDT, false, false, true>;
     }
@@ -107,6 +109,9 @@ Sm90Launcher sm90_launcher_for(int head_dim, bool masked, bool mods, bool skip) 
 Sm90Launcher sm90_launcher(int head_dim, DType dtype, bool masked, bool mods, bool skip) {
   if (dtype == DType::kBF16) return sm90_launcher_for<DType::kBF16>(head_dim, masked, mods, skip);
   if (dtype == DType::kF16) return sm90_launcher_for<DType::kF16>(head_dim, masked, mods, skip);
+  if (dtype == DType::kFp8E4M3) {
+    return sm90_launcher_for<DType::kFp8E4M3>(head_dim, masked, mods, skip);
+  }
   return nullptr;
 }
 
@@ -129,16 +134,32 @@ std::string sm90_unsupported(const Sm90Call& call) {
     return concat("compute capability ", call.cc_major, ".", call.cc_minor,
                   ": the warpgroup kernel runs on sm90 (H100 / H200)");
   }
+  const bool fp8 = call.dtype == DType::kFp8E4M3;
   if (!sm90_kernels_compiled(call.head_dim, call.dtype)) {
-    return concat("head_dim ", call.head_dim, " with ", dtype_name(call.dtype),
-                  ": no sm90 kernel in this build (sm90 serves head_dim 64, 128 and 256; the build "
-                  "needs the 90a architecture)");
+    return concat(
+        "head_dim ", call.head_dim, " with ", dtype_name(call.dtype),
+        fp8 ? ": no FP8 kernel in this build (the FP8 kernel serves head_dim 128 and 256; "
+              "the build needs the 90a architecture)"
+            : ": no sm90 kernel in this build (sm90 serves head_dim 64, 128 and 256; the "
+              "build needs the 90a architecture)");
   }
-  if (call.skip && call.masked) {
-    return "skip_softmax with a mask: the sm90 kernel skips tiles of unmasked (dense) calls only";
+  if (call.skip && (call.masked || fp8)) {
+    return "skip_softmax with a mask or fp8 inputs: the sm90 kernel skips tiles of unmasked 16-bit "
+           "(dense) calls only";
   }
-  if (call.smem_optin < sm90_smem_bytes(call.head_dim, call.masked)) {
-    return concat("the sm90 kernel needs ", sm90_smem_bytes(call.head_dim, call.masked),
+  if (fp8 && call.cache != nullptr) {
+    if (call.cache->dtype != DType::kFp8E4M3) {
+      return concat("fp8 q over a ", dtype_name(call.cache->dtype),
+                    " kv_cache: the FP8 kernel reads an fp8_e4m3 cache");
+    }
+    if (call.cache->window_slots > 0) {
+      return "fp8 q over a cyclic (sliding-window) kv_cache: the FP8 kernel reads pages through "
+             "TMA, which a cyclic cache's wrap-around does not allow";
+    }
+  }
+  const int smem = sm90_smem_bytes(call.head_dim, call.masked, fp8);
+  if (call.smem_optin < smem) {
+    return concat("the sm90 kernel needs ", smem,
                   " bytes of shared memory per block; the device allows ", call.smem_optin);
   }
   // TMA reads Q (and packed K / V) through tensor maps: strides must be positive multiples of 16
@@ -146,7 +167,7 @@ std::string sm90_unsupported(const Sm90Call& call) {
   for (const TensorView* t : {call.q, call.k, call.v}) {
     if (t == nullptr || !t->defined()) continue;
     for (int d = 0; d < t->ndim - 1; ++d) {
-      if (t->shape[d] > 1 && !tma_stride_ok(t->strides[d] * 2)) {
+      if (t->shape[d] > 1 && !tma_stride_ok(t->strides[d] * (fp8 ? 1 : 2))) {
         return concat("a stride of ", t->strides[d],
                       " elements: the sm90 kernel's TMA loads need positive strides of whole 16 "
                       "bytes");
@@ -156,7 +177,17 @@ std::string sm90_unsupported(const Sm90Call& call) {
   return "";
 }
 
-int sm90_smem_bytes(int head_dim, bool masked) {
+int sm90_smem_bytes(int head_dim, bool masked, bool fp8) {
+  if (fp8) {
+    switch (head_dim) {
+      case 128:
+        return Sm90PrefillTraits<128, true, false, true>::kSmemBytes;
+      case 256:
+        return Sm90PrefillTraits<256, true, false, true>::kSmemBytes;
+      default:
+        return 0;
+    }
+  }
   switch (head_dim) {
     case 64:
       return masked ? Sm90PrefillTraits<64, true>::kSmemBytes
@@ -176,8 +207,9 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
   const Sm90Launcher launch =
       sm90_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm), call.skip);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no sm90 kernel for head_dim ", call.head_dim);
-  const int block_n = sm90_block_n(call.head_dim, call.masked || call.skip);
-  const int64_t eb = 2;
+  const bool fp8 = call.dtype == DType::kFp8E4M3;
+  const int block_n = sm90_block_n(call.head_dim, call.masked || call.skip, fp8);
+  const int64_t eb = fp8 ? 1 : 2;
 
   Sm90PrefillParams sp;
   sp.base = prm;
@@ -222,8 +254,9 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
   } else {
     const KvCacheView& cache = *call.cache;
     const bool eight_bit = cache.dtype == DType::kFp8E4M3 || cache.dtype == DType::kInt8;
-    sp.kv_8bit = eight_bit;
-    if (eight_bit || cache.window_slots > 0) {
+    // The FP8 kernel reads its fp8 cache natively (TMA); 16-bit kernels widen an 8-bit one.
+    sp.kv_8bit = eight_bit && !fp8;
+    if (sp.kv_8bit || cache.window_slots > 0) {
       sp.kv_mode = Sm90KvMode::kGather;
     } else {
       sp.kv_mode = Sm90KvMode::kTmaPaged;

@@ -29,6 +29,7 @@
 #include "cuda/common/tma_sm90.cuh"
 #include "cuda/common/warpgroup_sm90.cuh"
 #include "cuda/prefill/prefill_scheduler.cuh"
+#include "cuda/prefill/prefill_sm90_fp8_layout.h"
 #include "cuda/prefill/prefill_sm90_params.h"
 #include "cuda/prefill/prefill_sm90_traits.h"
 #include "cuda/prefill/prefill_variant.cuh"
@@ -57,6 +58,10 @@ struct Sm90Smem {
   __device__ uint32_t v_full(int s) const { return bar(2 + 2 * T::kStages + s); }
   __device__ uint32_t v_empty(int s) const { return bar(2 + 3 * T::kStages + s); }
   __device__ uint32_t kv_fault(int s) const { return base + T::kFaultOffset + 4 * s; }
+  // kFp8: the V staging ring (TMA destination) and its barriers; v() holds the transposed tiles.
+  __device__ uint32_t v_stage(int s) const { return base + T::kVStageOffset + s * T::kKvTileBytes; }
+  __device__ uint32_t vs_full(int s) const { return bar(2 + 4 * T::kStages + s); }
+  __device__ uint32_t vs_empty(int s) const { return bar(2 + 5 * T::kStages + s); }
 };
 
 // Byte offset of 16-byte chunk `chunk` (of 16-bit elements) of row `row` in a swizzled tile whose
@@ -79,6 +84,54 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
+}
+
+// Byte permute: byte k of the result is byte sel[4k+3:4k] of {b, a} (a = bytes 0-3).
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+  return __byte_perm(a, b, sel);
+}
+
+// The FP8 kernels' V transpose. fp8 wgmma reads B K-major only, so P V needs V^T: [head_dim rows
+// x kBlockN keys] in 128-byte swizzled rows, from the staged [kBlockN keys x head_dim] tile, with
+// the keys of each 32-key step permuted so that P needs no shuffle (fp8_layout::vt_key: the
+// V-column permutation of FlashAttention-3). Keys at or past `valid` are written as zeros (P is 0
+// there, but 0 x NaN = NaN).
+//
+// All 128 producer threads take part. Step (n, m) of lane 4a + b of warp w (n = w, w + 4, ...)
+// moves 4 x 4 bytes: head dims fp8_layout::transpose_d0 of the 4 keys of V^T column quad
+// fp8_layout::transpose_quad; the 32 lanes of a step read and write 32 different banks (the quad's
+// chunk moves with a, against the swizzle's XOR with the row;
+// tests/cpu/prefill_fp8_layout_test.cc).
+template <class T>
+__device__ __forceinline__ void transpose_v_tile(uint32_t src, uint32_t dst, int32_t valid,
+                                                 int ptid) {
+  static_assert(T::kBlockN == fp8_layout::kVtKeys, "V^T rows are 128 keys");
+  const int warp = ptid / 32, lane = ptid % 32;
+#pragma unroll
+  for (int n = warp; n < T::kHeadDim / 32; n += 4) {
+    const int d0 = fp8_layout::transpose_d0(lane, n);
+#pragma unroll 2
+    for (int m = 0; m < 8; ++m) {
+      const int q = fp8_layout::transpose_quad(lane, m);
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = fp8_layout::quad_key(q, j);
+        w[j] = key < valid
+                   ? ld_shared_u32(src + fp8_layout::staged_offset(key, d0, T::kKvColBlockBytes))
+                   : 0u;
+      }
+      // 4 x 4 byte transpose: out[i] = byte i of w[0..3].
+      const uint32_t t0 = byte_perm(w[0], w[1], 0x5140), t1 = byte_perm(w[2], w[3], 0x5140);
+      const uint32_t t2 = byte_perm(w[0], w[1], 0x7362), t3 = byte_perm(w[2], w[3], 0x7362);
+      const uint32_t out[4] = {byte_perm(t0, t1, 0x5410), byte_perm(t0, t1, 0x7632),
+                               byte_perm(t2, t3, 0x5410), byte_perm(t2, t3, 0x7632)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        st_shared_u32(dst + fp8_layout::vt_offset(d0 + i, 4 * q), out[i]);
+      }
+    }
+  }
 }
 
 // bar.sync of named barrier kId that also returns whether `pred` held in any of its threads.
@@ -197,7 +250,8 @@ struct Sm90Producer {
         const int32_t batch = p.cu_seqlens_kv ? 0 : work.batch;
 #pragma unroll
         for (int c = 0; c < T::kColBlocks; ++c) {
-          tma_load_4d(dst + c * T::kKvColBlockBytes, map, full, c * 64, kv_head, tok, batch);
+          tma_load_4d(dst + c * T::kKvColBlockBytes, map, full, c * T::kColElems, kv_head, tok,
+                      batch);
         }
       }
       return false;
@@ -228,11 +282,26 @@ struct Sm90Producer {
     if (good) {
 #pragma unroll
       for (int c = 0; c < T::kColBlocks; ++c) {
-        tma_load_4d(dst + c * T::kKvColBlockBytes + lane * box_rows * 128, map, full, c * 64, token,
-                    kv_head, block);
+        tma_load_4d(dst + c * T::kKvColBlockBytes + lane * box_rows * 128, map, full,
+                    c * T::kColElems, token, kv_head, block);
       }
     }
     return any_bad;
+  }
+
+  // kFp8: transposes key tile `it` of the work item from the staging ring into the V ring (all
+  // 128 threads; each arrives on v_full and vs_empty, which count 128).
+  __device__ void transpose_v(const KeyBlockRange& range, const SequenceInfo& seq, int32_t it,
+                              PipelineState<T::kStages>& t) const {
+    const int32_t key0 = range.block(it) * T::kBlockN;
+    const int32_t valid = min(T::kBlockN, seq.kv_len - key0);
+    mbarrier_wait(smem.vs_full(t.index), t.phase);
+    mbarrier_wait(smem.v_empty(t.index), t.phase ^ 1u);
+    transpose_v_tile<T>(smem.v_stage(t.index), smem.v(t.index), valid, ptid);
+    fence_proxy_async_smem();
+    mbarrier_arrive(smem.v_full(t.index));
+    mbarrier_arrive(smem.vs_empty(t.index));
+    t.advance();
   }
 
   __device__ void run() const {
@@ -248,6 +317,7 @@ struct Sm90Producer {
     }
     const PersistentScheduler sched = PersistentScheduler::make(p);
     PipelineState<T::kStages> stage;
+    PipelineState<T::kStages> transposed;  // kFp8: the V tiles transposed, one behind `stage`
     uint32_t q_iter = 0;
     for (int64_t w = sched.first(); sched.valid(w); w = sched.next(w)) {
       const PrefillWorkTile work = sched.tile(p, w);
@@ -273,27 +343,31 @@ struct Sm90Producer {
       KvRows rows;
       rows.batch = work.batch;
       rows.kv_head = kv_head;
-      rows.k_tok_bytes = p.k_tok_stride * 2;
-      rows.v_tok_bytes = p.v_tok_stride * 2;
-      rows.k_tensor = static_cast<const uint8_t*>(p.k) +
-                      (seq.k_offset + static_cast<int64_t>(kv_head) * p.k_head_stride) * 2;
-      rows.v_tensor = static_cast<const uint8_t*>(p.v) +
-                      (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * 2;
+      rows.k_tok_bytes = p.k_tok_stride * T::kElemBytes;
+      rows.v_tok_bytes = p.v_tok_stride * T::kElemBytes;
+      rows.k_tensor =
+          static_cast<const uint8_t*>(p.k) +
+          (seq.k_offset + static_cast<int64_t>(kv_head) * p.k_head_stride) * T::kElemBytes;
+      rows.v_tensor =
+          static_cast<const uint8_t*>(p.v) +
+          (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * T::kElemBytes;
 
       bool item_fault = false;  // a K tile of this work item had a bad table entry
       for (int32_t it = 0; it < num_tiles; ++it) {
         const int32_t key0 = range.block(it) * T::kBlockN;
         const int32_t valid = min(T::kBlockN, seq.kv_len - key0);
-        const bool gather_k = sp.kv_mode == Sm90KvMode::kGather;
+        const bool gather_k = !T::kFp8 && sp.kv_mode == Sm90KvMode::kGather;
         const bool gather_v = gather_k;
-        // K
+        // K (the FP8 kernels take TMA tiles only: run_sm90 gathers no fp8 call)
         if (gather_k) {
           // Warps 1-3 skip the TMA tiles without waiting: meet warp 0 first, so that the empty
           // barrier is at most one phase behind the parity waited for.
           named_barrier_sync<kProducerBarrier>(128);
           mbarrier_wait(smem.k_empty(stage.index), stage.phase ^ 1u);
-          const bool bad =
-              gather_tile<T, kDType>(sp, rows, false, key0, valid, smem.k(stage.index), ptid);
+          bool bad = false;
+          if constexpr (!T::kFp8) {
+            bad = gather_tile<T, kDType>(sp, rows, false, key0, valid, smem.k(stage.index), ptid);
+          }
           fence_proxy_async_smem();
           const bool any_bad = named_barrier_sync_or<kProducerBarrier>(128, bad);
           item_fault = item_fault || any_bad;
@@ -320,15 +394,27 @@ struct Sm90Producer {
           const int32_t batch = p.cu_seqlens_q ? 0 : work.batch;
 #pragma unroll
           for (int c = 0; c < T::kColBlocks; ++c) {
-            tma_load_4d(smem.q() + c * T::kQColBlockBytes, &sp.tma_q, smem.q_full(), c * 64,
-                        q_head0, tok, batch);
+            tma_load_4d(smem.q() + c * T::kQColBlockBytes, &sp.tma_q, smem.q_full(),
+                        c * T::kColElems, q_head0, tok, batch);
           }
         }
         // V
-        if (gather_v) {
+        if constexpr (T::kFp8) {
+          // Into the staging ring; the tile before it is transposed meanwhile, so that the wait
+          // for a tile to land does not hold back the next tile's loads.
+          if (tma_warp) {
+            if (lead) mbarrier_wait(smem.vs_empty(stage.index), stage.phase ^ 1u);
+            __syncwarp();
+            tma_tile(&sp.tma_v, true, seq, work, kv_head, key0, smem.v_stage(stage.index),
+                     smem.vs_full(stage.index), 0u);
+          }
+          if (it > 0) transpose_v(range, seq, it - 1, transposed);
+        } else if (gather_v) {
           named_barrier_sync<kProducerBarrier>(128);
           mbarrier_wait(smem.v_empty(stage.index), stage.phase ^ 1u);
-          gather_tile<T, kDType>(sp, rows, true, key0, valid, smem.v(stage.index), ptid);
+          if constexpr (!T::kFp8) {
+            gather_tile<T, kDType>(sp, rows, true, key0, valid, smem.v(stage.index), ptid);
+          }
           fence_proxy_async_smem();
           named_barrier_sync<kProducerBarrier>(128);
           if (lead) mbarrier_arrive(smem.v_full(stage.index));
@@ -340,6 +426,7 @@ struct Sm90Producer {
         }
         stage.advance();
       }
+      if constexpr (T::kFp8) transpose_v(range, seq, num_tiles - 1, transposed);
       if (item_fault && lead && work.head == 0) {
         record_work_faults<T::kBlockM, T::kBlockN, T::kMasked>(p, work.batch, work.m_block, p.paged,
                                                                false, true);
