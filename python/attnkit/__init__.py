@@ -895,7 +895,7 @@ def _workspace(ws: Any, name: str) -> Any:
     if ws is None:
         return None
     if not isinstance(ws, DecodeWorkspace):
-        raise Error(f"{name}: expected an attnkit.DecodeWorkspace or None, got {type(ws).__name__}")
+        raise Error(f"{name}: expected an attnkit.DecodeWorkspace or None, got {describe(ws)}")
     return ws._ws
 
 

@@ -17,15 +17,16 @@ INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 UINT64 = (0, 2**64 - 1)
 
-_ARRAY_KINDS = "a DLPack or buffer-protocol tensor (torch, numpy, cupy, jax, ...)"
+_ARRAY_KINDS = "a DLPack or buffer-protocol tensor: torch, numpy, cupy, jax, ..."
 
 
 def describe(value: Any) -> str:
-    """"a str ('x')": the type and a short repr of a rejected value."""
+    """'a str ('x')', 'an int (3)': the type and a short repr of a rejected value."""
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
-    return f"a {type(value).__name__} ({text})"
+    kind = type(value).__name__
+    return f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind} ({text})"
 
 
 def _range(bounds: tuple) -> str:

@@ -38,11 +38,13 @@ PyObject* g_device_fault_type = nullptr;
 
 [[noreturn]] void fail(const std::string& message) { throw Error(message); }
 
-// "a str ('abc')": the type and a short repr of a rejected Python value.
+// "a str ('abc')", "an int (3)": the type and a short repr of a rejected Python value.
 std::string describe(nb::handle value) {
   std::string text = nb::cast<std::string>(nb::str(nb::repr(value)));
   if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return "a " + nb::cast<std::string>(nb::inst_name(value)) + " (" + text + ")";
+  const std::string kind = nb::cast<std::string>(nb::inst_name(value));
+  const bool vowel = !kind.empty() && std::string("aeiouAEIOU").find(kind[0]) != std::string::npos;
+  return (vowel ? "an " : "a ") + kind + " (" + text + ")";
 }
 
 // A str argument of a function bound directly (AttentionConfig).
@@ -193,8 +195,9 @@ TensorView array_view(nb::handle value, const std::string& name, Access access,
   if (nb::hasattr(value, "requires_grad") && nb::bool_(value.attr("requires_grad"))) {
     why = " (a tensor that requires grad exports no DLPack view: pass tensor.detach())";
   }
-  fail(name + ": expected an array (a DLPack or buffer-protocol tensor: torch, numpy, cupy, "
-              "jax, ...), got " +
+  fail(name +
+       ": expected an array (a DLPack or buffer-protocol tensor: torch, numpy, cupy, "
+       "jax, ...), got " +
        describe(value) + why);
 }
 
@@ -459,7 +462,8 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
     const bool block_contiguous = t->strides[3] == 1 && t->strides[2] == t->shape[3] &&
                                   t->strides[1] == t->shape[2] * t->shape[3];
     if (!block_contiguous) {
-      fail(name + ": each block [Hkv, T, D] must be contiguous (strides [*, T*D, D, 1]); got shape " +
+      fail(name +
+           ": each block [Hkv, T, D] must be contiguous (strides [*, T*D, D, 1]); got shape " +
            t->shape_str());
     }
   }
@@ -570,8 +574,7 @@ void py_decode(const nb::dict& spec_dict, nb::handle q, const nb::dict& kv_cache
     args.out = array_view(out, "out", Access::kOutput);
     args.lse = opt_array_view(lse, "lse", Access::kOutput);
     args.beam_width = beam_width;
-    args.cache_indirection =
-        opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
+    args.cache_indirection = opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
     args.num_splits = num_splits;
     args.max_seq_len = max_seq_len;
     args.workspace = workspace;
@@ -585,8 +588,7 @@ void py_decode(const nb::dict& spec_dict, nb::handle q, const nb::dict& kv_cache
 
 void py_append_kv(const nb::dict& spec_dict, const nb::dict& kv_cache, nb::handle positions,
                   nb::handle row_of_token, nb::handle q_out, nb::handle qkv, nb::handle q,
-                  nb::handle k, nb::handle v, nb::handle qkv_bias, bool checked,
-                  uintptr_t stream) {
+                  nb::handle k, nb::handle v, nb::handle qkv_bias, bool checked, uintptr_t stream) {
   in_python_names(PyFunction::kAppendKv, [&] {
     const AttentionSpec spec = spec_from_dict(spec_dict);
     AppendKvArgs args;
@@ -606,11 +608,11 @@ void py_append_kv(const nb::dict& spec_dict, const nb::dict& kv_cache, nb::handl
 }
 
 void py_forward(const nb::dict& spec_dict, nb::handle qkv, const nb::dict& kv_cache,
-                nb::handle cu_seqlens_q, nb::handle past_lens, int32_t num_context,
-                nb::handle out, int32_t beam_width, nb::handle qkv_bias,
-                nb::handle cache_indirection, nb::handle lse, nb::handle workspace,
-                int32_t num_splits, DecodeWorkspace* decode_workspace, bool deterministic,
-                bool batch_invariant, bool checked, uintptr_t stream) {
+                nb::handle cu_seqlens_q, nb::handle past_lens, int32_t num_context, nb::handle out,
+                int32_t beam_width, nb::handle qkv_bias, nb::handle cache_indirection,
+                nb::handle lse, nb::handle workspace, int32_t num_splits,
+                DecodeWorkspace* decode_workspace, bool deterministic, bool batch_invariant,
+                bool checked, uintptr_t stream) {
   in_python_names(PyFunction::kForward, [&] {
     const AttentionSpec spec = spec_from_dict(spec_dict);
     ForwardArgs args;
@@ -623,8 +625,7 @@ void py_forward(const nb::dict& spec_dict, nb::handle qkv, const nb::dict& kv_ca
     args.out = array_view(out, "out", Access::kOutput);
     args.beam_width = beam_width;
     args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
-    args.cache_indirection =
-        opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
+    args.cache_indirection = opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
     args.lse = opt_array_view(lse, "lse", Access::kOutput);
     args.workspace = opt_array_view(workspace, "workspace", Access::kOutput);
     args.num_splits = num_splits;
@@ -708,7 +709,8 @@ nb::dict py_info() {
   return d;
 }
 
-// ---- errors and Ctrl-C ---------------------------------------------------------------------------
+// ---- errors and Ctrl-C
+// ---------------------------------------------------------------------------
 
 // The exception a signal handler raised while a CPU call ran (KeyboardInterrupt for Ctrl-C), kept
 // from the poll that saw it until the Interrupted it caused reaches Python. Only the main thread
@@ -763,14 +765,15 @@ void translate_exception(const std::exception_ptr& p, void*) {
   } catch (const Interrupted& e) {
     if (!restore_pending_exception()) PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
   } catch (const DeviceFaultError& e) {
-    PyErr_SetString(g_device_fault_type,
-                    to_python_names(e.what(), renames_of(function_of_message(
-                                                  e.what(), PyFunction::kOther)))
-                        .c_str());
+    PyErr_SetString(
+        g_device_fault_type,
+        to_python_names(e.what(), renames_of(function_of_message(e.what(), PyFunction::kOther)))
+            .c_str());
   } catch (const Error& e) {
-    PyErr_SetString(g_error_type, to_python_names(e.what(), renames_of(function_of_message(
-                                                                e.what(), PyFunction::kOther)))
-                                      .c_str());
+    PyErr_SetString(
+        g_error_type,
+        to_python_names(e.what(), renames_of(function_of_message(e.what(), PyFunction::kOther)))
+            .c_str());
   }
 }
 
@@ -787,10 +790,10 @@ KvCacheManagerConfig manager_config(const nb::dict& d) {
   c.head_dim = get<int32_t>(d, "head_dim", 0);
   c.tokens_per_block = get<int32_t>(d, "tokens_per_block", 16);
   c.dtype = get_choice<DType>(d, "dtype", "f16", "dtype",
-                             {{"f16", DType::kF16},
-                              {"bf16", DType::kBF16},
-                              {"fp8_e4m3", DType::kFp8E4M3},
-                              {"int8", DType::kInt8}});
+                              {{"f16", DType::kF16},
+                               {"bf16", DType::kBF16},
+                               {"fp8_e4m3", DType::kFp8E4M3},
+                               {"int8", DType::kInt8}});
   c.device = parse_device_name(get<std::string>(d, "device", "cpu"));
   c.max_tokens = get<int64_t>(d, "max_tokens", 0);
   c.max_bytes = get<int64_t>(d, "max_bytes", 0);
@@ -999,17 +1002,17 @@ NB_MODULE(_attnkit, m) {
         "v"_a = none, "cu_seqlens_kv"_a = none, "kv_cache"_a.none() = none, "lse"_a = none,
         "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "checked"_a = false, "stream"_a = 0);
   m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a, "lse"_a = none,
-        "beam_width"_a = 1, "cache_indirection"_a = none, "num_splits"_a = 0,
-        "max_seq_len"_a = 0, "workspace"_a.none() = none, "deterministic"_a = true,
-        "batch_invariant"_a = false, "checked"_a = false, "stream"_a = 0);
+        "beam_width"_a = 1, "cache_indirection"_a = none, "num_splits"_a = 0, "max_seq_len"_a = 0,
+        "workspace"_a.none() = none, "deterministic"_a = true, "batch_invariant"_a = false,
+        "checked"_a = false, "stream"_a = 0);
   m.def("append_kv", &py_append_kv, "spec"_a, "kv_cache"_a, "positions"_a, "row_of_token"_a,
-        "q_out"_a, "qkv"_a = none, "q"_a = none, "k"_a = none, "v"_a = none,
-        "qkv_bias"_a = none, "checked"_a = false, "stream"_a = 0);
+        "q_out"_a, "qkv"_a = none, "q"_a = none, "k"_a = none, "v"_a = none, "qkv_bias"_a = none,
+        "checked"_a = false, "stream"_a = 0);
   m.def("forward", &py_forward, "spec"_a, "qkv"_a, "kv_cache"_a, "cu_seqlens_q"_a, "past_lens"_a,
         "num_context"_a, "out"_a, "beam_width"_a = 1, "qkv_bias"_a = none,
         "cache_indirection"_a = none, "lse"_a = none, "workspace"_a = none, "num_splits"_a = 0,
-        "decode_workspace"_a.none() = none, "deterministic"_a = true,
-        "batch_invariant"_a = false, "checked"_a = false, "stream"_a = 0);
+        "decode_workspace"_a.none() = none, "deterministic"_a = true, "batch_invariant"_a = false,
+        "checked"_a = false, "stream"_a = 0);
   m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a = none,
         "timestep"_a = 0.0, "block_m"_a = 128, "block_n"_a = 128, "stats"_a = true,
         "skip_stats"_a = none, "checked"_a = false, "stream"_a = 0);
@@ -1034,11 +1037,15 @@ NB_MODULE(_attnkit, m) {
       .def(nb::init<>(), "An empty config: every role resolves to backend 'auto'.")
       .def_static(
           "from_json",
-          [](nb::handle text) { return attnkit::AttentionConfig::from_json(str_arg(text, "text")); },
+          [](nb::handle text) {
+            return attnkit::AttentionConfig::from_json(str_arg(text, "text"));
+          },
           "text"_a, "Parses and validates JSON text; raises Error naming the key path.")
       .def_static(
           "from_file",
-          [](nb::handle path) { return attnkit::AttentionConfig::from_file(path_arg(path, "path")); },
+          [](nb::handle path) {
+            return attnkit::AttentionConfig::from_file(path_arg(path, "path"));
+          },
           "path"_a, "Parses and validates a JSON file; raises Error naming the key path.")
       .def(
           "resolve",

@@ -94,9 +94,9 @@ inline constexpr Rename kDecodeCacheRenames[] = {
 };
 
 inline constexpr Rename kPrefillRenames[] = {
-    {"cu_seqlens_kv", "cu_seqlens_k"}, {"max_seqlen_kv", "max_seqlen_k"},
+    {"cu_seqlens_kv", "cu_seqlens_k"},  {"max_seqlen_kv", "max_seqlen_k"},
     {"spec.num_q_heads", "q.shape[1]"}, {"spec.num_kv_heads", "k.shape[1]"},
-    {"spec.head_dim", "q.shape[2]"},     {"num_q_heads", "q.shape[1]"},
+    {"spec.head_dim", "q.shape[2]"},    {"num_q_heads", "q.shape[1]"},
 };
 inline constexpr Rename kPrefillPagedRenames[] = {
     {"spec.num_q_heads", "q.shape[1]"},
@@ -208,9 +208,9 @@ inline std::string to_python_names(std::string_view message, const std::vector<R
 // the device faults that check_device_errors() reports do; "KvCacheManager...").
 inline PyFunction function_of_message(std::string_view message, PyFunction fallback) {
   static constexpr std::pair<std::string_view, PyFunction> kOps[] = {
-      {"prefill: ", PyFunction::kPrefill},     {"decode: ", PyFunction::kDecode},
-      {"append_kv: ", PyFunction::kAppendKv},  {"forward: ", PyFunction::kForward},
-      {"dense: ", PyFunction::kDense},         {"merge_states: ", PyFunction::kMergeStates},
+      {"prefill: ", PyFunction::kPrefill},      {"decode: ", PyFunction::kDecode},
+      {"append_kv: ", PyFunction::kAppendKv},   {"forward: ", PyFunction::kForward},
+      {"dense: ", PyFunction::kDense},          {"merge_states: ", PyFunction::kMergeStates},
       {"KvCacheManager", PyFunction::kKvCache},
   };
   for (const auto& [prefix, function] : kOps) {

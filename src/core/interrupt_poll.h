@@ -12,8 +12,7 @@ namespace attnkit::detail {
 class InterruptPoll {
  public:
   // `op` names the call in the Interrupted message ("prefill", "dense", ...).
-  explicit InterruptPoll(const char* op)
-      : op_(op), last_(std::chrono::steady_clock::now()) {}
+  explicit InterruptPoll(const char* op) : op_(op), last_(std::chrono::steady_clock::now()) {}
 
   // Throws Interrupted when the installed check asks to stop.
   void operator()() {

@@ -11,9 +11,9 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <type_traits>
-#include <random>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -96,12 +96,12 @@ std::vector<LongCall> long_calls(std::mt19937_64& rng) {
 
   // Decode: every row reads the same 2048 cached tokens through its block table.
   constexpr int32_t kRows = 16, kBlock = 64, kBlocks = 32;
-  auto cache_k = std::make_shared<HostTensor>(
-      random_tensor(DType::kF16, {kBlocks, kHkv, kBlock, kDim}, rng));
-  auto cache_v = std::make_shared<HostTensor>(
-      random_tensor(DType::kF16, {kBlocks, kHkv, kBlock, kDim}, rng));
-  auto table = std::make_shared<HostTensor>(DType::kInt32, std::initializer_list<int64_t>{
-                                                               kRows, kBlocks});
+  auto cache_k =
+      std::make_shared<HostTensor>(random_tensor(DType::kF16, {kBlocks, kHkv, kBlock, kDim}, rng));
+  auto cache_v =
+      std::make_shared<HostTensor>(random_tensor(DType::kF16, {kBlocks, kHkv, kBlock, kDim}, rng));
+  auto table =
+      std::make_shared<HostTensor>(DType::kInt32, std::initializer_list<int64_t>{kRows, kBlocks});
   auto lens = std::make_shared<HostTensor>(DType::kInt32, std::initializer_list<int64_t>{kRows});
   for (int32_t r = 0; r < kRows; ++r) {
     for (int32_t b = 0; b < kBlocks; ++b) table->data<int32_t>()[r * kBlocks + b] = b;
