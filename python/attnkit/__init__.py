@@ -435,14 +435,15 @@ def prefill(
     checked = bool_arg(checked, "checked")
     stream = _stream(q, stream)
     cuda = _is_cuda(q)
+    # CUDA calls need the bounds (> 0: an empty batch's bound of 1 holds too).
     if cuda and max_seqlen_q is None:
-        max_seqlen_q = _max_len(cu_seqlens_q)
+        max_seqlen_q = max(_max_len(cu_seqlens_q), 1)
     if cuda and max_seqlen_k is None:
         if paged:
             lens = _host(kv_cache.seq_lens)
-            max_seqlen_k = int(lens.max()) if lens.size else 0
+            max_seqlen_k = max(int(lens.max()) if lens.size else 0, 1)
         else:
-            max_seqlen_k = _max_len(cu_seqlens_k)
+            max_seqlen_k = max(_max_len(cu_seqlens_k), 1)
     if out is None:
         out = _empty(q, (total_q, hq, d))
     if lse is None and return_lse:

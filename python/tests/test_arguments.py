@@ -455,3 +455,83 @@ def test_empty_dense_and_merge_states(rng):
     out, lse = attnkit.merge_states(_f32(rng, 0, 2, 8), _f32(rng, 0, 2), _f32(rng, 0, 2, 8),
                                     _f32(rng, 0, 2))
     assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+# ---- torch tensors (skipped without torch; the CUDA ones without a GPU and a CUDA build) --------
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="needs PyTorch")
+needs_cuda = pytest.mark.skipif(
+    torch is None or not (torch.cuda.is_available() and attnkit.info()["cuda"]),
+    reason="needs PyTorch, a CUDA GPU and attnkit built with the CUDA backend",
+)
+
+
+def _torch_prefill_args(rng, device, dtype):
+    make = lambda *shape: torch.from_numpy(_f32(rng, *shape)).to(device, dtype)  # noqa: E731
+    return dict(q=make(6, HQ, D), k=make(6, HKV, D), v=make(6, HKV, D),
+                cu_seqlens_q=[0, 2, 6], cu_seqlens_k=[0, 2, 6])
+
+
+def _expect_error(name, fragment, function, **args):
+    with pytest.raises(attnkit.Error) as err:
+        function(**args)
+    message = str(err.value)
+    assert _leads_with(message, name), message
+    assert fragment in message, message
+    assert "incompatible function arguments" not in message and "std::" not in message
+
+
+@needs_torch
+def test_torch_bad_arguments_name_the_argument(rng):
+    args = _torch_prefill_args(rng, "cpu", torch.float32)
+    attnkit.prefill(**args)
+    _expect_error("q", "detach()", attnkit.prefill,
+                  **dict(args, q=args["q"].clone().requires_grad_()))
+    cu64 = torch.tensor([0, 2, 6], dtype=torch.int64)
+    _expect_error("cu_seqlens_q", "int32", attnkit.prefill, **dict(args, cu_seqlens_q=cu64))
+    _expect_error("window", "integer", attnkit.prefill, **dict(args, window=torch.tensor(2**40)))
+    out = torch.full((6, HQ, D), float("nan"), dtype=torch.float16)
+    _expect_error("out", "dtype", attnkit.prefill, **dict(args, out=out))
+    assert torch.isnan(out).all()
+
+
+@needs_cuda
+def test_cuda_bad_arguments_name_the_argument(rng):
+    args = _torch_prefill_args(rng, "cuda", torch.bfloat16)
+    attnkit.prefill(**args)
+    out = torch.full((6, HQ, D), float("nan"), dtype=torch.bfloat16)  # on the CPU
+    _expect_error("out", "cuda", attnkit.prefill, **dict(args, out=out))
+    _expect_error("max_seqlen_q", ">= 0", attnkit.prefill, **dict(args, max_seqlen_q=-1))
+    _expect_error("q", "detach()", attnkit.prefill,
+                  **dict(args, q=args["q"].clone().requires_grad_()))
+    _expect_error("kernel", "'auto', 'portable' or 'hopper'", attnkit.prefill,
+                  **dict(args, kernel="fa3"))
+
+
+@needs_cuda
+def test_cuda_empty_batches_run_and_write_nothing(rng):
+    make = lambda *shape: torch.from_numpy(_f32(rng, *shape)).to("cuda", torch.bfloat16)  # noqa
+    q, k, v = make(6, HQ, D), make(6, HKV, D), make(6, HKV, D)
+    assert attnkit.prefill(q[:0], k[:0], v[:0], [0], [0]).shape == (0, HQ, D)
+    assert attnkit.prefill(q[:0], k, v, [0, 0], [0, 6]).shape == (0, HQ, D)
+    cache = attnkit.KvCache(num_kv_heads=HKV, head_dim=D, max_seq_len=64, dtype="bf16",
+                            device="cuda", max_tokens=256)
+    pool = cache.pool.clone()
+    view = cache.view(0, [])
+    assert attnkit.decode(q[:0], view).shape == (0, HQ, D)
+    qkv = torch.zeros((0, (HQ + 2 * HKV) * D), dtype=torch.bfloat16, device="cuda")
+    assert attnkit.append_kv(view, [], [], qkv=qkv).shape == (0, HQ, D)
+    assert attnkit.forward(qkv, view, [0], [], num_context=0).shape == (0, HQ, D)
+    assert attnkit.prefill(q[:0], kv_cache=view, cu_seqlens_q=[0]).shape == (0, HQ, D)
+    dq, dk = make(0, 8, HQ, D), make(0, 8, HKV, D)
+    assert attnkit.dense(dq, dk, dk).shape == (0, 8, HQ, D)
+    lse = torch.zeros((0, HQ), dtype=torch.float32, device="cuda")
+    out, lse_out = attnkit.merge_states(q[:0], lse, q[:0], lse)
+    assert out.shape == (0, HQ, D) and lse_out.shape == (0, HQ)
+    attnkit.check_errors()
+    assert torch.equal(cache.pool, pool), "an empty call wrote into the cache"
