@@ -5,6 +5,7 @@
 #include "attnkit/config.h"
 #include "attnkit/device_errors.h"
 #include "attnkit/info.h"
+#include "attnkit/interrupt.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/kv_cache_manager.h"
 #include "attnkit/spec.h"

@@ -107,7 +107,8 @@ struct AttentionSpec {
   void validate() const;
 };
 
-// Default ALiBi slopes for n heads (docs/semantics.md), including non-powers of two.
+// Default ALiBi slopes for n heads (docs/semantics.md), including non-powers of two; n in
+// [1, 65536] (the range of spec.num_q_heads), else Error.
 std::vector<float> default_alibi_slopes(int32_t num_heads);
 
 }  // namespace attnkit

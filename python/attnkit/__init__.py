@@ -4,7 +4,8 @@ Every function takes DLPack tensors (PyTorch, NumPy, CuPy, JAX, ...) and runs on
 CPU arrays run on the reference backend (fp64 accumulation), CUDA tensors on the backend that
 ``backend`` selects. Outputs are allocated with the input's array library when ``out`` is None
 (NumPy, PyTorch and CuPy; other libraries must pass ``out=``). Every rejected call raises
-:class:`attnkit.Error` (a ``ValueError``) carrying the C++ message, and writes nothing.
+:class:`attnkit.Error` (a ``ValueError``) naming the argument as this package spells it and what
+is accepted, and writes nothing. Ctrl-C stops a long CPU call with ``KeyboardInterrupt``.
 
 Shapes use B sequences, Hq query heads, Hkv KV heads (dividing Hq), D head_dim, and packed
 ("varlen") token dimensions without padding. See docs/python.md.
@@ -15,6 +16,23 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from . import _attnkit as _C
+from ._arguments import (
+    INT64,
+    UINT64,
+    bool_arg,
+    describe,
+    dict_arg,
+    float_arg,
+    float_list,
+    int32_values,
+    int_arg,
+    int_list,
+    opt_float_arg,
+    opt_int_arg,
+    opt_str_arg,
+    shape_of,
+    str_arg,
+)
 
 Error = _C.Error
 Error.__module__ = "attnkit"
@@ -75,12 +93,13 @@ def check_errors(stream: Optional[int] = None) -> None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             stream = torch.cuda.current_stream().cuda_stream
-    _C.check_device_errors(int(stream))
+    _C.check_device_errors(int_arg(stream, "stream", UINT64))
 
 
 def default_alibi_slopes(num_heads: int) -> list:
-    """The default ALiBi slopes for ``num_heads`` heads (docs/semantics.md), a list of floats."""
-    return list(_C.default_alibi_slopes(num_heads))
+    """The default ALiBi slopes for ``num_heads`` heads in [1, 65536] (docs/semantics.md), a list
+    of floats."""
+    return list(_C.default_alibi_slopes(int_arg(num_heads, "num_heads")))
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -134,10 +153,7 @@ def _int32(x: Any, like: Any, name: str) -> Any:
     ):
         import numpy as np
 
-        host = np.ascontiguousarray(np.asarray(x, dtype=np.int64))
-        if host.size and (host.min() < -(2**31) or host.max() >= 2**31):
-            raise Error(f"{name}: values must fit in int32")
-        host = host.astype(np.int32)
+        host = np.ascontiguousarray(int32_values(x, name), dtype=np.int32)
         if _library(like) == "torch" and _is_cuda(like):
             import torch
 
@@ -152,22 +168,15 @@ def _int32(x: Any, like: Any, name: str) -> Any:
 
 def _host_int32(x: Any, name: str) -> Any:
     """A host int32 NumPy copy of ``x`` (list, NumPy or torch CPU array); values outside int32
-    raise instead of wrapping."""
+    raise instead of wrapping, floats instead of being truncated."""
     import numpy as np
 
-    if _library(x) == "torch":
-        x = x.cpu()
-    host = np.asarray(x)
-    if host.dtype.kind not in "iu":
-        host = np.asarray(x, dtype=np.int64)
-    if host.size and (host.min() < -(2**31) or host.max() >= 2**31):
-        raise Error(f"{name}: values must fit in int32")
-    return np.ascontiguousarray(host, dtype=np.int32)
+    return np.ascontiguousarray(int32_values(x, name), dtype=np.int32)
 
 
 def _stream(x: Any, stream: Optional[int]) -> int:
     if stream is not None:
-        return int(stream)
+        return int_arg(stream, "stream", UINT64)
     if _is_cuda(x) and _library(x) == "torch":
         import torch
 
@@ -193,14 +202,17 @@ def _max_len(cu: Any) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0
 
 
-def _mask(causal: bool, window: Optional[int], sink_tokens: int) -> dict:
+def _mask(causal: Any, window: Any, sink_tokens: Any) -> dict:
+    causal = bool_arg(causal, "causal")
+    window = opt_int_arg(window, "window")
+    sink_tokens = int_arg(sink_tokens, "sink_tokens")
     if window is not None and window != 0:
         if not causal:
             raise Error(
                 f"window: a sliding window is causal; got window={window} with causal=False "
                 "(accepted: causal=True, or window=None)"
             )
-        return {"mask": "sliding_window", "window": int(window), "sink_tokens": int(sink_tokens)}
+        return {"mask": "sliding_window", "window": window, "sink_tokens": sink_tokens}
     if sink_tokens:
         raise Error(f"sink_tokens: only with a sliding window, got sink_tokens={sink_tokens}")
     return {"mask": "causal" if causal else "none"}
@@ -210,56 +222,77 @@ def _spec(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    softmax_scale: Optional[float],
+    softmax_scale: Any,
     alibi: Any,
-    softcap: float,
-    backend: str,
-    kernel: str = "auto",
+    softcap: Any,
+    backend: Any,
+    kernel: Any = "auto",
 ) -> dict:
     spec = {
         "num_q_heads": int(num_q_heads),
         "num_kv_heads": int(num_kv_heads),
         "head_dim": int(head_dim),
-        "softmax_scale": float(softmax_scale) if softmax_scale is not None else 0.0,
-        "softcap": float(softcap),
-        "backend": backend,
-        "kernel": kernel,
+        "softmax_scale": opt_float_arg(softmax_scale, "softmax_scale") or 0.0,
+        "softcap": float_arg(softcap, "softcap"),
+        "backend": str_arg(backend, "backend"),
+        "kernel": str_arg(kernel, "kernel"),
     }
     if alibi is True:
         spec["alibi"] = True
     elif alibi is not False and alibi is not None:
+        if isinstance(alibi, (str, bytes)) or not hasattr(alibi, "__iter__"):
+            raise Error(
+                f"alibi: expected False, True (the default slopes) or a sequence of [Hq] slopes, "
+                f"got {describe(alibi)}"
+            )
         spec["alibi"] = True
-        spec["alibi_slopes"] = [float(s) for s in alibi]
+        spec["alibi_slopes"] = float_list(alibi, "alibi")
     return spec
 
 
 def _rope(
-    rope: str,
-    rotary_dim: int,
-    rope_base: float,
-    rope_scaling: str,
-    rope_factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position: int,
+    rope: Any,
+    rotary_dim: Any,
+    rope_base: Any,
+    rope_scaling: Any,
+    rope_factor: Any,
+    low_freq_factor: Any,
+    high_freq_factor: Any,
+    original_max_position: Any,
 ) -> dict:
     return {
-        "rope_style": rope,
-        "rotary_dim": int(rotary_dim),
-        "rope_base": float(rope_base),
-        "rope_scaling": rope_scaling,
-        "rope_factor": float(rope_factor),
-        "low_freq_factor": float(low_freq_factor),
-        "high_freq_factor": float(high_freq_factor),
-        "original_max_position": int(original_max_position),
+        "rope_style": str_arg(rope, "rope"),
+        "rotary_dim": int_arg(rotary_dim, "rotary_dim"),
+        "rope_base": float_arg(rope_base, "rope_base"),
+        "rope_scaling": str_arg(rope_scaling, "rope_scaling"),
+        "rope_factor": float_arg(rope_factor, "rope_factor"),
+        "low_freq_factor": float_arg(low_freq_factor, "low_freq_factor"),
+        "high_freq_factor": float_arg(high_freq_factor, "high_freq_factor"),
+        "original_max_position": int_arg(original_max_position, "original_max_position"),
     }
 
 
 def _shape(x: Any, name: str, ndim: int) -> tuple:
-    shape = tuple(int(s) for s in x.shape)
-    if len(shape) != ndim:
-        raise Error(f"{name}: expected {ndim} dimensions, got shape {list(shape)}")
-    return shape
+    return shape_of(x, name, ndim)
+
+
+def _qkv_query_heads(width: int, num_q_heads: Any, hkv: int, d: int) -> int:
+    """Hq of a packed qkv [num_tokens, (Hq + 2 * Hkv) * D]: num_q_heads, or what the width
+    leaves."""
+    if num_q_heads is not None:
+        return int_arg(num_q_heads, "num_q_heads", (1, 2**31 - 1))
+    if width % d != 0 or width // d - 2 * hkv < 1:
+        raise Error(
+            f"qkv: expected a width of (Hq + 2 * Hkv) * D with Hkv={hkv}, D={d} (from kv_cache) "
+            f"and Hq >= 1, got width {width}"
+        )
+    return width // d - 2 * hkv
+
+
+def _kv_view(kv_cache: Any, name: str = "kv_cache") -> "KvView":
+    if not isinstance(kv_cache, KvView):
+        raise Error(f"{name}: expected an attnkit.KvView, got {describe(kv_cache)}")
+    return kv_cache
 
 
 class KvView:
@@ -288,20 +321,23 @@ class KvView:
         sink_tokens: int = 0,
         kv_dtype: Optional[str] = None,
     ) -> None:
+        shape_of(k, "k", 4)
+        shape_of(v, "v", 4)
         self.k, self.v = k, v
         self.seq_lens = _int32(seq_lens, k, "seq_lens")
         self.block_table = _int32(block_table, k, "block_table")
         self.k_scale, self.v_scale = k_scale, v_scale
-        self.window_slots, self.sink_tokens = int(window_slots), int(sink_tokens)
-        self.kv_dtype = kv_dtype
+        self.window_slots = int_arg(window_slots, "window_slots")
+        self.sink_tokens = int_arg(sink_tokens, "sink_tokens")
+        self.kv_dtype = opt_str_arg(kv_dtype, "kv_dtype")
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.k.shape[1])
+        return shape_of(self.k, "kv_cache.k", 4)[1]
 
     @property
     def head_dim(self) -> int:
-        return int(self.k.shape[3])
+        return shape_of(self.k, "kv_cache.k", 4)[3]
 
     def _dict(self) -> dict:
         return {
@@ -325,7 +361,9 @@ def _as_view(k_cache: Any, v_cache: Any, seq_lens: Any, block_table: Any, **kw: 
             )
         return k_cache
     if k_cache is None or v_cache is None:
-        raise Error("kv_cache: needs a KvView, or k_cache and v_cache arrays")
+        raise Error("k_cache: needs a KvView, or k_cache and v_cache arrays")
+    shape_of(k_cache, "k_cache", 4)
+    shape_of(v_cache, "v_cache", 4)
     return KvView(k_cache, v_cache, seq_lens, block_table, **kw)
 
 
@@ -375,6 +413,7 @@ def prefill(
     total_q, hq, d = _shape(q, "q", 3)
     paged = kv_cache is not None
     if paged:
+        _kv_view(kv_cache)
         if k is not None or v is not None or cu_seqlens_k is not None:
             raise Error("kv_cache: must not be given together with k, v or cu_seqlens_k")
         hkv = kv_cache.num_kv_heads
@@ -390,15 +429,21 @@ def prefill(
     cu_seqlens_k = _int32(cu_seqlens_k, q, "cu_seqlens_k")
     spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend, kernel)
     spec.update(_mask(causal, window, sink_tokens))
+    max_seqlen_q = opt_int_arg(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = opt_int_arg(max_seqlen_k, "max_seqlen_k")
+    return_lse = bool_arg(return_lse, "return_lse")
+    checked = bool_arg(checked, "checked")
+    stream = _stream(q, stream)
     cuda = _is_cuda(q)
+    # CUDA calls need the bounds (> 0: an empty batch's bound of 1 holds too).
     if cuda and max_seqlen_q is None:
-        max_seqlen_q = _max_len(cu_seqlens_q)
+        max_seqlen_q = max(_max_len(cu_seqlens_q), 1)
     if cuda and max_seqlen_k is None:
         if paged:
             lens = _host(kv_cache.seq_lens)
-            max_seqlen_k = int(lens.max()) if lens.size else 0
+            max_seqlen_k = max(int(lens.max()) if lens.size else 0, 1)
         else:
-            max_seqlen_k = _max_len(cu_seqlens_k)
+            max_seqlen_k = max(_max_len(cu_seqlens_k), 1)
     if out is None:
         out = _empty(q, (total_q, hq, d))
     if lse is None and return_lse:
@@ -413,10 +458,10 @@ def prefill(
         cu_seqlens_kv=cu_seqlens_k,
         kv_cache=kv_cache._dict() if paged else None,
         lse=lse,
-        max_seqlen_q=int(max_seqlen_q or 0),
-        max_seqlen_kv=int(max_seqlen_k or 0),
-        checked=bool(checked),
-        stream=_stream(q, stream),
+        max_seqlen_q=max_seqlen_q or 0,
+        max_seqlen_kv=max_seqlen_k or 0,
+        checked=checked,
+        stream=stream,
     )
     return (out, lse) if lse is not None else out
 
@@ -471,6 +516,7 @@ def decode(
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     rows, hq, d = _shape(q, "q", 3)
+    window_slots = int_arg(window_slots, "window_slots")
     view = _as_view(
         k_cache,
         v_cache,
@@ -484,26 +530,22 @@ def decode(
     )
     spec = _spec(hq, view.num_kv_heads, d, softmax_scale, alibi, softcap, backend)
     spec.update(_mask(True, window, sink_tokens))
-    if out is None:
-        out = _empty(q, (rows, hq, d))
-    if lse is None and return_lse:
-        lse = _empty(q, (rows, hq), float32=True)
-    _C.decode(
-        spec,
-        q,
-        view._dict(),
-        out,
-        lse=lse,
-        beam_width=int(beam_width),
+    options = dict(
+        beam_width=int_arg(beam_width, "beam_width"),
         cache_indirection=_int32(cache_indirection, q, "cache_indirection"),
-        num_splits=int(num_splits),
-        max_seq_len=int(max_seq_len),
+        num_splits=int_arg(num_splits, "num_splits"),
+        max_seq_len=int_arg(max_seq_len, "max_seq_len"),
         workspace=_workspace(workspace, "workspace"),
-        deterministic=bool(deterministic),
-        batch_invariant=bool(batch_invariant),
-        checked=bool(checked),
+        deterministic=bool_arg(deterministic, "deterministic"),
+        batch_invariant=bool_arg(batch_invariant, "batch_invariant"),
+        checked=bool_arg(checked, "checked"),
         stream=_stream(q, stream),
     )
+    if out is None:
+        out = _empty(q, (rows, hq, d))
+    if lse is None and bool_arg(return_lse, "return_lse"):
+        lse = _empty(q, (rows, hq), float32=True)
+    _C.decode(spec, q, view._dict(), out, lse=lse, **options)
     return (out, lse) if lse is not None else out
 
 
@@ -542,16 +584,15 @@ def append_kv(
     checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns q_out [num_tokens, Hq, D] (allocated if None).
     """
-    hkv, d = kv_cache.num_kv_heads, kv_cache.head_dim
+    hkv, d = _kv_view(kv_cache).num_kv_heads, kv_cache.head_dim
     src = qkv if qkv is not None else q
     if src is None:
         raise Error("qkv: required (or q, k and v)")
-    num_tokens = int(src.shape[0])
     if qkv is not None:
-        width = _shape(qkv, "qkv", 2)[1]
-        hq = int(num_q_heads) if num_q_heads is not None else width // d - 2 * hkv
+        num_tokens, width = _shape(qkv, "qkv", 2)
+        hq = _qkv_query_heads(width, num_q_heads, hkv, d)
     else:
-        hq = _shape(q, "q", 3)[1]
+        num_tokens, hq, _ = _shape(q, "q", 3)
     spec = _spec(hq, hkv, d, None, False, 0.0, backend)
     spec.update(
         _rope(
@@ -568,21 +609,25 @@ def append_kv(
     if kv_cache.window_slots:
         spec.update({"mask": "sliding_window", "window": kv_cache.window_slots})
         spec["sink_tokens"] = kv_cache.sink_tokens
+    positions = _int32(positions, src, "positions")
+    row_of_token = _int32(row_of_token, src, "row_of_token")
+    checked = bool_arg(checked, "checked")
+    stream = _stream(src, stream)
     if q_out is None:
         q_out = _empty(src, (num_tokens, hq, d))
     _C.append_kv(
         spec,
         kv_cache._dict(),
-        _int32(positions, src, "positions"),
-        _int32(row_of_token, src, "row_of_token"),
+        positions,
+        row_of_token,
         q_out,
         qkv=qkv,
         q=q,
         k=k,
         v=v,
         qkv_bias=qkv_bias,
-        checked=bool(checked),
-        stream=_stream(src, stream),
+        checked=checked,
+        stream=stream,
     )
     return q_out
 
@@ -637,8 +682,8 @@ def forward(
     Returns out, or (out, lse) when return_lse or lse is given.
     """
     num_tokens, width = _shape(qkv, "qkv", 2)
-    hkv, d = kv_cache.num_kv_heads, kv_cache.head_dim
-    hq = int(num_q_heads) if num_q_heads is not None else width // d - 2 * hkv
+    hkv, d = _kv_view(kv_cache).num_kv_heads, kv_cache.head_dim
+    hq = _qkv_query_heads(width, num_q_heads, hkv, d)
     spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend)
     spec.update(_mask(True, window, sink_tokens))
     spec.update(
@@ -653,33 +698,27 @@ def forward(
             original_max_position,
         )
     )
-    import numpy as np
-
     host_cu = _host_int32(cu_seqlens_q, "cu_seqlens_q")
     host_past = _host_int32(past_lens, "past_lens")
-    if out is None:
-        out = _empty(qkv, (num_tokens, hq, d))
-    if lse is None and return_lse:
-        lse = _empty(qkv, (num_tokens, hq), float32=True)
-    _C.forward(
-        spec,
-        qkv,
-        kv_cache._dict(),
-        host_cu,
-        host_past,
-        int(num_context),
-        out,
-        beam_width=int(beam_width),
+    num_context = int_arg(num_context, "num_context")
+    options = dict(
+        beam_width=int_arg(beam_width, "beam_width"),
         qkv_bias=qkv_bias,
         cache_indirection=_int32(cache_indirection, qkv, "cache_indirection"),
-        lse=lse,
         workspace=workspace,
-        num_splits=int(num_splits),
+        num_splits=int_arg(num_splits, "num_splits"),
         decode_workspace=_workspace(decode_workspace, "decode_workspace"),
-        deterministic=bool(deterministic),
-        batch_invariant=bool(batch_invariant),
-        checked=bool(checked),
+        deterministic=bool_arg(deterministic, "deterministic"),
+        batch_invariant=bool_arg(batch_invariant, "batch_invariant"),
+        checked=bool_arg(checked, "checked"),
         stream=_stream(qkv, stream),
+    )
+    if out is None:
+        out = _empty(qkv, (num_tokens, hq, d))
+    if lse is None and bool_arg(return_lse, "return_lse"):
+        lse = _empty(qkv, (num_tokens, hq), float32=True)
+    _C.forward(
+        spec, qkv, kv_cache._dict(), host_cu, host_past, num_context, out, lse=lse, **options
     )
     return (out, lse) if lse is not None else out
 
@@ -712,7 +751,8 @@ def dense(
     q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D] of q's dtype. config / role: an AttentionConfig
     whose resolved settings for ``role`` (backend, skip_softmax, quant) apply; the explicit
     ``backend`` / ``skip_softmax`` / ``quant`` arguments override them. skip_softmax: dict with
-    threshold | target_sparsity (+ calibration_a, calibration_b), disabled_until_timestep.
+    the keys of the JSON config's skip_softmax object (docs/configuration.md): "threshold" or
+    "target_sparsity" with "calibration": {"a": a, "b": b}, and "disabled_until_timestep".
     quant: dict with dtype_qk ("int8" | "fp8_e4m3"), q_block_size, k_block_size (1, 4, 16).
     timestep: normalized diffusion timestep (skip-softmax gate); block_m / block_n: the tiles of
     the skip decisions. kernel: the fused kernel on CUDA tensors, as for prefill(). out:
@@ -726,34 +766,43 @@ def dense(
     """
     b, sq, hq, d = _shape(q, "q", 4)
     hkv = _shape(k, "k", 4)[2]
+    if config is not None and not isinstance(config, AttentionConfig):
+        raise Error(f"config: expected an attnkit.AttentionConfig or None, got {describe(config)}")
     resolved = (
-        config.resolve(role)
+        config.resolve(str_arg(role, "role"))
         if config is not None
         else {"backend": "auto", "skip_softmax": None, "quant": None}
     )
+    backend = opt_str_arg(backend, "backend")
     spec = _spec(hq, hkv, d, softmax_scale, False, 0.0, backend or resolved["backend"], kernel)
     spec["mask"] = "none"
+    skip_softmax = dict_arg(
+        skip_softmax,
+        "skip_softmax",
+        'a dict with "threshold" or "target_sparsity" and "calibration": {"a": a, "b": b}, '
+        'and "disabled_until_timestep"',
+    )
+    quant = dict_arg(
+        quant, "quant", 'a dict with "dtype_qk" (\'int8\' or \'fp8_e4m3\'), "q_block_size", '
+        '"k_block_size"'
+    )
     spec["skip_softmax"] = skip_softmax if skip_softmax is not None else resolved["skip_softmax"]
     spec["quant"] = quant if quant is not None else resolved["quant"]
-    if out is None:
-        out = _empty(q, (b, sq, hq, d))
-    if lse is None and return_lse:
-        lse = _empty(q, (b, sq, hq), float32=True)
-    stats = _C.dense(
-        spec,
-        q,
-        k,
-        v,
-        out,
-        lse=lse,
-        timestep=float(timestep),
-        block_m=int(block_m),
-        block_n=int(block_n),
-        stats=bool(return_stats),
+    return_stats = bool_arg(return_stats, "return_stats")
+    options = dict(
+        timestep=float_arg(timestep, "timestep"),
+        block_m=int_arg(block_m, "block_m"),
+        block_n=int_arg(block_n, "block_n"),
+        stats=return_stats,
         skip_stats=skip_stats,
-        checked=bool(checked),
+        checked=bool_arg(checked, "checked"),
         stream=_stream(q, stream),
     )
+    if out is None:
+        out = _empty(q, (b, sq, hq, d))
+    if lse is None and bool_arg(return_lse, "return_lse"):
+        lse = _empty(q, (b, sq, hq), float32=True)
+    stats = _C.dense(spec, q, k, v, out, lse=lse, **options)
     result = (out,) + ((lse,) if lse is not None else ()) + ((stats,) if return_stats else ())
     return result if len(result) > 1 else out
 
@@ -778,20 +827,13 @@ def merge_states(
     Returns (out, lse), or out alone with return_lse=False.
     """
     n, h, d = _shape(out_a, "out_a", 3)
+    checked = bool_arg(checked, "checked")
+    stream = _stream(out_a, stream)
     if out is None:
         out = _empty(out_a, (n, h, d))
-    if lse is None and return_lse:
+    if lse is None and bool_arg(return_lse, "return_lse"):
         lse = _empty(out_a, (n, h), float32=True)
-    _C.merge_states(
-        out_a,
-        lse_a,
-        out_b,
-        lse_b,
-        out,
-        lse=lse,
-        checked=bool(checked),
-        stream=_stream(out_a, stream),
-    )
+    _C.merge_states(out_a, lse_a, out_b, lse_b, out, lse=lse, checked=checked, stream=stream)
     return (out, lse) if lse is not None else out
 
 
@@ -821,8 +863,21 @@ class DecodeWorkspace:
         max_splits: int = 128,
         device: str = "cuda",
     ) -> None:
-        spec = _spec(num_q_heads, num_kv_heads, head_dim, None, False, 0.0, "auto")
-        self._ws = _C.DecodeWorkspace(spec, int(max_rows), int(max_splits), str(device))
+        spec = _spec(
+            int_arg(num_q_heads, "num_q_heads"),
+            int_arg(num_kv_heads, "num_kv_heads"),
+            int_arg(head_dim, "head_dim"),
+            None,
+            False,
+            0.0,
+            "auto",
+        )
+        self._ws = _C.DecodeWorkspace(
+            spec,
+            int_arg(max_rows, "max_rows", INT64),
+            int_arg(max_splits, "max_splits"),
+            str_arg(device, "device"),
+        )
 
     @property
     def bytes(self) -> int:
@@ -834,15 +889,20 @@ class DecodeWorkspace:
 
     def reset(self, stream: Optional[int] = None) -> None:
         """Enqueues a zeroing of the counters on ``stream`` (default: the legacy stream 0)."""
-        self._ws.reset(int(stream) if stream is not None else 0)
+        self._ws.reset(int_arg(stream, "stream", UINT64) if stream is not None else 0)
 
 
 def _workspace(ws: Any, name: str) -> Any:
     if ws is None:
         return None
     if not isinstance(ws, DecodeWorkspace):
-        raise Error(f"{name}: expected an attnkit.DecodeWorkspace or None, got {type(ws).__name__}")
+        raise Error(f"{name}: expected an attnkit.DecodeWorkspace or None, got {describe(ws)}")
     return ws._ws
+
+
+def _seq(seq: Any, name: str) -> int:
+    """A sequence id (int64)."""
+    return int_arg(seq, name, INT64)
 
 
 class KvCache:
@@ -876,21 +936,23 @@ class KvCache:
     ) -> None:
         self._m = _C.KvCacheManager(
             {
-                "num_layers": num_layers,
-                "num_kv_heads": num_kv_heads,
-                "head_dim": head_dim,
-                "tokens_per_block": tokens_per_block,
-                "dtype": dtype,
-                "device": device,
-                "max_tokens": max_tokens,
-                "max_bytes": max_bytes,
-                "free_gpu_memory_fraction": free_gpu_memory_fraction,
-                "host_cache_bytes": host_cache_bytes,
-                "max_seq_len": max_seq_len,
-                "layer_windows": list(layer_windows),
-                "sink_tokens": sink_tokens,
-                "enable_prefix_reuse": enable_prefix_reuse,
-                "stream": stream,
+                "num_layers": int_arg(num_layers, "num_layers"),
+                "num_kv_heads": int_arg(num_kv_heads, "num_kv_heads"),
+                "head_dim": int_arg(head_dim, "head_dim"),
+                "tokens_per_block": int_arg(tokens_per_block, "tokens_per_block"),
+                "dtype": str_arg(dtype, "dtype"),
+                "device": str_arg(device, "device"),
+                "max_tokens": int_arg(max_tokens, "max_tokens", INT64),
+                "max_bytes": int_arg(max_bytes, "max_bytes", INT64),
+                "free_gpu_memory_fraction": float_arg(
+                    free_gpu_memory_fraction, "free_gpu_memory_fraction"
+                ),
+                "host_cache_bytes": int_arg(host_cache_bytes, "host_cache_bytes", INT64),
+                "max_seq_len": int_arg(max_seq_len, "max_seq_len"),
+                "layer_windows": int_list(layer_windows, "layer_windows"),
+                "sink_tokens": int_arg(sink_tokens, "sink_tokens"),
+                "enable_prefix_reuse": bool_arg(enable_prefix_reuse, "enable_prefix_reuse"),
+                "stream": int_arg(stream, "stream", UINT64),
             }
         )
         self.dtype = dtype
@@ -904,35 +966,40 @@ class KvCache:
 
     def add(self, seq: int, prompt: Sequence[int], salt: int = 0, priority: int = 0) -> int:
         """Starts ``seq`` with its prompt token ids; returns the leading tokens already cached."""
-        return self._m.add(seq, [int(t) for t in prompt], salt, priority)
+        return self._m.add(
+            _seq(seq, "seq"),
+            int_list(prompt, "prompt"),
+            int_arg(salt, "salt", UINT64),
+            int_arg(priority, "priority"),
+        )
 
     def append(self, seq: int, tokens: Sequence[int]) -> None:
         """Appends tokens (generated tokens or the next chunk) to ``seq``."""
-        self._m.append(seq, [int(t) for t in tokens])
+        self._m.append(_seq(seq, "seq"), int_list(tokens, "tokens"))
 
     def fork(self, src: int, dst: int) -> None:
         """New sequence ``dst`` sharing the blocks of ``src`` (copy-on-write of the last block)."""
-        self._m.fork(src, dst)
+        self._m.fork(_seq(src, "src"), _seq(dst, "dst"))
 
     def release(self, seq: int) -> None:
         """Drops ``seq``; its full blocks stay cached for reuse until evicted."""
-        self._m.release(seq)
+        self._m.release(_seq(seq, "seq"))
 
     def reorder_beams(self, beams: Sequence[int], parents: Sequence[int]) -> None:
         """Beam b continues the history of beam parents[b] (see cache_indirection)."""
-        self._m.reorder_beams(list(beams), list(parents))
+        self._m.reorder_beams(int_list(beams, "beams", INT64), int_list(parents, "parents"))
 
     def __contains__(self, seq: int) -> bool:
-        return self._m.contains(seq)
+        return self._m.contains(_seq(seq, "seq"))
 
     def length(self, seq: int) -> int:
-        return self._m.length(seq)
+        return self._m.length(_seq(seq, "seq"))
 
     def blocks(self, seq: int) -> list:
-        return list(self._m.blocks(seq))
+        return list(self._m.blocks(_seq(seq, "seq")))
 
     def probe_prefix(self, prompt: Sequence[int], salt: int = 0) -> int:
-        return self._m.probe_prefix([int(t) for t in prompt], salt)
+        return self._m.probe_prefix(int_list(prompt, "prompt"), int_arg(salt, "salt", UINT64))
 
     def stats(self) -> dict:
         """hits, misses, evictions, offloads, onboards, cow_copies, num_blocks, free_blocks,
@@ -954,23 +1021,28 @@ class KvCache:
     def block_tables(self, seqs: Sequence[int]) -> tuple:
         """(block_table int32 [len(seqs), max_blocks_per_seq], seq_lens int32 [len(seqs)]) as
         NumPy arrays."""
-        return self._m.block_tables(list(seqs))
+        return self._m.block_tables(int_list(seqs, "seqs", INT64))
 
     def cache_indirection(self, beams: Sequence[int], beam_width: int, max_seq: int) -> Any:
         """int32 [len(beams) / beam_width, beam_width, max_seq] NumPy array."""
-        return self._m.cache_indirection(list(beams), beam_width, max_seq)
+        return self._m.cache_indirection(
+            int_list(beams, "beams", INT64),
+            int_arg(beam_width, "beam_width"),
+            int_arg(max_seq, "max_seq"),
+        )
 
     def view(
         self, layer: int, seqs: Sequence[int], *, k_scale: Any = None, v_scale: Any = None
     ) -> KvView:
         """The KvView of ``layer`` with one row per sequence of ``seqs`` (tables copied to the
         pool's device)."""
+        layer = int_arg(layer, "layer")
+        window_slots = self._m.window_slots(layer)  # raises for a layer outside the pool
         table, lens = self.block_tables(seqs)
         pool = self.pool
         if self._m.is_cuda():
             table = pool.new_tensor(table, dtype=__import__("torch").int32)
             lens = pool.new_tensor(lens, dtype=__import__("torch").int32)
-        window_slots = self._m.window_slots(layer)
         raw = self.dtype if self.dtype in ("bf16", "fp8_e4m3") and not self._m.is_cuda() else None
         return KvView(
             pool[:, layer, 0],

@@ -4,7 +4,6 @@ attnkit C++ bindings (use the `attnkit` package, not this module directly)
 """
 
 from collections.abc import Sequence
-from typing import Annotated
 
 import numpy
 from numpy.typing import NDArray
@@ -31,17 +30,17 @@ class DecodeWorkspace:
     def reset(self, stream: int = 0) -> None:
         """Enqueues a zeroing of the arrival counters on `stream`."""
 
-def prefill(spec: dict, q: Annotated[NDArray, dict(writable=False)], cu_seqlens_q: Annotated[NDArray, dict(writable=False)], out: NDArray, k: Annotated[NDArray, dict(writable=False)] | None = None, v: Annotated[NDArray, dict(writable=False)] | None = None, cu_seqlens_kv: Annotated[NDArray, dict(writable=False)] | None = None, kv_cache: dict | None = None, lse: NDArray | None = None, max_seqlen_q: int = 0, max_seqlen_kv: int = 0, checked: bool = False, stream: int = 0) -> None: ...
+def prefill(spec: dict, q: object, cu_seqlens_q: object, out: object, k: object | None = None, v: object | None = None, cu_seqlens_kv: object | None = None, kv_cache: dict | None = None, lse: object | None = None, max_seqlen_q: int = 0, max_seqlen_kv: int = 0, checked: bool = False, stream: int = 0) -> None: ...
 
-def decode(spec: dict, q: Annotated[NDArray, dict(writable=False)], kv_cache: dict, out: NDArray, lse: NDArray | None = None, beam_width: int = 1, cache_indirection: Annotated[NDArray, dict(writable=False)] | None = None, num_splits: int = 0, max_seq_len: int = 0, workspace: DecodeWorkspace | None = None, deterministic: bool = True, batch_invariant: bool = False, checked: bool = False, stream: int = 0) -> None: ...
+def decode(spec: dict, q: object, kv_cache: dict, out: object, lse: object | None = None, beam_width: int = 1, cache_indirection: object | None = None, num_splits: int = 0, max_seq_len: int = 0, workspace: DecodeWorkspace | None = None, deterministic: bool = True, batch_invariant: bool = False, checked: bool = False, stream: int = 0) -> None: ...
 
-def append_kv(spec: dict, kv_cache: dict, positions: Annotated[NDArray, dict(writable=False)], row_of_token: Annotated[NDArray, dict(writable=False)], q_out: NDArray, qkv: Annotated[NDArray, dict(writable=False)] | None = None, q: Annotated[NDArray, dict(writable=False)] | None = None, k: Annotated[NDArray, dict(writable=False)] | None = None, v: Annotated[NDArray, dict(writable=False)] | None = None, qkv_bias: Annotated[NDArray, dict(writable=False)] | None = None, checked: bool = False, stream: int = 0) -> None: ...
+def append_kv(spec: dict, kv_cache: dict, positions: object, row_of_token: object, q_out: object, qkv: object | None = None, q: object | None = None, k: object | None = None, v: object | None = None, qkv_bias: object | None = None, checked: bool = False, stream: int = 0) -> None: ...
 
-def forward(spec: dict, qkv: Annotated[NDArray, dict(writable=False)], kv_cache: dict, cu_seqlens_q: Annotated[NDArray, dict(writable=False)], past_lens: Annotated[NDArray, dict(writable=False)], num_context: int, out: NDArray, beam_width: int = 1, qkv_bias: Annotated[NDArray, dict(writable=False)] | None = None, cache_indirection: Annotated[NDArray, dict(writable=False)] | None = None, lse: NDArray | None = None, workspace: NDArray | None = None, num_splits: int = 0, decode_workspace: DecodeWorkspace | None = None, deterministic: bool = True, batch_invariant: bool = False, checked: bool = False, stream: int = 0) -> None: ...
+def forward(spec: dict, qkv: object, kv_cache: dict, cu_seqlens_q: object, past_lens: object, num_context: int, out: object, beam_width: int = 1, qkv_bias: object | None = None, cache_indirection: object | None = None, lse: object | None = None, workspace: object | None = None, num_splits: int = 0, decode_workspace: DecodeWorkspace | None = None, deterministic: bool = True, batch_invariant: bool = False, checked: bool = False, stream: int = 0) -> None: ...
 
-def dense(spec: dict, q: Annotated[NDArray, dict(writable=False)], k: Annotated[NDArray, dict(writable=False)], v: Annotated[NDArray, dict(writable=False)], out: NDArray, lse: NDArray | None = None, timestep: float = 0.0, block_m: int = 128, block_n: int = 128, stats: bool = True, skip_stats: NDArray | None = None, checked: bool = False, stream: int = 0) -> dict | None: ...
+def dense(spec: dict, q: object, k: object, v: object, out: object, lse: object | None = None, timestep: float = 0.0, block_m: int = 128, block_n: int = 128, stats: bool = True, skip_stats: object | None = None, checked: bool = False, stream: int = 0) -> object: ...
 
-def merge_states(out_a: Annotated[NDArray, dict(writable=False)], lse_a: Annotated[NDArray, dict(writable=False)], out_b: Annotated[NDArray, dict(writable=False)], lse_b: Annotated[NDArray, dict(writable=False)], out: NDArray, lse: NDArray | None = None, checked: bool = False, stream: int = 0) -> None: ...
+def merge_states(out_a: object, lse_a: object, out_b: object, lse_b: object, out: object, lse: object | None = None, checked: bool = False, stream: int = 0) -> None: ...
 
 def info() -> dict: ...
 
@@ -61,14 +60,14 @@ class AttentionConfig:
         """An empty config: every role resolves to backend 'auto'."""
 
     @staticmethod
-    def from_json(text: str) -> AttentionConfig:
+    def from_json(text: object) -> AttentionConfig:
         """Parses and validates JSON text; raises Error naming the key path."""
 
     @staticmethod
-    def from_file(path: str) -> AttentionConfig:
+    def from_file(path: object) -> AttentionConfig:
         """Parses and validates a JSON file; raises Error naming the key path."""
 
-    def resolve(self, role: str) -> dict:
+    def resolve(self, role: object) -> dict:
         """
         The settings of `role` (exact role, then its categories, then default): a dict with backend (str), skip_softmax (dict or None), quant (dict or None).
         """

@@ -1,21 +1,30 @@
 // The nanobind extension `attnkit._attnkit`: converts DLPack / buffer-protocol arrays to
 // attnkit::TensorView and calls the C++ entry points. Everything user-facing (defaults, output
 // allocation, docstrings) lives in python/attnkit/__init__.py; this layer only converts and
-// calls, so every rejection comes from the C++ validation with its message.
+// calls, so every rejection comes from the C++ validation with its message, renamed into the
+// Python arguments' words (python_names.h). Arrays arrive as plain objects and are converted
+// here, so that a wrong type, a read-only output or a value outside the C++ type raises
+// attnkit.Error naming the argument, never nanobind's signature listing or std::bad_cast. While
+// a call runs on the CPU the GIL is released and the reference polls Ctrl-C (interrupt_check).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
+#include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "attnkit/attnkit.h"
+#include "python_names.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -23,23 +32,86 @@ using namespace nb::literals;
 namespace attnkit::python {
 namespace {
 
-// Inputs may be read-only (a NumPy array from np.broadcast_to, a JAX array); outputs must not.
-using InArray = nb::ndarray<nb::ro>;
-using OutArray = nb::ndarray<>;
+// The Python exception types, set once at import.
+PyObject* g_error_type = nullptr;
+PyObject* g_device_fault_type = nullptr;
 
 [[noreturn]] void fail(const std::string& message) { throw Error(message); }
 
-DType parse_dtype_name(const std::string& name, const std::string& what) {
-  for (DType d : {DType::kF32, DType::kF16, DType::kBF16, DType::kFp8E4M3, DType::kInt8,
-                  DType::kInt32, DType::kInt64}) {
-    if (name == dtype_name(d)) return d;
-  }
-  fail(what + ": unknown dtype '" + name +
-       "' (accepted: f32, f16, bf16, fp8_e4m3, int8, int32, int64)");
+// "a str ('abc')", "an int (3)": the type and a short repr of a rejected Python value.
+std::string describe(nb::handle value) {
+  std::string text = nb::cast<std::string>(nb::str(nb::repr(value)));
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  const std::string kind = nb::cast<std::string>(nb::inst_name(value));
+  const bool vowel = !kind.empty() && std::string("aeiouAEIOU").find(kind[0]) != std::string::npos;
+  return (vowel ? "an " : "a ") + kind + " (" + text + ")";
 }
 
+// A str argument of a function bound directly (AttentionConfig).
+std::string str_arg(nb::handle value, const std::string& name) {
+  if (!nb::isinstance<nb::str>(value)) fail(name + ": expected a str, got " + describe(value));
+  return nb::cast<std::string>(value);
+}
+
+// A file path: a str or an os.PathLike (pathlib.Path).
+std::string path_arg(nb::handle value, const std::string& name) {
+  PyObject* fs_path = PyOS_FSPath(value.ptr());
+  if (fs_path == nullptr) {
+    PyErr_Clear();
+    fail(name + ": expected a str or os.PathLike path, got " + describe(value));
+  }
+  const nb::object path = nb::steal(fs_path);
+  if (nb::isinstance<nb::bytes>(path)) {
+    return std::string(PyBytes_AsString(path.ptr()), PyBytes_Size(path.ptr()));
+  }
+  return nb::cast<std::string>(path);
+}
+
+// Raises `what` as the Python exception `type` with the C++ names replaced by those of
+// `function`'s arguments (python_names.h).
+[[noreturn]] void raise_renamed(PyObject* type, PyFunction function, const char* what) {
+  const std::string message =
+      to_python_names(what, renames_of(function_of_message(what, function)));
+  PyErr_SetString(type, message.c_str());
+  throw nb::python_error();
+}
+
+// Runs `call`; its attnkit::Error is raised as attnkit.Error (DeviceFaultError as
+// attnkit.DeviceFaultError) in `function`'s argument names. Interrupted passes through to its
+// own translator (KeyboardInterrupt, or what the signal handler raised).
+template <typename Call>
+auto in_python_names(PyFunction function, Call&& call) -> decltype(call()) {
+  try {
+    return call();
+  } catch (const Interrupted&) {
+    throw;
+  } catch (const DeviceFaultError& e) {
+    raise_renamed(g_device_fault_type, function, e.what());
+  } catch (const Error& e) {
+    raise_renamed(g_error_type, function, e.what());
+  }
+}
+
+// "float64", "uint32", "bool", ...: a DLPack dtype as the array libraries name it.
 std::string dlpack_dtype_str(const nb::dlpack::dtype& t) {
-  return "DLPack code " + std::to_string(t.code) + " with " + std::to_string(t.bits) + " bits";
+  using Code = nb::dlpack::dtype_code;
+  const std::string bits = std::to_string(t.bits);
+  switch (static_cast<Code>(t.code)) {
+    case Code::Int:
+      return "int" + bits;
+    case Code::UInt:
+      return "uint" + bits;
+    case Code::Float:
+      return "float" + bits;
+    case Code::Bfloat:
+      return "bfloat" + bits;
+    case Code::Complex:
+      return "complex" + bits;
+    case Code::Bool:
+      return "bool";
+    default:
+      return "DLPack code " + std::to_string(t.code) + " with " + bits + " bits";
+  }
 }
 
 // The attnkit dtype of a DLPack dtype. `raw_as`: the dtype that raw unsigned storage of the same
@@ -58,8 +130,8 @@ DType map_dtype(const nb::dlpack::dtype& t, const std::string& name, std::option
   if (code == Code::Int && t.bits == 8) return DType::kInt8;
   if (code == Code::Int && t.bits == 32) return DType::kInt32;
   if (code == Code::Int && t.bits == 64) return DType::kInt64;
-  fail(name + ": unsupported dtype (" + dlpack_dtype_str(t) +
-       "); accepted: float32, float16, bfloat16, float8_e4m3fn, int8, int32, int64 (and uint8 / "
+  fail(name + ": unsupported dtype " + dlpack_dtype_str(t) +
+       "; accepted: float32, float16, bfloat16, float8_e4m3fn, int8, int32, int64 (and uint8 / "
        "uint16 storage for fp8_e4m3 / bf16 caches with kv_dtype=)");
 }
 
@@ -70,8 +142,11 @@ Device map_device(int device_type, int device_id, const std::string& name) {
        "); accepted: cpu and cuda");
 }
 
+// Inputs may be read-only (a NumPy array from np.broadcast_to, a JAX array); outputs must not.
+enum class Access { kInput, kOutput };
+
 template <typename Array>
-TensorView to_view(const Array& a, const std::string& name, std::optional<DType> raw_as = {}) {
+TensorView to_view(const Array& a, const std::string& name, std::optional<DType> raw_as) {
   if (a.ndim() > static_cast<size_t>(TensorView::kMaxDims)) {
     fail(name + ": at most " + std::to_string(TensorView::kMaxDims) + " dimensions, got " +
          std::to_string(a.ndim()));
@@ -81,83 +156,177 @@ TensorView to_view(const Array& a, const std::string& name, std::optional<DType>
   view.dtype = map_dtype(a.dtype(), name, raw_as);
   view.device = map_device(a.device_type(), a.device_id(), name);
   view.ndim = static_cast<int>(a.ndim());
+  bool empty = false;
   for (int d = 0; d < view.ndim; ++d) {
     view.shape[d] = static_cast<int64_t>(a.shape(d));
     view.strides[d] = a.stride(d);  // nanobind strides are in elements, as TensorView's
+    empty = empty || view.shape[d] == 0;
+  }
+  // A zero-size array addresses no element, so its strides mean nothing (NumPy exports them as
+  // 0): it gets the row-major ones, and an empty batch passes the layout checks as in C++.
+  if (empty) {
+    int64_t stride = 1;
+    for (int d = view.ndim - 1; d >= 0; --d) {
+      view.strides[d] = stride;
+      stride *= std::max<int64_t>(view.shape[d], 1);
+    }
   }
   return view;
 }
 
-template <typename Array>
-TensorView opt_view(const std::optional<Array>& a, const std::string& name) {
-  return a ? to_view(*a, name) : TensorView{};
+// The TensorView of an array argument: anything nanobind imports as an ndarray (DLPack or the
+// buffer protocol), writable for outputs. Anything else raises naming the argument.
+TensorView array_view(nb::handle value, const std::string& name, Access access,
+                      std::optional<DType> raw_as = {}) {
+  nb::ndarray<> writable;
+  if (access == Access::kOutput && nb::try_cast(value, writable, /*convert=*/false)) {
+    return to_view(writable, name, raw_as);
+  }
+  nb::ndarray<nb::ro> readable;
+  if (nb::try_cast(value, readable, /*convert=*/false)) {
+    if (access == Access::kOutput) {
+      fail(name + ": must be a writable array; got a read-only " +
+           nb::cast<std::string>(nb::inst_name(value)) +
+           " (pass an array the call may write, e.g. numpy.empty or torch.empty)");
+    }
+    return to_view(readable, name, raw_as);
+  }
+  std::string why;
+  if (nb::hasattr(value, "requires_grad") && nb::bool_(value.attr("requires_grad"))) {
+    why = " (a tensor that requires grad exports no DLPack view: pass tensor.detach())";
+  }
+  fail(name +
+       ": expected an array (a DLPack or buffer-protocol tensor: torch, numpy, cupy, "
+       "jax, ...), got " +
+       describe(value) + why);
+}
+
+// An optional array argument: None gives the undefined view.
+TensorView opt_array_view(nb::handle value, const std::string& name, Access access) {
+  return value.is_none() ? TensorView{} : array_view(value, name, access);
 }
 
 // ---- spec --------------------------------------------------------------------------------------
 
+// What a value of each C++ type must be, for the messages of get().
 template <typename T>
-T get(const nb::dict& d, const char* key, T fallback) {
-  return d.contains(key) && !d[key].is_none() ? nb::cast<T>(d[key]) : fallback;
+std::string accepted_values() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return "True or False";
+  } else if constexpr (std::is_integral_v<T>) {
+    return "an integer in [" + std::to_string(std::numeric_limits<T>::min()) + ", " +
+           std::to_string(std::numeric_limits<T>::max()) + "]";
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return "a number";
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return "a str";
+  } else if constexpr (std::is_same_v<T, std::vector<float>>) {
+    return "a sequence of numbers";
+  } else {
+    static_assert(std::is_same_v<T, std::vector<int32_t>>);
+    return "a sequence of integers in int32 range";
+  }
 }
 
-std::optional<double> get_opt(const nb::dict& d, const char* key) {
+// The value of `key` converted to T; absent or None gives `fallback`. `name` is the Python
+// argument the key holds. A value of another type or out of T's range raises naming it (never
+// std::bad_cast or a wrapped integer).
+template <typename T>
+T get(const nb::dict& d, const char* key, T fallback, const std::string& name) {
+  if (!d.contains(key) || d[key].is_none()) return fallback;
+  const nb::object value = d[key];
+  T out{};
+  // Booleans are integers to Python: an integer argument takes none.
+  const bool bool_as_number = !std::is_same_v<T, bool> && PyBool_Check(value.ptr());
+  if (bool_as_number || !nb::try_cast(value, out)) {
+    fail(name + ": expected " + accepted_values<T>() + ", got " + describe(value));
+  }
+  return out;
+}
+template <typename T>
+T get(const nb::dict& d, const char* key, T fallback) {
+  return get<T>(d, key, fallback, key);
+}
+
+std::optional<double> get_opt(const nb::dict& d, const char* key, const std::string& name) {
   if (!d.contains(key) || d[key].is_none()) return std::nullopt;
-  return nb::cast<double>(d[key]);
+  return get<double>(d, key, 0.0, name);
+}
+
+// A dict-valued key (skip_softmax, quant, calibration): None gives nullopt.
+std::optional<nb::dict> get_dict(const nb::dict& d, const char* key, const std::string& name,
+                                 const std::string& accepted) {
+  if (!d.contains(key) || d[key].is_none()) return std::nullopt;
+  const nb::object value = d[key];
+  if (!nb::isinstance<nb::dict>(value)) {
+    fail(name + ": expected " + accepted + ", got " + describe(value));
+  }
+  return nb::borrow<nb::dict>(value);
 }
 
 // One string option to its enum; the error lists the accepted names as "'a', 'b' or 'c'".
 template <typename E>
-E parse_choice(const char* key, const std::string& got,
+E parse_choice(const std::string& name, const std::string& got,
                std::initializer_list<std::pair<const char*, E>> choices) {
   std::string accepted;
   size_t i = 0;
-  for (const auto& [name, value] : choices) {
-    if (got == name) return value;
+  for (const auto& [choice, value] : choices) {
+    if (got == choice) return value;
     accepted += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ");
-    accepted += std::string("'") + name + "'";
+    accepted += std::string("'") + choice + "'";
     ++i;
   }
-  fail(std::string(key) + ": expected " + accepted + ", got '" + got + "'");
+  fail(name + ": expected " + accepted + ", got '" + got + "'");
 }
 
-Backend parse_backend(const std::string& s) {
-  return parse_choice<Backend>(
-      "backend", s,
-      {{"auto", Backend::kAuto}, {"fused", Backend::kFused}, {"vanilla", Backend::kVanilla}});
+// The string option `key` (Python argument `name`) to its enum.
+template <typename E>
+E get_choice(const nb::dict& d, const char* key, const char* fallback, const std::string& name,
+             std::initializer_list<std::pair<const char*, E>> choices) {
+  return parse_choice<E>(name, get<std::string>(d, key, fallback, name), choices);
 }
 
 void check_keys(const nb::dict& d, const std::string& what, std::initializer_list<const char*> ok) {
+  std::string list;
+  for (const char* name : ok) list += list.empty() ? name : std::string(", ") + name;
   for (auto [key, value] : d) {
-    const std::string k = nb::cast<std::string>(key);
+    std::string k;
+    if (!nb::try_cast(key, k)) fail(what + ": keys must be str, got " + describe(key));
     bool known = false;
-    std::string list;
-    for (const char* name : ok) {
-      known = known || k == name;
-      list += list.empty() ? name : std::string(", ") + name;
-    }
+    for (const char* name : ok) known = known || k == name;
     if (!known) fail(what + ": unknown key '" + k + "' (accepted: " + list + ")");
   }
 }
 
+// The skip-softmax dict: the keys of the JSON config's skip_softmax object
+// (docs/configuration.md), with the calibration curve as {"a": a, "b": b}.
 SkipSoftmaxSpec parse_skip(const nb::dict& d) {
   check_keys(d, "skip_softmax",
-             {"threshold", "target_sparsity", "calibration_a", "calibration_b",
-              "disabled_until_timestep"});
+             {"threshold", "target_sparsity", "calibration", "disabled_until_timestep"});
   SkipSoftmaxSpec s;
-  s.threshold = get_opt(d, "threshold");
-  s.target_sparsity = get_opt(d, "target_sparsity");
-  s.calibration_a = get_opt(d, "calibration_a");
-  s.calibration_b = get_opt(d, "calibration_b");
-  s.disabled_until_timestep = get<double>(d, "disabled_until_timestep", 0.0);
+  s.threshold = get_opt(d, "threshold", "skip_softmax[\"threshold\"]");
+  s.target_sparsity = get_opt(d, "target_sparsity", "skip_softmax[\"target_sparsity\"]");
+  const std::string curve_name = "skip_softmax[\"calibration\"]";
+  if (const auto curve = get_dict(d, "calibration", curve_name, "a dict {\"a\": a, \"b\": b}")) {
+    check_keys(*curve, curve_name, {"a", "b"});
+    s.calibration_a = get_opt(*curve, "a", curve_name + "[\"a\"]");
+    s.calibration_b = get_opt(*curve, "b", curve_name + "[\"b\"]");
+    if (!s.calibration_a || !s.calibration_b) {
+      fail(curve_name + ": needs both \"a\" and \"b\" (a: number > 0, b: number)");
+    }
+  }
+  s.disabled_until_timestep =
+      get<double>(d, "disabled_until_timestep", 0.0, "skip_softmax[\"disabled_until_timestep\"]");
   return s;
 }
 
 SageQuantSpec parse_quant(const nb::dict& d) {
   check_keys(d, "quant", {"dtype_qk", "q_block_size", "k_block_size"});
   SageQuantSpec q;
-  q.dtype_qk = parse_dtype_name(get<std::string>(d, "dtype_qk", "int8"), "quant.dtype_qk");
-  q.q_block_size = get<int32_t>(d, "q_block_size", 1);
-  q.k_block_size = get<int32_t>(d, "k_block_size", 16);
+  q.dtype_qk = get_choice<DType>(d, "dtype_qk", "int8", "quant[\"dtype_qk\"]",
+                                 {{"int8", DType::kInt8}, {"fp8_e4m3", DType::kFp8E4M3}});
+  q.q_block_size = get<int32_t>(d, "q_block_size", 1, "quant[\"q_block_size\"]");
+  q.k_block_size = get<int32_t>(d, "k_block_size", 16, "quant[\"k_block_size\"]");
   return q;
 }
 
@@ -189,39 +358,45 @@ AttentionSpec spec_from_dict(const nb::dict& d) {
   s.num_kv_heads = get<int32_t>(d, "num_kv_heads", 0);
   s.head_dim = get<int32_t>(d, "head_dim", 0);
   s.softmax_scale = get<double>(d, "softmax_scale", 0.0);
-  s.mask.kind = parse_choice<MaskKind>("mask", get<std::string>(d, "mask", "causal"),
-                                       {{"none", MaskKind::kNone},
-                                        {"causal", MaskKind::kCausal},
-                                        {"sliding_window", MaskKind::kSlidingWindow}});
+  s.mask.kind = get_choice<MaskKind>(d, "mask", "causal", "mask",
+                                     {{"none", MaskKind::kNone},
+                                      {"causal", MaskKind::kCausal},
+                                      {"sliding_window", MaskKind::kSlidingWindow}});
   s.mask.window = get<int32_t>(d, "window", 0);
   s.mask.sink_tokens = get<int32_t>(d, "sink_tokens", 0);
   s.alibi = get<bool>(d, "alibi", false);
-  s.alibi_slopes = get<std::vector<float>>(d, "alibi_slopes", {});
+  s.alibi_slopes = get<std::vector<float>>(d, "alibi_slopes", {}, "alibi");
   s.logit_softcap = get<double>(d, "softcap", 0.0);
-  s.backend = parse_backend(get<std::string>(d, "backend", "auto"));
-  s.fused_kernel = parse_choice<FusedKernel>("kernel", get<std::string>(d, "kernel", "auto"),
-                                             {{"auto", FusedKernel::kAuto},
-                                              {"portable", FusedKernel::kPortable},
-                                              {"hopper", FusedKernel::kHopper}});
-  s.rope.style = parse_choice<RopeStyle>(
-      "rope_style", get<std::string>(d, "rope_style", "none"),
+  s.backend = get_choice<Backend>(
+      d, "backend", "auto", "backend",
+      {{"auto", Backend::kAuto}, {"fused", Backend::kFused}, {"vanilla", Backend::kVanilla}});
+  s.fused_kernel = get_choice<FusedKernel>(d, "kernel", "auto", "kernel",
+                                           {{"auto", FusedKernel::kAuto},
+                                            {"portable", FusedKernel::kPortable},
+                                            {"hopper", FusedKernel::kHopper}});
+  s.rope.style = get_choice<RopeStyle>(
+      d, "rope_style", "none", "rope",
       {{"none", RopeStyle::kNone}, {"gpt_neox", RopeStyle::kGptNeox}, {"gptj", RopeStyle::kGptJ}});
   s.rope.rotary_dim = get<int32_t>(d, "rotary_dim", 0);
   s.rope.base = get<double>(d, "rope_base", 10000.0);
-  s.rope.scaling =
-      parse_choice<RopeScaling>("rope_scaling", get<std::string>(d, "rope_scaling", "none"),
-                                {{"none", RopeScaling::kNone},
-                                 {"linear", RopeScaling::kLinear},
-                                 {"llama3", RopeScaling::kLlama3}});
+  s.rope.scaling = get_choice<RopeScaling>(d, "rope_scaling", "none", "rope_scaling",
+                                           {{"none", RopeScaling::kNone},
+                                            {"linear", RopeScaling::kLinear},
+                                            {"llama3", RopeScaling::kLlama3}});
   s.rope.factor = get<double>(d, "rope_factor", 1.0);
   s.rope.low_freq_factor = get<double>(d, "low_freq_factor", 1.0);
   s.rope.high_freq_factor = get<double>(d, "high_freq_factor", 4.0);
   s.rope.original_max_position = get<int32_t>(d, "original_max_position", 8192);
-  if (d.contains("skip_softmax") && !d["skip_softmax"].is_none()) {
-    s.skip_softmax = parse_skip(nb::cast<nb::dict>(d["skip_softmax"]));
+  const char* skip_accepted =
+      "None or a dict with threshold or target_sparsity + calibration {\"a\", \"b\"}, "
+      "disabled_until_timestep";
+  if (const auto skip = get_dict(d, "skip_softmax", "skip_softmax", skip_accepted)) {
+    s.skip_softmax = parse_skip(*skip);
   }
-  if (d.contains("quant") && !d["quant"].is_none()) {
-    s.quant = parse_quant(nb::cast<nb::dict>(d["quant"]));
+  const char* quant_accepted =
+      "None or a dict with dtype_qk ('int8' or 'fp8_e4m3'), q_block_size, k_block_size";
+  if (const auto quant = get_dict(d, "quant", "quant", quant_accepted)) {
+    s.quant = parse_quant(*quant);
   }
   return s;
 }
@@ -232,13 +407,14 @@ nb::dict role_to_dict(const RoleSpec& r) {
   if (r.skip_softmax) {
     nb::dict s;
     const SkipSoftmaxSpec& k = *r.skip_softmax;
-    auto put = [&](const char* key, const std::optional<double>& v) {
-      if (v) s[key] = *v;
-    };
-    put("threshold", k.threshold);
-    put("target_sparsity", k.target_sparsity);
-    put("calibration_a", k.calibration_a);
-    put("calibration_b", k.calibration_b);
+    if (k.threshold) s["threshold"] = *k.threshold;
+    if (k.target_sparsity) s["target_sparsity"] = *k.target_sparsity;
+    if (k.calibration_a && k.calibration_b) {
+      nb::dict curve;
+      curve["a"] = *k.calibration_a;
+      curve["b"] = *k.calibration_b;
+      s["calibration"] = curve;
+    }
     s["disabled_until_timestep"] = k.disabled_until_timestep;
     out["skip_softmax"] = s;
   } else {
@@ -261,7 +437,8 @@ nb::dict role_to_dict(const RoleSpec& r) {
 // A cache described by K and V arrays [num_blocks, Hkv, T, D] (each block contiguous; the block
 // stride, the same for K and V, is free so that slices of one [num_blocks, 2, Hkv, T, D] or
 // [num_blocks, L, 2, Hkv, T, D] pool work), seq_lens int32 [rows], an optional block_table
-// (absent: a contiguous cache, row r in block r) and optional float32 scales.
+// (absent: a contiguous cache, row r in block r) and optional float32 scales. Names are the C++
+// ones (kv_cache.k, kv_cache.seq_lens, ...); python_names.h renames them for decode().
 KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
   check_keys(d, "kv_cache",
              {"k", "v", "seq_lens", "block_table", "k_scale", "v_scale", "window_slots",
@@ -269,42 +446,47 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
   if (!d.contains("k") || !d.contains("v")) fail("kv_cache: needs the K and V arrays");
   std::optional<DType> raw_as;
   if (d.contains("kv_dtype") && !d["kv_dtype"].is_none()) {
-    raw_as = parse_dtype_name(nb::cast<std::string>(d["kv_dtype"]), "kv_dtype");
+    raw_as = get_choice<DType>(d, "kv_dtype", "", "kv_dtype",
+                               {{"bf16", DType::kBF16},
+                                {"f16", DType::kF16},
+                                {"fp8_e4m3", DType::kFp8E4M3},
+                                {"int8", DType::kInt8}});
   }
-  const TensorView k = to_view(nb::cast<InArray>(d["k"], false), "k_cache", raw_as);
-  const TensorView v = to_view(nb::cast<InArray>(d["v"], false), "v_cache", raw_as);
+  const TensorView k = array_view(d["k"], "kv_cache.k", Access::kInput, raw_as);
+  const TensorView v = array_view(d["v"], "kv_cache.v", Access::kInput, raw_as);
   for (const auto* t : {&k, &v}) {
-    const char* name = t == &k ? "k_cache" : "v_cache";
+    const std::string name = t == &k ? "kv_cache.k" : "kv_cache.v";
     if (t->ndim != 4) {
-      fail(std::string(name) + ": expected 4 dimensions [num_blocks, Hkv, T, D], got shape " +
-           t->shape_str());
+      fail(name + ": expected 4 dimensions [num_blocks, Hkv, T, D], got shape " + t->shape_str());
     }
     const bool block_contiguous = t->strides[3] == 1 && t->strides[2] == t->shape[3] &&
                                   t->strides[1] == t->shape[2] * t->shape[3];
     if (!block_contiguous) {
-      fail(std::string(name) +
+      fail(name +
            ": each block [Hkv, T, D] must be contiguous (strides [*, T*D, D, 1]); got shape " +
            t->shape_str());
     }
   }
   if (k.dtype != v.dtype || k.device != v.device) {
-    fail(std::string("v_cache: must have the dtype and device of k_cache (") + dtype_name(k.dtype) +
-         ", " + k.device.str() + "), got " + dtype_name(v.dtype) + ", " + v.device.str());
+    fail(std::string("kv_cache.v: must have the dtype and device of kv_cache.k (") +
+         dtype_name(k.dtype) + ", " + k.device.str() + "), got " + dtype_name(v.dtype) + ", " +
+         v.device.str());
   }
   for (int dim = 0; dim < 4; ++dim) {
     if (k.shape[dim] != v.shape[dim]) {
-      fail("v_cache: must have the shape of k_cache " + k.shape_str() + ", got " + v.shape_str());
+      fail("kv_cache.v: must have the shape of kv_cache.k " + k.shape_str() + ", got " +
+           v.shape_str());
     }
   }
   if (k.shape[0] > 1 && k.strides[0] != v.strides[0]) {
-    fail("v_cache: must have the block stride of k_cache (" + std::to_string(k.strides[0]) +
+    fail("kv_cache.v: must have the block stride of kv_cache.k (" + std::to_string(k.strides[0]) +
          " elements), got " + std::to_string(v.strides[0]));
   }
   // The view's geometry is int32: larger extents are an error, never truncated.
   const char* dims[4] = {"num_blocks", "Hkv", "T", "D"};
   for (int dim = 0; dim < 4; ++dim) {
     if (k.shape[dim] > INT32_MAX) {
-      fail(std::string("k_cache: ") + dims[dim] + " = " + std::to_string(k.shape[dim]) +
+      fail(std::string("kv_cache.k: ") + dims[dim] + " = " + std::to_string(k.shape[dim]) +
            " is more than int32 holds (shape " + k.shape_str() + ")");
     }
   }
@@ -320,18 +502,18 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
   const int64_t block_elems = k.shape[1] * k.shape[2] * k.shape[3];
   c.block_stride_bytes =
       static_cast<int64_t>(dtype_size(k.dtype)) * (k.shape[0] > 1 ? k.strides[0] : block_elems);
-  auto array = [&](const char* key, const char* name) -> TensorView {
-    if (!d.contains(key) || d[key].is_none()) return {};
-    return to_view(nb::cast<InArray>(d[key], false), name);
+  auto array = [&](const char* key) -> TensorView {
+    if (!d.contains(key)) return {};
+    return opt_array_view(d[key], std::string("kv_cache.") + key, Access::kInput);
   };
-  c.block_table = array("block_table", "block_table");
+  c.block_table = array("block_table");
   c.paged = c.block_table.defined();
-  c.seq_lens = array("seq_lens", "seq_lens");
-  if (need_seq_lens && !c.seq_lens.defined()) fail("seq_lens: required (int32 [rows])");
-  c.k_scale = array("k_scale", "k_scale");
-  c.v_scale = array("v_scale", "v_scale");
-  c.window_slots = get<int32_t>(d, "window_slots", 0);
-  c.sink_tokens = get<int32_t>(d, "sink_tokens", 0);
+  c.seq_lens = array("seq_lens");
+  if (need_seq_lens && !c.seq_lens.defined()) fail("kv_cache.seq_lens: required (int32 [rows])");
+  c.k_scale = array("k_scale");
+  c.v_scale = array("v_scale");
+  c.window_slots = get<int32_t>(d, "window_slots", 0, "kv_cache.window_slots");
+  c.sink_tokens = get<int32_t>(d, "sink_tokens", 0, "kv_cache.sink_tokens");
   return c;
 }
 
@@ -349,153 +531,162 @@ Device parse_device_name(const std::string& name) {
 }
 
 // ---- entry points ------------------------------------------------------------------------------
+// Array arguments are nb::handle (converted by array_view) and every call runs through
+// in_python_names; the scalars arrive checked and converted by python/attnkit.
 
-void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_seqlens_q,
-                const OutArray& out, const std::optional<InArray>& k,
-                const std::optional<InArray>& v, const std::optional<InArray>& cu_seqlens_kv,
-                const std::optional<nb::dict>& kv_cache, const std::optional<OutArray>& lse,
-                int32_t max_seqlen_q, int32_t max_seqlen_kv, bool checked, uintptr_t stream) {
-  const AttentionSpec spec = spec_from_dict(spec_dict);
-  PrefillArgs args;
-  args.q = to_view(q, "q");
-  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
-  args.out = to_view(out, "out");
-  args.k = opt_view(k, "k");
-  args.v = opt_view(v, "v");
-  args.cu_seqlens_kv = opt_view(cu_seqlens_kv, "cu_seqlens_kv");
-  args.lse = opt_view(lse, "lse");
-  args.max_seqlen_q = max_seqlen_q;
-  args.max_seqlen_kv = max_seqlen_kv;
-  args.checked = checked;
-  KvCacheView cache;
-  if (kv_cache) {
-    cache = cache_from_dict(*kv_cache, true);
-    args.kv_cache = &cache;
-  }
-  nb::gil_scoped_release release;
-  prefill(spec, args, to_stream(stream));
+void py_prefill(const nb::dict& spec_dict, nb::handle q, nb::handle cu_seqlens_q, nb::handle out,
+                nb::handle k, nb::handle v, nb::handle cu_seqlens_kv,
+                const std::optional<nb::dict>& kv_cache, nb::handle lse, int32_t max_seqlen_q,
+                int32_t max_seqlen_kv, bool checked, uintptr_t stream) {
+  const PyFunction names = kv_cache ? PyFunction::kPrefillPaged : PyFunction::kPrefill;
+  in_python_names(names, [&] {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    PrefillArgs args;
+    args.q = array_view(q, "q", Access::kInput);
+    args.cu_seqlens_q = array_view(cu_seqlens_q, "cu_seqlens_q", Access::kInput);
+    args.out = array_view(out, "out", Access::kOutput);
+    args.k = opt_array_view(k, "k", Access::kInput);
+    args.v = opt_array_view(v, "v", Access::kInput);
+    args.cu_seqlens_kv = opt_array_view(cu_seqlens_kv, "cu_seqlens_kv", Access::kInput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.max_seqlen_q = max_seqlen_q;
+    args.max_seqlen_kv = max_seqlen_kv;
+    args.checked = checked;
+    KvCacheView cache;
+    if (kv_cache) {
+      cache = cache_from_dict(*kv_cache, true);
+      args.kv_cache = &cache;
+    }
+    nb::gil_scoped_release release;
+    prefill(spec, args, to_stream(stream));
+  });
 }
 
-void py_decode(const nb::dict& spec_dict, const InArray& q, const nb::dict& kv_cache,
-               const OutArray& out, const std::optional<OutArray>& lse, int32_t beam_width,
-               const std::optional<InArray>& cache_indirection, int32_t num_splits,
+void py_decode(const nb::dict& spec_dict, nb::handle q, const nb::dict& kv_cache, nb::handle out,
+               nb::handle lse, int32_t beam_width, nb::handle cache_indirection, int32_t num_splits,
                int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic,
                bool batch_invariant, bool checked, uintptr_t stream) {
-  const AttentionSpec spec = spec_from_dict(spec_dict);
-  DecodeArgs args;
-  args.q = to_view(q, "q");
-  args.kv_cache = cache_from_dict(kv_cache, true);
-  args.out = to_view(out, "out");
-  args.lse = opt_view(lse, "lse");
-  args.beam_width = beam_width;
-  args.cache_indirection = opt_view(cache_indirection, "cache_indirection");
-  args.num_splits = num_splits;
-  args.max_seq_len = max_seq_len;
-  args.workspace = workspace;
-  args.deterministic = deterministic;
-  args.batch_invariant = batch_invariant;
-  args.checked = checked;
-  nb::gil_scoped_release release;
-  decode(spec, args, to_stream(stream));
+  in_python_names(PyFunction::kDecode, [&] {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    DecodeArgs args;
+    args.q = array_view(q, "q", Access::kInput);
+    args.kv_cache = cache_from_dict(kv_cache, true);
+    args.out = array_view(out, "out", Access::kOutput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.beam_width = beam_width;
+    args.cache_indirection = opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
+    args.num_splits = num_splits;
+    args.max_seq_len = max_seq_len;
+    args.workspace = workspace;
+    args.deterministic = deterministic;
+    args.batch_invariant = batch_invariant;
+    args.checked = checked;
+    nb::gil_scoped_release release;
+    decode(spec, args, to_stream(stream));
+  });
 }
 
-void py_append_kv(const nb::dict& spec_dict, const nb::dict& kv_cache, const InArray& positions,
-                  const InArray& row_of_token, const OutArray& q_out,
-                  const std::optional<InArray>& qkv, const std::optional<InArray>& q,
-                  const std::optional<InArray>& k, const std::optional<InArray>& v,
-                  const std::optional<InArray>& qkv_bias, bool checked, uintptr_t stream) {
-  const AttentionSpec spec = spec_from_dict(spec_dict);
-  AppendKvArgs args;
-  args.checked = checked;
-  args.kv_cache = cache_from_dict(kv_cache, false);
-  args.positions = to_view(positions, "positions");
-  args.row_of_token = to_view(row_of_token, "row_of_token");
-  args.q_out = to_view(q_out, "q_out");
-  args.qkv = opt_view(qkv, "qkv");
-  args.q = opt_view(q, "q");
-  args.k = opt_view(k, "k");
-  args.v = opt_view(v, "v");
-  args.qkv_bias = opt_view(qkv_bias, "qkv_bias");
-  nb::gil_scoped_release release;
-  append_kv(spec, args, to_stream(stream));
+void py_append_kv(const nb::dict& spec_dict, const nb::dict& kv_cache, nb::handle positions,
+                  nb::handle row_of_token, nb::handle q_out, nb::handle qkv, nb::handle q,
+                  nb::handle k, nb::handle v, nb::handle qkv_bias, bool checked, uintptr_t stream) {
+  in_python_names(PyFunction::kAppendKv, [&] {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    AppendKvArgs args;
+    args.checked = checked;
+    args.kv_cache = cache_from_dict(kv_cache, false);
+    args.positions = array_view(positions, "positions", Access::kInput);
+    args.row_of_token = array_view(row_of_token, "row_of_token", Access::kInput);
+    args.q_out = array_view(q_out, "q_out", Access::kOutput);
+    args.qkv = opt_array_view(qkv, "qkv", Access::kInput);
+    args.q = opt_array_view(q, "q", Access::kInput);
+    args.k = opt_array_view(k, "k", Access::kInput);
+    args.v = opt_array_view(v, "v", Access::kInput);
+    args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
+    nb::gil_scoped_release release;
+    append_kv(spec, args, to_stream(stream));
+  });
 }
 
-void py_forward(const nb::dict& spec_dict, const InArray& qkv, const nb::dict& kv_cache,
-                const InArray& cu_seqlens_q, const InArray& past_lens, int32_t num_context,
-                const OutArray& out, int32_t beam_width, const std::optional<InArray>& qkv_bias,
-                const std::optional<InArray>& cache_indirection, const std::optional<OutArray>& lse,
-                const std::optional<OutArray>& workspace, int32_t num_splits,
+void py_forward(const nb::dict& spec_dict, nb::handle qkv, const nb::dict& kv_cache,
+                nb::handle cu_seqlens_q, nb::handle past_lens, int32_t num_context, nb::handle out,
+                int32_t beam_width, nb::handle qkv_bias, nb::handle cache_indirection,
+                nb::handle lse, nb::handle workspace, int32_t num_splits,
                 DecodeWorkspace* decode_workspace, bool deterministic, bool batch_invariant,
                 bool checked, uintptr_t stream) {
-  const AttentionSpec spec = spec_from_dict(spec_dict);
-  ForwardArgs args;
-  args.checked = checked;
-  args.qkv = to_view(qkv, "qkv");
-  args.kv_cache = cache_from_dict(kv_cache, true);
-  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
-  args.past_lens = to_view(past_lens, "past_lens");
-  args.num_context = num_context;
-  args.out = to_view(out, "out");
-  args.beam_width = beam_width;
-  args.qkv_bias = opt_view(qkv_bias, "qkv_bias");
-  args.cache_indirection = opt_view(cache_indirection, "cache_indirection");
-  args.lse = opt_view(lse, "lse");
-  args.workspace = opt_view(workspace, "workspace");
-  args.num_splits = num_splits;
-  args.decode_workspace = decode_workspace;
-  args.deterministic = deterministic;
-  args.batch_invariant = batch_invariant;
-  nb::gil_scoped_release release;
-  forward(spec, args, to_stream(stream));
+  in_python_names(PyFunction::kForward, [&] {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    ForwardArgs args;
+    args.checked = checked;
+    args.qkv = array_view(qkv, "qkv", Access::kInput);
+    args.kv_cache = cache_from_dict(kv_cache, true);
+    args.cu_seqlens_q = array_view(cu_seqlens_q, "cu_seqlens_q", Access::kInput);
+    args.past_lens = array_view(past_lens, "past_lens", Access::kInput);
+    args.num_context = num_context;
+    args.out = array_view(out, "out", Access::kOutput);
+    args.beam_width = beam_width;
+    args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
+    args.cache_indirection = opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.workspace = opt_array_view(workspace, "workspace", Access::kOutput);
+    args.num_splits = num_splits;
+    args.decode_workspace = decode_workspace;
+    args.deterministic = deterministic;
+    args.batch_invariant = batch_invariant;
+    nb::gil_scoped_release release;
+    forward(spec, args, to_stream(stream));
+  });
 }
 
 // stats: fill the returned dict (on CUDA, a call that skips tiles then synchronizes its stream);
 // skip_stats: an int64 [2] tensor the counts are written to in stream order.
-nb::object py_dense(const nb::dict& spec_dict, const InArray& q, const InArray& k, const InArray& v,
-                    const OutArray& out, const std::optional<OutArray>& lse, double timestep,
-                    int32_t block_m, int32_t block_n, bool stats,
-                    const std::optional<OutArray>& skip_stats, bool checked, uintptr_t stream) {
-  const AttentionSpec spec = spec_from_dict(spec_dict);
-  DenseArgs args;
-  args.checked = checked;
-  args.q = to_view(q, "q");
-  args.k = to_view(k, "k");
-  args.v = to_view(v, "v");
-  args.out = to_view(out, "out");
-  args.lse = opt_view(lse, "lse");
-  args.skip_stats = opt_view(skip_stats, "skip_stats");
-  args.timestep = timestep;
-  args.block_m = block_m;
-  args.block_n = block_n;
-  DenseStats counts;
-  if (stats) args.stats = &counts;
-  {
-    nb::gil_scoped_release release;
-    dense(spec, args, to_stream(stream));
-  }
-  if (!stats) return nb::none();
-  nb::dict d;
-  d["tiles_total"] = counts.tiles_total;
-  d["tiles_skipped"] = counts.tiles_skipped;
-  d["skipped_fraction"] = counts.skipped_fraction();
-  d["block_m"] = counts.block_m;
-  d["block_n"] = counts.block_n;
-  return d;
+nb::object py_dense(const nb::dict& spec_dict, nb::handle q, nb::handle k, nb::handle v,
+                    nb::handle out, nb::handle lse, double timestep, int32_t block_m,
+                    int32_t block_n, bool stats, nb::handle skip_stats, bool checked,
+                    uintptr_t stream) {
+  return in_python_names(PyFunction::kDense, [&]() -> nb::object {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    DenseArgs args;
+    args.checked = checked;
+    args.q = array_view(q, "q", Access::kInput);
+    args.k = array_view(k, "k", Access::kInput);
+    args.v = array_view(v, "v", Access::kInput);
+    args.out = array_view(out, "out", Access::kOutput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.skip_stats = opt_array_view(skip_stats, "skip_stats", Access::kOutput);
+    args.timestep = timestep;
+    args.block_m = block_m;
+    args.block_n = block_n;
+    DenseStats counts;
+    if (stats) args.stats = &counts;
+    {
+      nb::gil_scoped_release release;
+      dense(spec, args, to_stream(stream));
+    }
+    if (!stats) return nb::none();
+    nb::dict d;
+    d["tiles_total"] = counts.tiles_total;
+    d["tiles_skipped"] = counts.tiles_skipped;
+    d["skipped_fraction"] = counts.skipped_fraction();
+    d["block_m"] = counts.block_m;
+    d["block_n"] = counts.block_n;
+    return d;
+  });
 }
 
-void py_merge_states(const InArray& out_a, const InArray& lse_a, const InArray& out_b,
-                     const InArray& lse_b, const OutArray& out, const std::optional<OutArray>& lse,
-                     bool checked, uintptr_t stream) {
-  MergeStatesArgs args;
-  args.checked = checked;
-  args.out_a = to_view(out_a, "out_a");
-  args.lse_a = to_view(lse_a, "lse_a");
-  args.out_b = to_view(out_b, "out_b");
-  args.lse_b = to_view(lse_b, "lse_b");
-  args.out = to_view(out, "out");
-  args.lse = opt_view(lse, "lse");
-  nb::gil_scoped_release release;
-  merge_states(args, to_stream(stream));
+void py_merge_states(nb::handle out_a, nb::handle lse_a, nb::handle out_b, nb::handle lse_b,
+                     nb::handle out, nb::handle lse, bool checked, uintptr_t stream) {
+  in_python_names(PyFunction::kMergeStates, [&] {
+    MergeStatesArgs args;
+    args.checked = checked;
+    args.out_a = array_view(out_a, "out_a", Access::kInput);
+    args.lse_a = array_view(lse_a, "lse_a", Access::kInput);
+    args.out_b = array_view(out_b, "out_b", Access::kInput);
+    args.lse_b = array_view(lse_b, "lse_b", Access::kInput);
+    args.out = array_view(out, "out", Access::kOutput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    nb::gil_scoped_release release;
+    merge_states(args, to_stream(stream));
+  });
 }
 
 nb::dict py_info() {
@@ -518,6 +709,74 @@ nb::dict py_info() {
   return d;
 }
 
+// ---- errors and Ctrl-C
+// ---------------------------------------------------------------------------
+
+// The exception a signal handler raised while a CPU call ran (KeyboardInterrupt for Ctrl-C), kept
+// from the poll that saw it until the Interrupted it caused reaches Python. Only the main thread
+// runs signal handlers, so only its calls poll.
+unsigned long g_main_thread = 0;
+#if PY_VERSION_HEX >= 0x030C0000
+PyObject* g_pending_signal_exception = nullptr;
+void keep_pending_exception() {
+  Py_XDECREF(g_pending_signal_exception);
+  g_pending_signal_exception = PyErr_GetRaisedException();
+}
+bool restore_pending_exception() {
+  if (g_pending_signal_exception == nullptr) return false;
+  PyErr_SetRaisedException(g_pending_signal_exception);  // steals the reference
+  g_pending_signal_exception = nullptr;
+  return true;
+}
+#else
+PyObject* g_pending_signal_exception[3] = {nullptr, nullptr, nullptr};
+void keep_pending_exception() {
+  for (PyObject*& o : g_pending_signal_exception) Py_CLEAR(o);
+  PyErr_Fetch(&g_pending_signal_exception[0], &g_pending_signal_exception[1],
+              &g_pending_signal_exception[2]);
+}
+bool restore_pending_exception() {
+  if (g_pending_signal_exception[0] == nullptr) return false;
+  PyErr_Restore(g_pending_signal_exception[0], g_pending_signal_exception[1],
+                g_pending_signal_exception[2]);  // steals the references
+  g_pending_signal_exception[0] = g_pending_signal_exception[1] = nullptr;
+  g_pending_signal_exception[2] = nullptr;
+  return true;
+}
+#endif
+
+// The interrupt check (include/attnkit/interrupt.h) of calls from Python: runs the signal
+// handlers of pending signals; one that raises stops the call. The call released the GIL, so the
+// check takes it for the moment of PyErr_CheckSignals (the reference polls every 20 ms at most).
+bool python_signal_raised() {
+  if (PyThread_get_thread_ident() != g_main_thread) return false;
+  nb::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  keep_pending_exception();
+  return true;
+}
+
+// attnkit::Error from any binding function, in the Python names: the message's leading
+// "op: " (or KvCacheManager...) picks the table. Entry points that know more (the spec messages
+// name no op) rename first, through in_python_names.
+void translate_exception(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Interrupted& e) {
+    if (!restore_pending_exception()) PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+  } catch (const DeviceFaultError& e) {
+    PyErr_SetString(
+        g_device_fault_type,
+        to_python_names(e.what(), renames_of(function_of_message(e.what(), PyFunction::kOther)))
+            .c_str());
+  } catch (const Error& e) {
+    PyErr_SetString(
+        g_error_type,
+        to_python_names(e.what(), renames_of(function_of_message(e.what(), PyFunction::kOther)))
+            .c_str());
+  }
+}
+
 // ---- KvCacheManager ----------------------------------------------------------------------------
 
 KvCacheManagerConfig manager_config(const nb::dict& d) {
@@ -530,7 +789,11 @@ KvCacheManagerConfig manager_config(const nb::dict& d) {
   c.num_kv_heads = get<int32_t>(d, "num_kv_heads", 0);
   c.head_dim = get<int32_t>(d, "head_dim", 0);
   c.tokens_per_block = get<int32_t>(d, "tokens_per_block", 16);
-  c.dtype = parse_dtype_name(get<std::string>(d, "dtype", "f16"), "dtype");
+  c.dtype = get_choice<DType>(d, "dtype", "f16", "dtype",
+                              {{"f16", DType::kF16},
+                               {"bf16", DType::kBF16},
+                               {"fp8_e4m3", DType::kFp8E4M3},
+                               {"int8", DType::kInt8}});
   c.device = parse_device_name(get<std::string>(d, "device", "cpu"));
   c.max_tokens = get<int64_t>(d, "max_tokens", 0);
   c.max_bytes = get<int64_t>(d, "max_bytes", 0);
@@ -704,9 +967,15 @@ void bind_manager(nb::module_& m) {
 NB_MODULE(_attnkit, m) {
   using namespace attnkit::python;
   m.doc() = "attnkit C++ bindings (use the `attnkit` package, not this module directly)";
-  // Translators are tried newest first: the subclass is registered after its base.
   const nb::exception<attnkit::Error> error(m, "Error", PyExc_ValueError);
-  nb::exception<attnkit::DeviceFaultError>(m, "DeviceFaultError", error.ptr());
+  const nb::exception<attnkit::DeviceFaultError> device_fault(m, "DeviceFaultError", error.ptr());
+  g_error_type = error.ptr();
+  g_device_fault_type = device_fault.ptr();
+  // Tried before the two above (translators are tried newest first): renames the messages.
+  nb::register_exception_translator(&translate_exception);
+  g_main_thread = nb::cast<unsigned long>(
+      nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  attnkit::set_interrupt_check(&python_signal_raised);
 
   nb::class_<attnkit::DecodeWorkspace>(
       m, "DecodeWorkspace",
@@ -715,8 +984,10 @@ NB_MODULE(_attnkit, m) {
           "__init__",
           [](attnkit::DecodeWorkspace* self, const nb::dict& spec, int64_t max_rows,
              int32_t max_splits, const std::string& device) {
-            new (self) attnkit::DecodeWorkspace(spec_from_dict(spec), max_rows, max_splits,
-                                                parse_device_name(device));
+            in_python_names(PyFunction::kDecodeWorkspace, [&] {
+              new (self) attnkit::DecodeWorkspace(spec_from_dict(spec), max_rows, max_splits,
+                                                  parse_device_name(device));
+            });
           },
           "spec"_a, "max_rows"_a, "max_splits"_a, "device"_a)
       .def_prop_ro("bytes", &attnkit::DecodeWorkspace::bytes)
@@ -726,32 +997,27 @@ NB_MODULE(_attnkit, m) {
           [](attnkit::DecodeWorkspace& w, uintptr_t stream) { w.reset(to_stream(stream)); },
           "stream"_a = 0, "Enqueues a zeroing of the arrival counters on `stream`.");
 
-  m.def("prefill", &py_prefill, "spec"_a, "q"_a, "cu_seqlens_q"_a, "out"_a.noconvert(),
-        "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "cu_seqlens_kv"_a.none() = nb::none(),
-        "kv_cache"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
+  const auto none = nb::none();
+  m.def("prefill", &py_prefill, "spec"_a, "q"_a, "cu_seqlens_q"_a, "out"_a, "k"_a = none,
+        "v"_a = none, "cu_seqlens_kv"_a = none, "kv_cache"_a.none() = none, "lse"_a = none,
         "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "checked"_a = false, "stream"_a = 0);
-  m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a.noconvert(),
-        "lse"_a.noconvert().none() = nb::none(), "beam_width"_a = 1,
-        "cache_indirection"_a.none() = nb::none(), "num_splits"_a = 0, "max_seq_len"_a = 0,
-        "workspace"_a.none() = nb::none(), "deterministic"_a = true, "batch_invariant"_a = false,
+  m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a, "lse"_a = none,
+        "beam_width"_a = 1, "cache_indirection"_a = none, "num_splits"_a = 0, "max_seq_len"_a = 0,
+        "workspace"_a.none() = none, "deterministic"_a = true, "batch_invariant"_a = false,
         "checked"_a = false, "stream"_a = 0);
   m.def("append_kv", &py_append_kv, "spec"_a, "kv_cache"_a, "positions"_a, "row_of_token"_a,
-        "q_out"_a.noconvert(), "qkv"_a.none() = nb::none(), "q"_a.none() = nb::none(),
-        "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "qkv_bias"_a.none() = nb::none(),
+        "q_out"_a, "qkv"_a = none, "q"_a = none, "k"_a = none, "v"_a = none, "qkv_bias"_a = none,
         "checked"_a = false, "stream"_a = 0);
   m.def("forward", &py_forward, "spec"_a, "qkv"_a, "kv_cache"_a, "cu_seqlens_q"_a, "past_lens"_a,
-        "num_context"_a, "out"_a.noconvert(), "beam_width"_a = 1, "qkv_bias"_a.none() = nb::none(),
-        "cache_indirection"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
-        "workspace"_a.noconvert().none() = nb::none(), "num_splits"_a = 0,
-        "decode_workspace"_a.none() = nb::none(), "deterministic"_a = true,
-        "batch_invariant"_a = false, "checked"_a = false, "stream"_a = 0);
-  m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a.noconvert(),
-        "lse"_a.noconvert().none() = nb::none(), "timestep"_a = 0.0, "block_m"_a = 128,
-        "block_n"_a = 128, "stats"_a = true, "skip_stats"_a.noconvert().none() = nb::none(),
+        "num_context"_a, "out"_a, "beam_width"_a = 1, "qkv_bias"_a = none,
+        "cache_indirection"_a = none, "lse"_a = none, "workspace"_a = none, "num_splits"_a = 0,
+        "decode_workspace"_a.none() = none, "deterministic"_a = true, "batch_invariant"_a = false,
         "checked"_a = false, "stream"_a = 0);
-  m.def("merge_states", &py_merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a,
-        "out"_a.noconvert(), "lse"_a.noconvert().none() = nb::none(), "checked"_a = false,
-        "stream"_a = 0);
+  m.def("dense", &py_dense, "spec"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a = none,
+        "timestep"_a = 0.0, "block_m"_a = 128, "block_n"_a = 128, "stats"_a = true,
+        "skip_stats"_a = none, "checked"_a = false, "stream"_a = 0);
+  m.def("merge_states", &py_merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
+        "lse"_a = none, "checked"_a = false, "stream"_a = 0);
   m.def("info", &py_info);
   m.def(
       "check_device_errors",
@@ -769,14 +1035,22 @@ NB_MODULE(_attnkit, m) {
       m, "AttentionConfig",
       "Per-role backend / skip-softmax / SAGE settings parsed from JSON (docs/configuration.md).")
       .def(nb::init<>(), "An empty config: every role resolves to backend 'auto'.")
-      .def_static("from_json", &attnkit::AttentionConfig::from_json, "text"_a,
-                  "Parses and validates JSON text; raises Error naming the key path.")
-      .def_static("from_file", &attnkit::AttentionConfig::from_file, "path"_a,
-                  "Parses and validates a JSON file; raises Error naming the key path.")
+      .def_static(
+          "from_json",
+          [](nb::handle text) {
+            return attnkit::AttentionConfig::from_json(str_arg(text, "text"));
+          },
+          "text"_a, "Parses and validates JSON text; raises Error naming the key path.")
+      .def_static(
+          "from_file",
+          [](nb::handle path) {
+            return attnkit::AttentionConfig::from_file(path_arg(path, "path"));
+          },
+          "path"_a, "Parses and validates a JSON file; raises Error naming the key path.")
       .def(
           "resolve",
-          [](const attnkit::AttentionConfig& c, const std::string& role) {
-            return role_to_dict(c.resolve(role));
+          [](const attnkit::AttentionConfig& c, nb::handle role) {
+            return role_to_dict(c.resolve(str_arg(role, "role")));
           },
           "role"_a,
           "The settings of `role` (exact role, then its categories, then default): a dict with "

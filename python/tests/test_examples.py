@@ -22,7 +22,7 @@ def test_python_quickstart_runs():
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "quick start ok" in proc.stdout
-    assert "rejected: spec.num_kv_heads" in proc.stdout
+    assert "rejected: k.shape[1]: must divide q.shape[1] (8), got 3" in proc.stdout
 
 
 def test_guide_code_is_the_examples_code():

@@ -5,6 +5,12 @@
 #include "core/check.h"
 
 namespace attnkit {
+namespace {
+
+// An upper bound keeps per-head tables (ALiBi slopes) small for any accepted spec.
+constexpr int32_t kMaxQueryHeads = 1 << 16;
+
+}  // namespace
 
 const char* backend_name(Backend backend) {
   switch (backend) {
@@ -61,10 +67,8 @@ double AttentionSpec::effective_scale() const {
 
 void AttentionSpec::validate() const {
   using detail::fail;
-  // An upper bound keeps per-head tables (ALiBi slopes) small for any accepted spec.
-  constexpr int32_t kMaxHeads = 1 << 16;
-  ATTNKIT_CHECK(num_q_heads >= 1 && num_q_heads <= kMaxHeads, "spec.num_q_heads: must be in [1, ",
-                kMaxHeads, "], got ", num_q_heads);
+  ATTNKIT_CHECK(num_q_heads >= 1 && num_q_heads <= kMaxQueryHeads,
+                "spec.num_q_heads: must be in [1, ", kMaxQueryHeads, "], got ", num_q_heads);
   ATTNKIT_CHECK(num_kv_heads >= 1, "spec.num_kv_heads: must be >= 1, got ", num_kv_heads);
   ATTNKIT_CHECK(num_q_heads % num_kv_heads == 0, "spec.num_kv_heads: must divide num_q_heads (",
                 num_q_heads, "), got ", num_kv_heads);
@@ -170,6 +174,9 @@ void AttentionSpec::validate() const {
 }
 
 std::vector<float> default_alibi_slopes(int32_t num_heads) {
+  ATTNKIT_CHECK(num_heads >= 1 && num_heads <= kMaxQueryHeads,
+                "default_alibi_slopes: num_heads: must be in [1, ", kMaxQueryHeads, "], got ",
+                num_heads);
   std::vector<float> slopes(static_cast<size_t>(num_heads));
   int32_t m = 1;
   while (m * 2 <= num_heads) m *= 2;

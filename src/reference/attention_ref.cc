@@ -2,6 +2,7 @@
 // indirection). fp64 accumulation; outputs rounded once to their dtype.
 #include <vector>
 
+#include "core/interrupt_poll.h"
 #include "reference/ref_common.h"
 #include "reference/reference.h"
 
@@ -17,6 +18,7 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
   const CacheReader cache(paged ? *args.kv_cache : KvCacheView{});
   std::vector<double> q(static_cast<size_t>(head_dim)), out(static_cast<size_t>(head_dim));
   std::vector<double> k, v;
+  detail::InterruptPoll poll_interrupt("prefill");
 
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t q_begin = index_at(args.cu_seqlens_q, i);
@@ -48,6 +50,7 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
       }
       for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         for (int64_t t = 0; t < num_q; ++t) {
+          poll_interrupt();
           load_head(args.q, q_begin + t, h, q.data());
           double lse = 0.0;
           attend_row(rule, q.data(), head_dim, h, first_position + t, keys, k.data(), v.data(),
@@ -69,6 +72,7 @@ void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
   const CacheReader cache(args.kv_cache);
   std::vector<double> q(static_cast<size_t>(head_dim)), out(static_cast<size_t>(head_dim));
   std::vector<double> k, v;
+  detail::InterruptPoll poll_interrupt("decode");
 
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t kv_len = index_at(args.kv_cache.seq_lens, r);
@@ -91,6 +95,7 @@ void decode_impl(const AttentionSpec& spec, const DecodeArgs& args) {
         cache.load_v(source_row(keys[n]), keys[n], kv_head, &v[n * head_dim]);
       }
       for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+        poll_interrupt();
         load_head(args.q, r, h, q.data());
         double lse = 0.0;
         attend_row(rule, q.data(), head_dim, h, position, keys, k.data(), v.data(), out.data(),

@@ -67,7 +67,7 @@ SageColumns sage_quantize_v(const std::vector<float>& x, int64_t rows, int32_t d
 DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const double* k,
                                   const float* k_scale, const double* v, const float* v_scale,
                                   int64_t sq, int64_t skv, int32_t dim, const DenseTileRule& rule,
-                                  double* out, double* lse) {
+                                  double* out, double* lse, detail::InterruptPoll* poll_interrupt) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   const double p_scale = rule.quantize_p ? static_cast<double>(sage::kPScale) : 1.0;
   DenseTileCounts counts;
@@ -81,6 +81,7 @@ DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const d
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t n0 = (rule.last_tile_first ? num_tiles - 1 - t : t) * rule.block_n;
       const int64_t cols = std::min<int64_t>(rule.block_n, skv - n0);
+      if (poll_interrupt != nullptr) (*poll_interrupt)();
       ++counts.total;
       // Q*K^T runs for every tile, skipped or not: the skip test needs the tile's row maxima.
       scores.assign(static_cast<size_t>(rows * cols), 0.0);
@@ -184,6 +185,7 @@ void dense(const AttentionSpec& spec, const DenseArgs& args, const detail::Dense
   rule.quantize_p = sage;
 
   DenseTileCounts counts;
+  detail::InterruptPoll poll_interrupt("dense");
   std::vector<double> out_head(static_cast<size_t>(sq * dim));
   std::vector<double> lse_head(static_cast<size_t>(sq));
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -216,7 +218,7 @@ void dense(const AttentionSpec& spec, const DenseArgs& args, const detail::Dense
         const DenseTileCounts head_counts =
             dense_attend_head(q_head.values.data(), q_head.row_scale.data(), k_head.values.data(),
                               k_head.row_scale.data(), v_values.data(), v_scale.data(), sq, skv,
-                              dim, rule, out_head.data(), lse_head.data());
+                              dim, rule, out_head.data(), lse_head.data(), &poll_interrupt);
         counts.total += head_counts.total;
         counts.skipped += head_counts.skipped;
         for (int64_t s = 0; s < sq; ++s) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attnkit/types.h"
+#include "core/interrupt_poll.h"
 
 namespace attnkit::reference {
 
@@ -54,10 +55,12 @@ struct DenseTileCounts {
 
 // Operands of one (batch, q head): q [sq, dim] with q_scale [sq]; k, v [skv, dim] with k_scale
 // [skv] and v_scale [dim] (all scales 1 without SAGE). Writes out [sq, dim] and lse [sq]
-// (natural log; rows without keys: zeros and -inf).
+// (natural log; rows without keys: zeros and -inf). `poll_interrupt`, when given, is polled once
+// per tile (include/attnkit/interrupt.h).
 DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const double* k,
                                   const float* k_scale, const double* v, const float* v_scale,
                                   int64_t sq, int64_t skv, int32_t dim, const DenseTileRule& rule,
-                                  double* out, double* lse);
+                                  double* out, double* lse,
+                                  detail::InterruptPoll* poll_interrupt = nullptr);
 
 }  // namespace attnkit::reference
