@@ -540,16 +540,34 @@ def flash_attn_varlen_impl(
     alibi_slopes,
     return_lse,
     block_table,
+    seqused_k=None,
 ):
     """flash_attn_varlen_func: (out [total_q, Hq, D], lse [Hq, total_q] or None)."""
     total_q, hq, d, hkv = varlen_dims(q, k, v, block_table)
     cu_q = _int32_array(cu_seqlens_q, q, "cu_seqlens_q")
-    cu_k = _int32_array(cu_seqlens_k, q, "cu_seqlens_k")
     if cu_q.ndim != 1 or int(cu_q.shape[0]) < 1:
         raise Error(f"cu_seqlens_q: expected shape [B + 1], got {list(cu_q.shape)}")
     batch = int(cu_q.shape[0]) - 1
-    if tuple(cu_k.shape) != (batch + 1,):
-        raise Error(f"cu_seqlens_k: expected shape [{batch + 1}] (B + 1), got {list(cu_k.shape)}")
+    if seqused_k is not None:
+        if block_table is None:
+            raise Error(
+                "seqused_k: only with block_table (packed k / v take their lengths from "
+                "cu_seqlens_k)"
+            )
+        seq_lens = _int32_array(seqused_k, q, "seqused_k")
+        if tuple(seq_lens.shape) != (batch,):
+            raise Error(f"seqused_k: expected shape [{batch}] (B), got {list(seq_lens.shape)}")
+        lens_names = ("seqused_k", "its keys", "k")
+    else:
+        if cu_seqlens_k is None:
+            raise Error("cu_seqlens_k: required (or seqused_k with block_table)")
+        cu_k = _int32_array(cu_seqlens_k, q, "cu_seqlens_k")
+        if tuple(cu_k.shape) != (batch + 1,):
+            raise Error(
+                f"cu_seqlens_k: expected shape [{batch + 1}] (B + 1), got {list(cu_k.shape)}"
+            )
+        seq_lens = cu_k[1:] - cu_k[:-1]
+        lens_names = ("cu_seqlens_k", "its keys", "k")
     max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
     for value, name in ((max_q, "max_seqlen_q"), (max_k, "max_seqlen_k")):
         if value < 0:
@@ -579,10 +597,9 @@ def flash_attn_varlen_impl(
                 f"block_table: expected shape [{batch}, max_blocks] (B rows), got "
                 f"{list(table.shape)}"
             )
-        seq_lens = cu_k[1:] - cu_k[:-1]
         if _on_host(q):
             lens = _host(seq_lens)
-            _check_rows(lens, _host(table), tuple(k.shape), ("cu_seqlens_k", "its keys", "k"))
+            _check_rows(lens, _host(table), tuple(k.shape), lens_names)
             n_q = np.diff(_host(cu_q))
             short = np.nonzero(n_q > lens)[0]
             if short.size:
@@ -615,6 +632,8 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: Any = None,
+    *,
+    seqused_k: Any = None,
 ) -> Any:
     """flash_attn.flash_attn_varlen_func: packed sequences without padding.
 
@@ -623,7 +642,9 @@ def flash_attn_varlen_func(
     i holds cu_seqlens_k[i + 1] - cu_seqlens_k[i] tokens. cu_seqlens_q / cu_seqlens_k: int32
     [B + 1]; max_seqlen_q / max_seqlen_k bound the lengths (nothing is read back from the
     device). A causal sequence needs n_q <= n_k (its queries are its last keys), as does every
-    sequence over a paged cache. Other arguments as for flash_attn_func.
+    sequence over a paged cache. seqused_k (keyword; vLLM's flash_attn fork): int32 [B] key
+    lengths of a paged call instead of cu_seqlens_k (which may then be None). Other arguments as
+    for flash_attn_func.
     return_attn_probs=True returns (out, softmax_lse [Hq, total_q] float32, None).
     """
     _no_dropout(dropout_p)
@@ -642,6 +663,7 @@ def flash_attn_varlen_func(
         alibi_slopes,
         return_attn_probs,
         block_table,
+        seqused_k,
     )
     out, lse = _ops.flash_attn_varlen(*args) if _is_torch(q) else flash_attn_varlen_impl(*args)
     return (out, lse, None) if return_attn_probs else out

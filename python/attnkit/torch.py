@@ -19,6 +19,7 @@ run on CPU tensors too (reference backend), which is how the CPU tests exercise 
 import math
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 
 from . import Error, dense
@@ -31,6 +32,14 @@ def _slopes(alibi_slopes: Any) -> Optional[torch.Tensor]:
     if alibi_slopes is None or isinstance(alibi_slopes, torch.Tensor):
         return alibi_slopes
     return torch.tensor(alibi_slopes, dtype=torch.float32)
+
+
+def _int32(x: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """Lists and NumPy arrays given for lengths and tables, as tensors next to ``like`` (the ops
+    take tensors; the checks of dtype and shape are the implementation's)."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(np.asarray(x), device=like.device)
 
 
 def _no_lse(q: torch.Tensor) -> torch.Tensor:
@@ -85,7 +94,7 @@ def _flash_attn_varlen_op(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: Optional[float],
@@ -96,17 +105,18 @@ def _flash_attn_varlen_op(
     alibi_slopes: Optional[torch.Tensor],
     return_lse: bool,
     block_table: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     out, lse = _fa.flash_attn_varlen_impl(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        (window_left, window_right), softcap, alibi_slopes, return_lse, block_table,
+        (window_left, window_right), softcap, alibi_slopes, return_lse, block_table, seqused_k,
     )
     return out, lse if lse is not None else _no_lse(q)
 
 
 @_flash_attn_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, alibi_slopes, return_lse, block_table):
+      window_left, window_right, softcap, alibi_slopes, return_lse, block_table, seqused_k):
     total_q, hq, d, _ = _fa.varlen_dims(q, k, v, block_table)
     lse = q.new_empty((hq, total_q), dtype=torch.float32) if return_lse else _no_lse(q)
     return q.new_empty((total_q, hq, d)), lse
@@ -114,11 +124,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window, softcap, alibi_slopes, return_lse,
-                      block_table):
+                      block_table, seqused_k):
     out, lse = _flash_attn_varlen_op(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
-        bool(causal), window[0], window[1], float(softcap), _slopes(alibi_slopes),
-        bool(return_lse), block_table,
+        q, k, v, _int32(cu_seqlens_q, q), _int32(cu_seqlens_k, q), int(max_seqlen_q),
+        int(max_seqlen_k), softmax_scale, bool(causal), window[0], window[1], float(softcap),
+        _slopes(alibi_slopes), bool(return_lse), _int32(block_table, q), _int32(seqused_k, q),
     )
     return out, lse if return_lse else None
 
@@ -171,7 +181,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
     out, lse = _flash_attn_with_kvcache_op(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, _int32(cache_seqlens, q),
+        _int32(block_table, q),
         softmax_scale, bool(causal), window[0], window[1], float(softcap),
         bool(rotary_interleaved), _slopes(alibi_slopes), int(num_splits), bool(return_lse),
     )

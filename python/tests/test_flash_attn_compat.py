@@ -212,6 +212,11 @@ def test_flash_attn_varlen_func_paged(rng, page):
     for i, (k, v) in enumerate(seqs):
         sq = slice(cu_q[i], cu_q[i + 1])
         check(out[sq], lse[:, sq], q[sq], k, v, dtype, causal=True)
+    # vLLM's spelling: the key lengths as seqused_k instead of cu_seqlens_k.
+    same = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, max(lens_q), max(lens_k),
+                                  causal=True, block_table=table,
+                                  seqused_k=np.array(lens_k, np.int32))
+    np.testing.assert_array_equal(same, out)
 
 
 # ---- flash_attn_with_kvcache ------------------------------------------------------------------
@@ -413,6 +418,13 @@ def test_varlen_paged_rejects(rng):
     with pytest.raises(attnkit.Error, match="^cu_seqlens_q: "):
         flash_attn_varlen_func(q, k_cache, v_cache, cu_q, np.array([0, 5, 5], np.int32), 1, 5,
                                block_table=table)
+    with pytest.raises(attnkit.Error, match="^seqused_k: "):
+        flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 1, 5, block_table=table,
+                               seqused_k=np.array([3], np.int32))
+    with pytest.raises(attnkit.Error, match="^cu_seqlens_k: required"):
+        flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 1, 5, block_table=table)
+    with pytest.raises(attnkit.Error, match="^seqused_k: only with block_table"):
+        flash_attn_varlen_func(q, q, q, cu_q, cu_q, 1, 1, seqused_k=np.array([1, 1], np.int32))
 
 
 # ---- torch CPU tensors: the same results through the custom ops, and under torch.compile ------
@@ -643,3 +655,18 @@ def test_cuda_torch_compile_inductor(rng):
     eager = block(q, k, v)
     compiled = torch.compile(block, fullgraph=True)(q, k, v)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@needs_torch
+def test_torch_cpu_varlen_paged_matches_numpy(rng):
+    hq, hkv, d, page = 4, 2, 32, 16
+    lens_k, lens_q = [33, 70], [3, 1]
+    k_pool, v_pool, table, _ = _paged_nhd(rng, lens_k, page, hkv, d, np.float16)
+    q = rand(rng, (sum(lens_q), hq, d), np.float16)
+    cu_q, cu_k = [0, 3, 4], [0, 33, 103]
+    ref = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 3, 70, causal=True,
+                                 block_table=table)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k_pool, v_pool))
+    out = flash_attn_varlen_func(tq, tk, tv, cu_q, cu_k, 3, 70, causal=True,
+                                 block_table=table.tolist())  # lists become int32 tensors
+    np.testing.assert_array_equal(out.numpy(), ref)
