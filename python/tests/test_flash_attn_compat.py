@@ -670,3 +670,25 @@ def test_torch_cpu_varlen_paged_matches_numpy(rng):
     out = flash_attn_varlen_func(tq, tk, tv, cu_q, cu_k, 3, 70, causal=True,
                                  block_table=table.tolist())  # lists become int32 tensors
     np.testing.assert_array_equal(out.numpy(), ref)
+
+
+def test_kvcache_strided_pool_view(rng):
+    # FlashInfer's NHD pool [num_pages, 2, page_size, Hkv, D]: k / v are strided views of it.
+    b, hq, hkv, d, page = 2, 4, 2, 32, 16
+    pool = rand(rng, (6, 2, page, hkv, d), np.float16)
+    table = np.array([[4, 1, -1], [0, 5, 2]], np.int32)
+    q = rand(rng, (b, 1, hq, d), np.float16)
+    k, v = rand(rng, (b, 1, hkv, d), np.float16), rand(rng, (b, 1, hkv, d), np.float16)
+    lens = np.array([20, 33], np.int32)
+    dense_pool = pool.copy()
+    out = flash_attn_with_kvcache(q, pool[:, 0], pool[:, 1], k, v, cache_seqlens=lens,
+                                  block_table=table)
+    for r in range(b):
+        p = lens[r]
+        blk, off = table[r, p // page], p % page
+        dense_pool[blk, 0, off], dense_pool[blk, 1, off] = k[r, 0], v[r, 0]
+        ids = table[r, : (p + page) // page]
+        kr = dense_pool[ids, 0].reshape(-1, hkv, d)[: p + 1]
+        vr = dense_pool[ids, 1].reshape(-1, hkv, d)[: p + 1]
+        check(out[r], None, q[r], kr, vr, np.float16)
+    np.testing.assert_array_equal(pool, dense_pool)  # written through the views, nothing else
