@@ -612,9 +612,9 @@ def test_cuda_graph_capture_kvcache_decode(rng):
     k_np, v_np, table, _ = _paged_nhd(rng, [256] * b, page, hkv, d, np.float32)
     k_cache, v_cache = _cuda(k_np, torch.bfloat16), _cuda(v_np, torch.bfloat16)
     table = _cuda(table)
-    q = torch.empty((b, 1, hq, d), dtype=torch.bfloat16, device="cuda")
-    k = torch.empty((b, 1, hkv, d), dtype=torch.bfloat16, device="cuda")
-    v = torch.empty_like(k)
+    q = _cuda(rand(rng, (b, 1, hq, d), np.float32), torch.bfloat16)
+    k = _cuda(rand(rng, (b, 1, hkv, d), np.float32), torch.bfloat16)
+    v = _cuda(rand(rng, (b, 1, hkv, d), np.float32), torch.bfloat16)
     lens = torch.zeros(b, dtype=torch.int32, device="cuda")
     cos, sin = (_cuda(t) for t in _tables(rng, table.shape[1] * page, d))
 
@@ -649,8 +649,8 @@ def test_cuda_graph_capture_kvcache_decode(rng):
 def test_cuda_torch_compile_inductor(rng):
     q, k, v = (_cuda(rand(rng, (2, 64, 8, 128), np.float32), torch.bfloat16) for _ in range(3))
 
-    def block(q, k, v):
-        return flash_attn_func(q * 0.5, k, v, causal=True).float().sum(-1)
+    def block(q, k, v):  # q * 0.5 is exact, and the op is opaque: equal bits to eager
+        return flash_attn_func(q * 0.5, k, v, causal=True).float()
 
     eager = block(q, k, v)
     compiled = torch.compile(block, fullgraph=True)(q, k, v)

@@ -179,7 +179,7 @@ def test_cuda_compile_reduce_overhead(rng):
     q, k, v = (_t(rng, (1, 8, 128, 128), torch.bfloat16, "cuda") for _ in range(3))
 
     def layer(q, k, v):
-        return ak_torch.sdpa(q * 0.5, k, v, is_causal=True).float().mean(-1)
+        return ak_torch.sdpa(q * 0.5, k, v, is_causal=True).float()  # exact ops around it
 
     compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
     for _ in range(3):
