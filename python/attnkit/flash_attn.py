@@ -158,7 +158,10 @@ def _int32_array(x: Any, like: Any, name: str) -> Any:
 
 def _host(x: Any) -> np.ndarray:
     """A NumPy copy (synchronizes with the device for CUDA tensors)."""
-    return x.detach().cpu().numpy() if _is_torch(x) else np.asarray(x)
+    if not _is_torch(x):
+        return np.asarray(x)
+    x = x.detach().cpu()
+    return (x.float() if x.dtype == _torch.bfloat16 else x).numpy()  # NumPy has no bfloat16
 
 
 def _on_host(x: Any) -> bool:

@@ -5,7 +5,7 @@ CUDA tests need a GPU, torch with CUDA and attnkit's CUDA backend."""
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, masked_softmax
 
 import attnkit
 from attnkit.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
@@ -50,15 +50,8 @@ def fa_reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=
             logits = softcap * np.tanh(logits / softcap)
         if slopes is not None:
             logits = logits - slopes[h] * np.abs(row - col)
-        logits = np.where(allowed, logits, -np.inf)
-        m = logits.max(axis=1, keepdims=True)
-        has = np.isfinite(m[:, 0])
-        m = np.where(np.isfinite(m), m, 0.0)
-        e = np.exp(logits - m)
-        s = e.sum(axis=1, keepdims=True)
-        p = np.where(has[:, None], e / np.where(s > 0, s, 1.0), 0.0)
+        p, lse[h] = masked_softmax(logits, allowed)
         out[:, h] = (p.astype(dtype) @ vh).astype(np.float64)
-        lse[h] = np.where(has, m[:, 0] + np.log(np.where(s[:, 0] > 0, s[:, 0], 1.0)), -np.inf)
     return out, lse
 
 
@@ -494,6 +487,7 @@ def test_torch_compile_fullgraph(rng):
 
     eager = step(q, k, v)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert len(eager) == len(compiled)
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(eager[2].reshape(2, 6, 4, 32), eager[0] / 2, rtol=0, atol=0)
@@ -630,7 +624,7 @@ def test_cuda_graph_capture_kvcache_decode(rng):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for t in range(3):  # replay with fresh inputs, compare with an eager call on a copy
+    for _ in range(3):  # replay with fresh inputs, compare with an eager call on a copy
         q.copy_(_cuda(rand(rng, q.shape, np.float32), torch.bfloat16))
         k.copy_(_cuda(rand(rng, k.shape, np.float32), torch.bfloat16))
         v.copy_(_cuda(rand(rng, v.shape, np.float32), torch.bfloat16))
