@@ -1055,3 +1055,17 @@ class KvCache:
             sink_tokens=self.sink_tokens if window_slots else 0,
             kv_dtype=raw,
         )
+
+
+# ---- flash_attn-compatible functions (attnkit.flash_attn; loaded on first use) ------------------
+
+_FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import attnkit` does not import torch (attnkit.flash_attn does when present).
+    if name in _FLASH_ATTN_NAMES:
+        from . import flash_attn
+
+        return getattr(flash_attn, name)
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")

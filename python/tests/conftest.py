@@ -49,16 +49,22 @@ def reference_attention(q, k, v, q_pos, *, mask="causal", window=0, sink=0, scal
             allowed = in_window & (j[None, :] <= p)
         else:
             allowed = np.ones((n_q, n_k), dtype=bool)
-        logits = np.where(allowed, logits, -np.inf)
-        m = logits.max(axis=1, keepdims=True)
-        has = np.isfinite(m[:, 0])
-        m = np.where(np.isfinite(m), m, 0.0)
-        e = np.exp(logits - m)
-        s = e.sum(axis=1, keepdims=True)
-        probs = np.where(has[:, None], e / np.where(s > 0, s, 1.0), 0.0)
+        probs, lse[:, h] = masked_softmax(logits, allowed)
         out[:, h] = (probs.astype(dtype) @ vh).astype(np.float64)
-        lse[:, h] = np.where(has, m[:, 0] + np.log(np.where(s[:, 0] > 0, s[:, 0], 1.0)), -np.inf)
     return out, lse
+
+
+def masked_softmax(logits, allowed):
+    """Row softmax of float64 logits [n_q, n_k] over the `allowed` keys: (probs, lse [n_q]); a
+    row without keys gives zeros and lse = -inf."""
+    logits = np.where(allowed, logits, -np.inf)
+    m = logits.max(axis=1, keepdims=True, initial=-np.inf)
+    has = np.isfinite(m[:, 0])
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(logits - m)
+    s = e.sum(axis=1, keepdims=True)
+    probs = np.where(has[:, None], e / np.where(s > 0, s, 1.0), 0.0)
+    return probs, np.where(has, m[:, 0] + np.log(np.where(s[:, 0] > 0, s[:, 0], 1.0)), -np.inf)
 
 
 def tolerance(naive, ref64):
