@@ -54,6 +54,7 @@ from . import Error
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
 
 _LOG2E = 1.0 / math.log(2.0)
+_CAUSAL_WINDOWS = "-1 with causal=False (attnkit's windows are causal)"
 _BACKENDS = ("auto", "fused", "vanilla")
 _DTYPES = {
     "float16": torch.float16,
@@ -194,7 +195,8 @@ class _PagedWrapper:
         """The block table and seq_lens of FlashInfer's page table (host arithmetic, then one
         copy to the device). ``prefix`` is the argument prefix of the caller ("" or
         "paged_kv_")."""
-        n_indptr, n_indices, n_last = prefix + "indptr", prefix + "indices", prefix + "last_page_len"
+        n_indptr, n_indices = prefix + "indptr", prefix + "indices"
+        n_last = prefix + "last_page_len"
         ptr = _host_ints(indptr, n_indptr)
         idx = _host_ints(indices, n_indices)
         last = _host_ints(last_page_len, n_last)
@@ -688,7 +690,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             fixed_split_size=fixed_split_size,
         )
         if int(window_left) >= 0 and not causal:
-            _reject("window_left", window_left, "-1 with causal=False (attnkit's windows are causal)")
+            _reject("window_left", window_left, _CAUSAL_WINDOWS)
         self._plan_spec(
             num_qo_heads,
             num_kv_heads,
@@ -761,7 +763,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             _reject("q", list(q.shape), f"[qo_indptr[-1] = {total_q}, Hq, D]")
         window = self._window(window_left)
         if window is not None and not self._causal:
-            _reject("window_left", window_left, "-1 with causal=False (attnkit's windows are causal)")
+            _reject("window_left", window_left, _CAUSAL_WINDOWS)
         spec = self._spec
         page_rows = int(self._plan.block_table.shape[1]) * spec["page_size"]
         result = attnkit.prefill(

@@ -52,7 +52,8 @@ def _check_kwargs(
         if kw.get(name) is not None:
             _reject(
                 name,
-                f"given by {type(module).__name__}; attnkit has no per-logit bias or attention sink",
+                f"given by {type(module).__name__}; attnkit has no per-logit bias or "
+                "attention sink",
                 'None (run such models with attn_implementation="sdpa" or "eager")',
             )
     if kw.get("output_attentions"):

@@ -5,8 +5,8 @@ SD3Transformer2DModel (joint attention, plus SD3.5's dual self-attention).
 Each model runs with attnkit's processors, with its own SDPA processors in the same dtype (the
 naive yardstick) and with those in float64 (the oracle); the outputs must satisfy
 docs/testing.md's rule max|attnkit - ref64| <= 2 * max|naive - ref64| + 1e-3, and the float64
-model with every query doubled (twice the logits) must miss it widely (the comparison can fail). CUDA
-variants (bf16) need a GPU and attnkit's CUDA backend."""
+model with every query doubled (twice the logits) must miss it widely (the comparison can fail).
+CUDA variants (bf16) need a GPU and attnkit's CUDA backend."""
 
 import copy
 
