@@ -45,6 +45,22 @@ def _heads(x: torch.Tensor, batch: int, head_dim: int) -> torch.Tensor:
     return x.view(batch, -1, x.shape[-1] // head_dim, head_dim)
 
 
+def _qkv(projections: tuple, norms: tuple, x_q: Any, x_kv: Any, head_dim: int) -> tuple:
+    """Q from ``x_q``, K and V from ``x_kv`` through the (q, k, v) ``projections``, then the
+    (q, k) ``norms`` (None: none), which act on the head dimension, the last in either layout."""
+    batch = x_q.shape[0]
+    q, k, v = (_heads(p(x), batch, head_dim) for p, x in zip(projections, (x_q, x_kv, x_kv)))
+    norm_q, norm_k = norms
+    return (norm_q(q) if norm_q is not None else q), (norm_k(k) if norm_k is not None else k), v
+
+
+def _module_qkv(attn: Any, x_q: Any, x_kv: Any, head_dim: int) -> tuple:
+    """The module's own q / k / v projections and q / k norms."""
+    return _qkv(
+        (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k), x_q, x_kv, head_dim
+    )
+
+
 class _Base:
     def __init__(
         self,
@@ -119,23 +135,15 @@ class AttnProcessor(_Base):
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
 
         role = "self" if encoder_hidden_states is None else "cross"
-        query = attn.to_q(hidden_states)
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
         elif attn.norm_cross:
             encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-        head_dim = query.shape[-1] // attn.heads
-        q = _heads(query, batch, head_dim)
-        k = _heads(attn.to_k(encoder_hidden_states), batch, head_dim)
-        v = _heads(attn.to_v(encoder_hidden_states), batch, head_dim)
-        # The q / k norms act on the head dimension, the last one in either layout.
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
+        head_dim = attn.to_q.out_features // attn.heads
+        q, k, v = _module_qkv(attn, hidden_states, encoder_hidden_states, head_dim)
 
         out = self._attend(attn, q, k, v, role)
-        hidden_states = out.reshape(batch, -1, out.shape[2] * head_dim).to(query.dtype)
+        hidden_states = out.reshape(batch, -1, out.shape[2] * head_dim).to(hidden_states.dtype)
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
         if image:
@@ -165,29 +173,22 @@ class JointAttnProcessor(_Base):
     ) -> Any:
         _no_mask(attention_mask)
         batch, num_image = hidden_states.shape[0], hidden_states.shape[1]
-        query = attn.to_q(hidden_states)
-        head_dim = query.shape[-1] // attn.heads
-        q = _heads(query, batch, head_dim)
-        k = _heads(attn.to_k(hidden_states), batch, head_dim)
-        v = _heads(attn.to_v(hidden_states), batch, head_dim)
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
+        head_dim = attn.to_q.out_features // attn.heads
+        q, k, v = _module_qkv(attn, hidden_states, hidden_states, head_dim)
         role = "self"
         if encoder_hidden_states is not None:
             role = "joint"
-            cq = _heads(attn.add_q_proj(encoder_hidden_states), batch, head_dim)
-            ck = _heads(attn.add_k_proj(encoder_hidden_states), batch, head_dim)
-            cv = _heads(attn.add_v_proj(encoder_hidden_states), batch, head_dim)
-            if attn.norm_added_q is not None:
-                cq = attn.norm_added_q(cq)
-            if attn.norm_added_k is not None:
-                ck = attn.norm_added_k(ck)
-            q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))
+            text = _qkv(
+                (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+                (attn.norm_added_q, attn.norm_added_k),
+                encoder_hidden_states,
+                encoder_hidden_states,
+                head_dim,
+            )
+            q, k, v = (torch.cat(pair, dim=1) for pair in zip((q, k, v), text))
 
         out = self._attend(attn, q, k, v, role)
-        hidden_states = out.reshape(batch, -1, out.shape[2] * head_dim).to(query.dtype)
+        hidden_states = out.reshape(batch, -1, out.shape[2] * head_dim).to(hidden_states.dtype)
         if encoder_hidden_states is not None:
             hidden_states, encoder_hidden_states = (
                 hidden_states[:, :num_image],

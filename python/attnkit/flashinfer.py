@@ -387,6 +387,20 @@ class _PagedWrapper:
         left = self._spec["window_left"] if window_left is None else int(window_left)
         return None if left < 0 else left + 1  # FlashInfer's left bound excludes the query
 
+    def run_return_lse(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, **kw: Any) -> Any:
+        """run(..., return_lse=True): (out, base-2 LSE)."""
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kw)
+
+    def _attention_args(self) -> dict:
+        """The attention options plan() fixed, as attnkit's keyword arguments."""
+        spec = self._spec
+        return {
+            "softmax_scale": spec["sm_scale"],
+            "alibi": spec["alibi"],
+            "softcap": spec["softcap"],
+            "backend": self._backend,
+        }
+
     @staticmethod
     def _lse_base2(result: Any, return_lse: bool, lse_given: bool) -> Any:
         if not (return_lse or lse_given):
@@ -550,27 +564,19 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         view = self._view(q, paged_kv_cache, k_scale, v_scale)
         if q.ndim != 3 or q.shape[0] != self._plan.batch:
             _reject("q", list(q.shape), f"[{self._plan.batch}, Hq, D] (plan's batch size)")
-        spec = self._spec
         result = attnkit.decode(
             q,
             view,
             window=self._window(None),
-            softmax_scale=spec["sm_scale"],
-            alibi=spec["alibi"],
-            softcap=spec["softcap"],
-            backend=self._backend,
             num_splits=self._num_splits,
             max_seq_len=0 if self._use_cuda_graph else self._plan.max_seq_len,
             workspace=self._workspace,
             out=out,
             lse=lse,
             return_lse=return_lse,
+            **self._attention_args(),
         )
         return self._lse_base2(result, return_lse, lse is not None)
-
-    def run_return_lse(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, **kw: Any) -> Any:
-        """run(..., return_lse=True): (out, base-2 LSE)."""
-        return self.run(q, paged_kv_cache, *args, return_lse=True, **kw)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
@@ -772,18 +778,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             kv_cache=view,
             causal=self._causal or window is not None,
             window=window,
-            softmax_scale=spec["sm_scale"],
-            alibi=spec["alibi"],
-            softcap=spec["softcap"],
-            backend=self._backend,
             max_seqlen_q=max(max_qo, 1),
             max_seqlen_k=max(page_rows if self._use_cuda_graph else self._plan.max_seq_len, 1),
             out=out,
             lse=lse,
             return_lse=return_lse,
+            **self._attention_args(),
         )
         return self._lse_base2(result, return_lse, lse is not None)
-
-    def run_return_lse(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, **kw: Any) -> Any:
-        """run(..., return_lse=True): (out, base-2 LSE)."""
-        return self.run(q, paged_kv_cache, *args, return_lse=True, **kw)

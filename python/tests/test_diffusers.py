@@ -10,7 +10,6 @@ CUDA variants (bf16) need a GPU and attnkit's CUDA backend."""
 
 import copy
 
-import numpy as np
 import pytest
 
 import attnkit
@@ -19,15 +18,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 akd = pytest.importorskip("attnkit.diffusers")
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and attnkit.info()["cuda"]),
-    reason="needs a CUDA GPU and attnkit built with the CUDA backend",
-)
-DEVICES = [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_cuda)]
-
-
-def _seed(rng):
-    torch.manual_seed(int(rng.integers(2**31)))
+from model_checks import DEVICES, check_outputs, seed  # noqa: E402
 
 
 def _randn(rng, shape, device, dtype):
@@ -62,17 +53,12 @@ def _double_queries(attn):
                 param.mul_(2)
 
 
-def _check(ours, naive, ref, wrong):
-    ours, naive, ref, wrong = (x.double().cpu().numpy() for x in (ours, naive, ref, wrong))
-    assert np.all(np.isfinite(ours))
-    tol = 2.0 * float(np.max(np.abs(naive - ref))) + 1e-3
-    err = float(np.max(np.abs(ours - ref)))
-    assert err <= tol, f"max |attnkit - ref64| = {err:.3g} > {tol:.3g}"
-    assert float(np.max(np.abs(wrong - ref))) > 10 * tol, "the bound cannot detect bad attention"
+def _check(*outputs):
+    check_outputs(*(x.double().cpu().numpy() for x in outputs))
 
 
 def _unet(rng):
-    _seed(rng)
+    seed(rng)
     return diffusers.UNet2DConditionModel(
         sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
         block_out_channels=(64, 128), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
@@ -81,7 +67,7 @@ def _unet(rng):
 
 
 def _sd3(rng):
-    _seed(rng)
+    seed(rng)
     return diffusers.SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
         attention_head_dim=64, num_attention_heads=2, joint_attention_dim=40,

@@ -21,15 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("attnkit.hf")
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and attnkit.info()["cuda"]),
-    reason="needs a CUDA GPU and attnkit built with the CUDA backend",
-)
-DEVICES = [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_cuda)]
-
-
-def _seed(rng):
-    torch.manual_seed(int(rng.integers(2**31)))
+from model_checks import DEVICES, seed  # noqa: E402
+from model_checks import check_outputs as _check  # noqa: E402
 
 
 def _variants(model, device, dtype, naive="sdpa"):
@@ -50,22 +43,8 @@ def _logits(model, **inputs):
         return model(**inputs).logits.double().cpu().numpy()
 
 
-def _check(ours, naive, ref, wrong=None, keep=None):
-    """docs/testing.md's bound on the kept positions; ``wrong`` (logits computed with a mask the
-    model must not use) must miss it by a wide margin, or the test could not fail."""
-    if keep is not None:
-        ours, naive, ref = ours[keep], naive[keep], ref[keep]
-        wrong = wrong[keep] if wrong is not None else None
-    assert np.all(np.isfinite(ours))
-    tol = 2.0 * float(np.max(np.abs(naive - ref))) + 1e-3
-    err = float(np.max(np.abs(ours - ref)))
-    assert err <= tol, f"max |attnkit - ref64| = {err:.3g} > {tol:.3g}"
-    if wrong is not None:
-        assert float(np.max(np.abs(wrong - ref))) > 10 * tol, "the bound cannot detect a bad mask"
-
-
 def _llama(rng, **extra):
-    _seed(rng)
+    seed(rng)
     config = transformers.LlamaConfig(
         vocab_size=101,
         hidden_size=256,
@@ -136,7 +115,7 @@ def test_llama_left_padded_batch_and_decode_steps(rng, device, dtype):
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
 def test_mistral_sliding_window(rng, device, dtype):
-    _seed(rng)
+    seed(rng)
     window = 6
     config = transformers.MistralConfig(
         vocab_size=101, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
@@ -160,7 +139,7 @@ def test_mistral_sliding_window(rng, device, dtype):
 def test_gemma2_softcap_and_alternating_windows(rng, device, dtype):
     """Gemma 2: logit soft-capping (which SDPA rejects, so the yardstick is eager in the same
     dtype), a query_pre_attn_scalar scale and sliding / full layers in turn."""
-    _seed(rng)
+    seed(rng)
     config = transformers.Gemma2Config(
         vocab_size=101, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=8,
@@ -181,7 +160,7 @@ def test_gemma2_softcap_and_alternating_windows(rng, device, dtype):
 def test_bert_bidirectional_with_padding(rng, device, dtype):
     """An encoder: bidirectional attention with key padding (dense() without a mask, the varlen
     prefill with causal=False with one); every position compared, padded queries included."""
-    _seed(rng)
+    seed(rng)
     config = transformers.BertConfig(
         vocab_size=101, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=384, max_position_embeddings=64, initializer_range=0.2,
@@ -235,7 +214,7 @@ def test_rejects_what_it_cannot_serve(rng):
 
 
 def test_t5_position_bias_is_rejected(rng):
-    _seed(rng)
+    seed(rng)
     config = transformers.T5Config(vocab_size=101, d_model=64, d_kv=16, d_ff=128, num_layers=1,
                                    num_heads=4, dropout_rate=0.0)
     model = transformers.T5Model(config).eval()
