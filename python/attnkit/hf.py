@@ -141,6 +141,11 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return cu
 
 
+def _uniform_cu_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """[0, L, 2L, ..., B*L] made on the device (no host-to-device copy, no synchronization)."""
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -199,8 +204,8 @@ def attention_forward(
             q.reshape(batch * sq, hq, d),
             k.reshape(batch * skv, hkv, d),
             v.reshape(batch * skv, hkv, d),
-            [sq * b for b in range(batch + 1)],
-            [skv * b for b in range(batch + 1)],
+            _uniform_cu_seqlens(batch, sq, query.device),
+            _uniform_cu_seqlens(batch, skv, query.device),
             causal=causal,
             window=window if causal else None,
             softmax_scale=scaling,
