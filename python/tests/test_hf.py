@@ -102,7 +102,9 @@ def test_llama_left_padded_batch_and_decode_steps(rng, device, dtype):
             cache, step_mask = out.past_key_values, mask
             for tok in steps:
                 step_mask = torch.cat([step_mask, torch.ones_like(tok)], 1)
-                out = model(input_ids=tok, attention_mask=step_mask, cache=cache,
+                # past_key_values: the spelling every transformers 5.x takes (later ones
+                # also take cache=).
+                out = model(input_ids=tok, attention_mask=step_mask, past_key_values=cache,
                             use_cache=True)
                 logits.append(out.logits.double().cpu().numpy()[:, 0])
                 cache = out.past_key_values
