@@ -1,0 +1,38 @@
+"""Helpers of the end-to-end model tests (test_hf.py, test_diffusers.py): the device matrix and
+the three-way comparison of docs/testing.md. Imported after pytest.importorskip("torch")."""
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and attnkit.info()["cuda"]),
+    reason="needs a CUDA GPU and attnkit built with the CUDA backend",
+)
+# CPU: float32 on the reference backend; CUDA: bf16 on the fused kernels.
+DEVICES = [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_cuda)]
+
+
+def seed(rng):
+    """Seeds torch's generator (the models' random weights) from the test's NumPy stream."""
+    torch.manual_seed(int(rng.integers(2**31)))
+
+
+def check_outputs(ours, naive, ref, wrong=None, keep=None):
+    """max|ours - ref| <= 2 * max|naive - ref| + 1e-3 (docs/testing.md) over the ``keep``
+    positions, with ref the float64 run and naive the model's own path in the tested dtype;
+    ``wrong`` (the float64 model run with an error the test must catch: a lost mask, doubled
+    logits) must miss the bound tenfold, or the comparison could not fail."""
+    ours, naive, ref = (np.asarray(x, dtype=np.float64) for x in (ours, naive, ref))
+    if keep is not None:
+        ours, naive, ref = ours[keep], naive[keep], ref[keep]
+    assert np.all(np.isfinite(ours)), "NaN / inf in the output"
+    tol = 2.0 * float(np.max(np.abs(naive - ref))) + 1e-3
+    err = float(np.max(np.abs(ours - ref)))
+    assert err <= tol, f"max |attnkit - ref64| = {err:.3g} > {tol:.3g}"
+    if wrong is not None:
+        wrong = np.asarray(wrong, dtype=np.float64)
+        wrong = wrong[keep] if keep is not None else wrong
+        assert float(np.max(np.abs(wrong - ref))) > 10 * tol, "the bound cannot detect the error"
