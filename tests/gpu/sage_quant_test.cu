@@ -78,8 +78,8 @@ struct Inputs {
                                  : numerics::f16_bits_to_float(bits[i]);
   }
   void set(int64_t i, float x) {
-    bits[i] = dtype == DType::kBF16 ? numerics::float_to_bf16_bits(x)
-                                    : numerics::float_to_f16_bits(x);
+    bits[i] =
+        dtype == DType::kBF16 ? numerics::float_to_bf16_bits(x) : numerics::float_to_f16_bits(x);
   }
   // Rows [len, D] of one (sequence, head) of q (which = 0), k (1) or v (2), as float.
   std::vector<float> rows(int which, int64_t b, int64_t len, int32_t h, int32_t dim) const {
@@ -229,7 +229,8 @@ GpuResult run_pass(const Case& c, const Inputs& in, Op op = Op::kDense,
   return result;
 }
 
-// ---- comparison with the reference ---------------------------------------------------------------
+// ---- comparison with the reference
+// ---------------------------------------------------------------
 
 uint8_t code_of(DType dtype, double value) {
   if (dtype == DType::kInt8) return static_cast<uint8_t>(static_cast<int8_t>(value));
@@ -264,16 +265,15 @@ std::string where(int64_t b, int32_t h, int64_t t, int32_t d) {
 // Q and K codes and scales of one (sequence, head) against reference rows.
 void compare_rows(Mismatches& m, const char* name, const Case& c, const GpuResult& r,
                   const reference::SageRows& ref, size_t codes, size_t scales, int64_t scale_stride,
-                  int32_t heads, int64_t b, int64_t start, int64_t len, int32_t h,
-                  int32_t block) {
+                  int32_t heads, int64_t b, int64_t start, int64_t len, int32_t h, int32_t block) {
   for (int64_t t = 0; t < len; ++t) {
     const float gpu_scale = r.f32(scales, h * scale_stride + sq::scale_slot(start, b, t, block));
     m.add(std::string(name) + " scale", bits_of(gpu_scale) == bits_of(ref.row_scale[t]),
           where(b, h, t, 0));
     for (int32_t d = 0; d < c.dim; ++d) {
       const uint8_t gpu = r.at(codes)[((start + t) * heads + h) * c.dim + d];
-      m.add(std::string(name) + " code", gpu == code_of(c.quant.dtype_qk, ref.values[t * c.dim + d]),
-            where(b, h, t, d));
+      m.add(std::string(name) + " code",
+            gpu == code_of(c.quant.dtype_qk, ref.values[t * c.dim + d]), where(b, h, t, d));
     }
   }
 }
@@ -433,8 +433,8 @@ TEST(SageQuantGpu, KWithOutliersIsSmoothedLikeTheReference) {
     int64_t differ = 0;
     double smoothed_error = 0.0, raw_error = 0.0;
     for (int64_t t = 0; t < 500; ++t) {
-      const float scale = r.f32(r.layout.k_scale, h * r.layout.k_scale_stride +
-                                                      sq::scale_slot(0, 0, t, 16));
+      const float scale =
+          r.f32(r.layout.k_scale, h * r.layout.k_scale_stride + sq::scale_slot(0, 0, t, 16));
       for (int32_t d = 0; d < c.dim; ++d) {
         const auto code = static_cast<int8_t>(r.at(r.layout.k)[(t * c.hkv + h) * c.dim + d]);
         const float mean = r.f32(r.layout.k_mean, h * c.dim + d);
@@ -468,7 +468,8 @@ TEST(SageQuantGpu, AMeanWhoseSumRoundsFollowsTheReferenceOrder) {
   std::vector<std::vector<float>> k(static_cast<size_t>(c.dim));
   for (auto& column : k) {
     for (int i = 0; i < 1200; ++i) {
-      column.push_back(i % 4 == 0 ? (i % 8 == 0 ? 1.0f : -1.0f) * std::ldexp(1.0f, 60) : small(rng));
+      column.push_back(i % 4 == 0 ? (i % 8 == 0 ? 1.0f : -1.0f) * std::ldexp(1.0f, 60)
+                                  : small(rng));
     }
     std::shuffle(column.begin(), column.end(), rng);
   }
@@ -522,8 +523,8 @@ TEST(SageQuantGpu, BadCuSeqlensAreGuardedAndRecorded) {
     drain_device_faults();
     const std::vector<int32_t> bad_q = {0, 12, 50, 41};  // total_q is 41
     const GpuResult r = run_pass(c, in, Op::kPrefill, &bad_q, nullptr);
-    expect_fault(take_device_fault(),
-                 {FaultKind::kCuSeqlensRange, FaultArg::kCuSeqlensQ, Op::kPrefill, 1, 2, 50, 41, 1});
+    expect_fault(take_device_fault(), {FaultKind::kCuSeqlensRange, FaultArg::kCuSeqlensQ,
+                                       Op::kPrefill, 1, 2, 50, 41, 1});
     expect_matches_reference(c, in, r, {1, 2}, {});
   }
 }
@@ -804,7 +805,8 @@ TEST(SageTransposeGpu, PagedFp8VIsGatheredThroughTheBlockTable) {
     PagedCase c = paged_case(rng, 320, {5, 0, 320, 77}, 3, 128);  // one 320-token block a row
     const PagedOutcome out = run_paged(c, 402, false);
     EXPECT_FALSE(out.fault.faulted) << out.fault.message;
-    expect_paged_vt(c, out, 402, c.lens, [](int64_t, int32_t) { return false; }, false);
+    expect_paged_vt(
+        c, out, 402, c.lens, [](int64_t, int32_t) { return false; }, false);
   }
 }
 
@@ -829,9 +831,8 @@ TEST(SageTransposeGpu, PagedBadTablesAndLengthsAreGuarded) {
     PagedCase c = paged_case(rng, 64, {40, 100, 70}, 1, 64);
     c.table[2 * c.table_cols + 1] = -1;
     const PagedOutcome out = run_paged(c, 210);
-    expect_fault(out.fault,
-                 {FaultKind::kBlockId, FaultArg::kBlockTable, Op::kPrefill, 2, 1, -1, c.num_blocks,
-                  1});
+    expect_fault(out.fault, {FaultKind::kBlockId, FaultArg::kBlockTable, Op::kPrefill, 2, 1, -1,
+                             c.num_blocks, 1});
     expect_paged_vt(c, out, 210, c.lens, [](int64_t r, int32_t p) { return r == 2 && p == 1; });
   }
   for (int32_t bad_len : {-5, 1000}) {
@@ -840,8 +841,8 @@ TEST(SageTransposeGpu, PagedBadTablesAndLengthsAreGuarded) {
     const int32_t capacity = c.table_cols * c.page;
     c.lens[1] = bad_len;
     const PagedOutcome out = run_paged(c, 200);
-    expect_fault(out.fault,
-                 {FaultKind::kSeqLen, FaultArg::kSeqLens, Op::kPrefill, 1, 0, bad_len, capacity, 1});
+    expect_fault(out.fault, {FaultKind::kSeqLen, FaultArg::kSeqLens, Op::kPrefill, 1, 0, bad_len,
+                             capacity, 1});
     expect_paged_vt(c, out, 200, {40, 0, 70}, [](int64_t, int32_t) { return false; });
   }
   {

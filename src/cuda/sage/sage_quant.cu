@@ -34,8 +34,7 @@ __global__ void __launch_bounds__(kThreads)
   // One thread of one CTA per sequence records each side's bad entries.
   const bool recorder = blockIdx.y == 0 && threadIdx.x == 0;
   if (role < p.num_kv_heads) {
-    const SeqSpan span =
-        sequence_span(p.kv_seqs, b, recorder && role == 0 ? &p.fault : nullptr);
+    const SeqSpan span = sequence_span(p.kv_seqs, b, recorder && role == 0 ? &p.fault : nullptr);
     if (static_cast<int64_t>(blockIdx.y) * kTokensPerCta >= span.len) return;
     accumulate_kv_stats<kIn>(p, b, role, span, buffer);
     return;
@@ -46,8 +45,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = static_cast<int64_t>(p.num_q_heads) * p.head_dim;
   quantize_blocks<kIn, kInt8, false>(
       p.q.data, input_base(p.q, p.q_seqs, b, span, h), p.q.stride_token,
-      static_cast<uint8_t*>(p.out.q) + span.start * row + static_cast<int64_t>(h) * p.head_dim,
-      row, p.out.q_scale + h * p.out.q_scale_stride + scale_slot(span.start, b, 0, p.q_block_size),
+      static_cast<uint8_t*>(p.out.q) + span.start * row + static_cast<int64_t>(h) * p.head_dim, row,
+      p.out.q_scale + h * p.out.q_scale_stride + scale_slot(span.start, b, 0, p.q_block_size),
       span.len, p.q_block_size, p.head_dim, nullptr);
 }
 
@@ -79,8 +78,8 @@ __global__ void __launch_bounds__(kThreads)
 // V of one (sequence, KV head) / v_scale to fp8 codes, through the shared tile into V^T.
 template <DType kIn>
 __device__ __forceinline__ void quantize_v_transposed(const SageQuantParams& p, int64_t b,
-                                                      int32_t h, const SeqSpan& span,
-                                                      uint8_t* tile, const float* v_scale) {
+                                                      int32_t h, const SeqSpan& span, uint8_t* tile,
+                                                      const float* v_scale) {
   const int32_t dim = p.head_dim;
   const TokenLanes lanes = token_lanes(dim, 8);
   const int64_t base = input_base(p.v, p.kv_seqs, b, span, h) + lanes.c;
@@ -138,7 +137,9 @@ __global__ void __launch_bounds__(kThreads)
 constexpr size_t kRegionAlign = 256;
 constexpr int64_t kMaxGridY = 65535;
 
-size_t align_region(size_t bytes) { return (bytes + kRegionAlign - 1) / kRegionAlign * kRegionAlign; }
+size_t align_region(size_t bytes) {
+  return (bytes + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
+}
 
 bool is_block_size(int32_t size) { return size == 1 || size == 4 || size == 16; }
 
@@ -278,8 +279,8 @@ SageQuantized launch_sage_quantize(const SageQuantArgs& args, cudaStream_t strea
   check_input(kWhat, "q", args.q, shape.total_q > 0, 8, args.cu_seqlens_q == nullptr);
   check_input(kWhat, "k", args.k, shape.total_kv > 0, 8, args.cu_seqlens_kv == nullptr);
   check_input(kWhat, "v", args.v, shape.total_kv > 0, 8, args.cu_seqlens_kv == nullptr);
-  const int64_t roles = std::max<int64_t>(shape.num_q_heads + shape.num_kv_heads,
-                                          2 * int64_t{shape.num_kv_heads});
+  const int64_t roles =
+      std::max<int64_t>(shape.num_q_heads + shape.num_kv_heads, 2 * int64_t{shape.num_kv_heads});
   ATTNKIT_CHECK((int64_t{shape.batch} + 1) * roles <= INT32_MAX, kWhat,
                 ": batch x (num_q_heads + num_kv_heads) must stay below 2^31, got ", shape.batch,
                 " x ", roles);
@@ -301,7 +302,8 @@ SageQuantized launch_sage_quantize(const SageQuantArgs& args, cudaStream_t strea
   params.int8 = shape.quant.dtype_qk == DType::kInt8;
   params.zero_vt_tail = args.cu_seqlens_kv == nullptr;
   params.out = out;
-  params.stats = reinterpret_cast<SageKvStats*>(static_cast<uint8_t*>(args.workspace) + layout.stats);
+  params.stats =
+      reinterpret_cast<SageKvStats*>(static_cast<uint8_t*>(args.workspace) + layout.stats);
   params.fault = fault_site(args.op);
 
   auto* base = static_cast<uint8_t*>(args.workspace);
@@ -310,11 +312,11 @@ SageQuantized launch_sage_quantize(const SageQuantArgs& args, cudaStream_t strea
   if (args.cu_seqlens_kv != nullptr) {
     // Packed: columns of no sequence (bad entries, tokens past cu[B]) must read as zeros; only
     // the device knows which they are.
-    check_cuda(cudaMemsetAsync(out.v_t, 0,
-                               static_cast<size_t>(shape.num_kv_heads) * shape.head_dim *
-                                   out.v_t_stride,
-                               stream),
-               "sage quantize: cudaMemsetAsync (V^T)");
+    check_cuda(
+        cudaMemsetAsync(out.v_t, 0,
+                        static_cast<size_t>(shape.num_kv_heads) * shape.head_dim * out.v_t_stride,
+                        stream),
+        "sage quantize: cudaMemsetAsync (V^T)");
   }
   const bool bf16 = args.input_dtype == DType::kBF16;
   if (bf16 && params.int8) {

@@ -82,7 +82,8 @@ __device__ __forceinline__ TokenLanes token_lanes(int32_t dim, int width) {
 // Eight consecutive 16-bit elements (16-byte aligned) widened to float (exact).
 template <DType kIn>
 __device__ __forceinline__ void load8(const void* data, int64_t offset, float (&x)[8]) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + offset));
+  const uint4 u =
+      __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + offset));
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -134,8 +135,8 @@ __device__ __forceinline__ void quantize_blocks(const void* in, int64_t in_base,
     return x;
   };
   // Warp-uniform loop: every lane takes part in the shuffles, lanes past the end with amax 0.
-  for (int64_t first = static_cast<int64_t>(blockIdx.y) * groups_per_cta +
-                       (threadIdx.x / 32) * groups_per_warp;
+  for (int64_t first =
+           static_cast<int64_t>(blockIdx.y) * groups_per_cta + (threadIdx.x / 32) * groups_per_warp;
        first < num_blocks; first += static_cast<int64_t>(gridDim.y) * groups_per_cta) {
     const int64_t j = first + lane / group;
     const int64_t t0 = j * block_size;
@@ -163,9 +164,8 @@ __device__ __forceinline__ void quantize_blocks(const void* in, int64_t in_base,
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float value = element(c + i, x[i]);
-        const uint32_t code =
-            kInt8 ? static_cast<uint8_t>(codes::quantize_int8(value, scale))
-                  : codes::quantize_fp8(value, scale);
+        const uint32_t code = kInt8 ? static_cast<uint8_t>(codes::quantize_int8(value, scale))
+                                    : codes::quantize_fp8(value, scale);
         packed[i / 4] |= code << (8 * (i % 4));
       }
       *reinterpret_cast<uint2*>(out + t * out_stride + c) = make_uint2(packed[0], packed[1]);
@@ -200,8 +200,8 @@ __device__ __forceinline__ bool k_sum_is_exact(const SageKvStats& stats) {
 // Reduces one statistic (8 channels per thread, `rows` threads per channel) over the CTA through
 // `buffer` (kThreads x 8 doubles) and hands each channel's value to publish(d, value).
 template <typename T, typename Combine, typename Publish>
-__device__ __forceinline__ void reduce_channels(double* buffer, const T (&mine)[8], int c,
-                                                int r, int rows, int dim, Combine combine,
+__device__ __forceinline__ void reduce_channels(double* buffer, const T (&mine)[8], int c, int r,
+                                                int rows, int dim, Combine combine,
                                                 Publish publish) {
   __syncthreads();
   if (r < rows) {

@@ -42,7 +42,7 @@
 
 namespace attnkit::cuda::sage {
 
-inline constexpr int64_t kVtColumnAlign = 16;   // V^T row stride: bytes, for TMA
+inline constexpr int64_t kVtColumnAlign = 16;     // V^T row stride: bytes, for TMA
 inline constexpr int64_t kScaleTailTokens = 256;  // tokens past a sequence a reader may address
 inline constexpr int64_t kScaleRowAlign = 4;      // floats: 16-byte aligned scale rows
 

@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kThreads)
   const SeqSpan span = sequence_span(p.kv_seqs, b, recorder ? &p.fault : nullptr);
   if (!span.ok) return;
   const TokenLanes lanes = token_lanes(dim, kCodeVec);
-  const auto* v = static_cast<const uint8_t*>(p.v.data) +
-                  input_base(p.v, p.kv_seqs, b, span, h) + lanes.c;
+  const auto* v =
+      static_cast<const uint8_t*>(p.v.data) + input_base(p.v, p.kv_seqs, b, span, h) + lanes.c;
   uint8_t* dst = p.v_t + static_cast<int64_t>(h) * dim * p.v_t_stride + span.start;
   for_each_vt_tile(span.len, tile, dst, p.v_t_stride, dim, [&](int64_t t0, int cols) {
     if (lanes.r >= lanes.rows) return;
@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(kThreads)
       }
       uint4 codes16 = make_uint4(0u, 0u, 0u, 0u);
       if (ok) {
-        codes16 = __ldg(reinterpret_cast<const uint4*>(
-            kv.v_base + block * kv.block_stride_bytes + head_offset +
-            static_cast<int64_t>(slot) * dim));
+        codes16 =
+            __ldg(reinterpret_cast<const uint4*>(kv.v_base + block * kv.block_stride_bytes +
+                                                 head_offset + static_cast<int64_t>(slot) * dim));
       }
       put_codes(tile, lanes.c, tt, codes16);
     }
@@ -185,12 +185,12 @@ void launch_fp8_transpose_v(const Fp8TransposeArgs& args, cudaStream_t stream) {
   params.v_t_stride = vt_row_stride(args.total_kv);
   params.fault = fault_site(args.op);
   if (!uniform) {
-    check_cuda(cudaMemsetAsync(args.v_t, 0, fp8_vt_bytes(args.num_kv_heads, args.head_dim,
-                                                         args.total_kv),
-                               stream),
-               "fp8 V transpose: cudaMemsetAsync (V^T)");
+    check_cuda(
+        cudaMemsetAsync(args.v_t, 0, fp8_vt_bytes(args.num_kv_heads, args.head_dim, args.total_kv),
+                        stream),
+        "fp8 V transpose: cudaMemsetAsync (V^T)");
   }
-  const int64_t max_len = uniform ? args.seqlen_kv
+  const int64_t max_len = uniform              ? args.seqlen_kv
                           : args.seqlen_kv > 0 ? std::min(args.seqlen_kv, args.total_kv)
                                                : args.total_kv;
   const dim3 grid(static_cast<unsigned>((int64_t{args.batch} + 1) * args.num_kv_heads),
@@ -202,8 +202,8 @@ void launch_fp8_transpose_v(const Fp8TransposeArgs& args, cudaStream_t stream) {
 void launch_paged_fp8_transpose_v(const PagedFp8TransposeArgs& args, cudaStream_t stream) {
   constexpr const char* kWhat = "paged fp8 V transpose";
   const KvCacheView& cache = args.cache;
-  ATTNKIT_CHECK(cache.dtype == DType::kFp8E4M3, kWhat,
-                ": kv_cache.dtype: accepted fp8_e4m3, got ", dtype_name(cache.dtype));
+  ATTNKIT_CHECK(cache.dtype == DType::kFp8E4M3, kWhat, ": kv_cache.dtype: accepted fp8_e4m3, got ",
+                dtype_name(cache.dtype));
   check_vt_shape(kWhat, cache.num_kv_heads, cache.head_dim, args.v_t_columns, args.v_t,
                  args.v_t_bytes);
   ATTNKIT_CHECK(cache.window_slots == 0, kWhat,
@@ -213,16 +213,16 @@ void launch_paged_fp8_transpose_v(const PagedFp8TransposeArgs& args, cudaStream_
   ATTNKIT_CHECK(!cache.paged || kVtTileTokens % cache.tokens_per_block == 0, kWhat,
                 ": kv_cache.tokens_per_block: a paged cache accepts powers of two up to 128, got ",
                 cache.tokens_per_block);
-  ATTNKIT_CHECK(cache.seq_lens.defined() && cache.seq_lens.dtype == DType::kInt32 &&
-                    cache.seq_lens.ndim == 1,
-                kWhat, ": kv_cache.seq_lens: an int32 [rows] device tensor is required");
+  ATTNKIT_CHECK(
+      cache.seq_lens.defined() && cache.seq_lens.dtype == DType::kInt32 && cache.seq_lens.ndim == 1,
+      kWhat, ": kv_cache.seq_lens: an int32 [rows] device tensor is required");
   const int64_t rows = cache.num_rows();
-  ATTNKIT_CHECK(!cache.paged || (cache.block_table.defined() &&
-                                 cache.block_table.dtype == DType::kInt32 &&
-                                 cache.block_table.ndim == 2 && cache.block_table.shape[0] >= rows),
-                kWhat,
-                ": kv_cache.block_table: an int32 [rows, max_blocks_per_seq] device tensor is "
-                "required");
+  ATTNKIT_CHECK(
+      !cache.paged || (cache.block_table.defined() && cache.block_table.dtype == DType::kInt32 &&
+                       cache.block_table.ndim == 2 && cache.block_table.shape[0] >= rows),
+      kWhat,
+      ": kv_cache.block_table: an int32 [rows, max_blocks_per_seq] device tensor is "
+      "required");
   ATTNKIT_CHECK(cache.paged || rows <= cache.num_blocks, kWhat,
                 ": kv_cache: a contiguous cache needs a block per row: ", rows, " rows, ",
                 cache.num_blocks, " blocks");
