@@ -181,29 +181,18 @@ std::vector<int32_t> cu_of(const std::vector<int64_t>& starts) {
   return std::vector<int32_t>(starts.begin(), starts.end());
 }
 
-// Runs the pass over a workspace of sentinel bytes between guard bands; cu overrides (packed
-// calls) replace the cu_seqlens the data was laid out with.
-GpuResult run_pass(const Case& c, const Inputs& in, Op op = Op::kDense,
-                   const std::vector<int32_t>* cu_q_override = nullptr,
-                   const std::vector<int32_t>* cu_kv_override = nullptr) {
-  GpuResult result;
-  const sq::SageQuantShape shape = shape_of(c);
-  result.layout = sq::sage_workspace_layout(shape);
-  std::vector<uint8_t> input_bytes(in.bits.size() * 2);
-  std::memcpy(input_bytes.data(), in.bits.data(), input_bytes.size());
-  GuardedDeviceBuffer inputs(input_bytes, 256);
-  GuardedDeviceBuffer workspace(std::vector<uint8_t>(result.layout.bytes, kUnwritten), 4096);
-  const std::vector<int32_t> cu_q = cu_q_override ? *cu_q_override : cu_of(in.q_start);
-  const std::vector<int32_t> cu_kv = cu_kv_override ? *cu_kv_override : cu_of(in.kv_start);
-  auto to_bytes = [](const std::vector<int32_t>& v) {
-    std::vector<uint8_t> b(v.size() * 4);
-    std::memcpy(b.data(), v.data(), b.size());
-    return b;
-  };
-  GuardedDeviceBuffer dcu_q(to_bytes(cu_q), 256), dcu_kv(to_bytes(cu_kv), 256);
+template <typename T>
+std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
 
+// The pass's arguments for a case whose inputs lie in `inputs` (a device copy of in.bits),
+// without sequences or workspace.
+sq::SageQuantArgs args_of(const Case& c, const Inputs& in, const GuardedDeviceBuffer& inputs) {
   sq::SageQuantArgs args;
-  args.shape = shape;
+  args.shape = shape_of(c);
   args.input_dtype = c.dtype;
   auto input = [&](const Strides& s) {
     return sq::SageInput{inputs.data() + 2 * s.offset, s.batch, s.token, s.head};
@@ -211,6 +200,34 @@ GpuResult run_pass(const Case& c, const Inputs& in, Op op = Op::kDense,
   args.q = input(in.q);
   args.k = input(in.k);
   args.v = input(in.v);
+  return args;
+}
+
+// `launch` must throw an Error whose message names `field`.
+template <typename Launch>
+void expect_rejected(const std::string& field, Launch launch) {
+  try {
+    launch();
+    ADD_FAILURE() << field << ": accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+  }
+}
+
+// Runs the pass over a workspace of sentinel bytes between guard bands; cu overrides (packed
+// calls) replace the cu_seqlens the data was laid out with.
+GpuResult run_pass(const Case& c, const Inputs& in, Op op = Op::kDense,
+                   const std::vector<int32_t>* cu_q_override = nullptr,
+                   const std::vector<int32_t>* cu_kv_override = nullptr) {
+  GpuResult result;
+  result.layout = sq::sage_workspace_layout(shape_of(c));
+  GuardedDeviceBuffer inputs(bytes_of(in.bits), 256);
+  GuardedDeviceBuffer workspace(std::vector<uint8_t>(result.layout.bytes, kUnwritten), 4096);
+  const std::vector<int32_t> cu_q = cu_q_override ? *cu_q_override : cu_of(in.q_start);
+  const std::vector<int32_t> cu_kv = cu_kv_override ? *cu_kv_override : cu_of(in.kv_start);
+  GuardedDeviceBuffer dcu_q(bytes_of(cu_q), 256), dcu_kv(bytes_of(cu_kv), 256);
+
+  sq::SageQuantArgs args = args_of(c, in, inputs);
   if (c.packed) {
     args.cu_seqlens_q = reinterpret_cast<const int32_t*>(dcu_q.data());
     args.cu_seqlens_kv = reinterpret_cast<const int32_t*>(dcu_kv.data());
@@ -538,21 +555,10 @@ TEST(SageQuantGpu, BadArgumentsAreRejectedBeforeAnythingRuns) {
   c.q_lens = {32};
   c.kv_lens = {48};
   const Inputs in = gaussian_inputs(c, rng);
-  const sq::SageQuantShape shape = shape_of(c);
-  const size_t bytes = sq::sage_workspace_bytes(shape);
+  const size_t bytes = sq::sage_workspace_bytes(shape_of(c));
   GuardedDeviceBuffer workspace(std::vector<uint8_t>(bytes, kUnwritten), 256);
-  std::vector<uint8_t> input_bytes(in.bits.size() * 2);
-  std::memcpy(input_bytes.data(), in.bits.data(), input_bytes.size());
-  GuardedDeviceBuffer inputs(input_bytes, 256);
-  sq::SageQuantArgs good;
-  good.shape = shape;
-  good.input_dtype = c.dtype;
-  auto input = [&](const Strides& s) {
-    return sq::SageInput{inputs.data() + 2 * s.offset, s.batch, s.token, s.head};
-  };
-  good.q = input(in.q);
-  good.k = input(in.k);
-  good.v = input(in.v);
+  GuardedDeviceBuffer inputs(bytes_of(in.bits), 256);
+  sq::SageQuantArgs good = args_of(c, in, inputs);
   good.seqlen_q = 32;
   good.seqlen_kv = 48;
   good.workspace = workspace.data();
@@ -580,13 +586,7 @@ TEST(SageQuantGpu, BadArgumentsAreRejectedBeforeAnythingRuns) {
   with("seqlen_kv", [](auto& a) { a.seqlen_kv = 47; });
   with("num_q_heads", [](auto& a) { a.shape.num_q_heads = 0; });
   for (const Bad& b : bad) {
-    SCOPED_TRACE(b.field);
-    try {
-      sq::launch_sage_quantize(b.args, nullptr);
-      ADD_FAILURE() << "accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(b.field), std::string::npos) << e.what();
-    }
+    expect_rejected(b.field, [&] { sq::launch_sage_quantize(b.args, nullptr); });
   }
   ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<uint8_t> after = workspace.download_checking_guards("workspace");
@@ -656,10 +656,7 @@ TEST(SageTransposeGpu, Fp8VMatchesAHostTranspose) {
     const int64_t stride = sq::vt_row_stride(total);
     const size_t vt_bytes = sq::fp8_vt_bytes(v.hkv, v.dim, total);
     GuardedDeviceBuffer dsrc(src, 256), dvt(std::vector<uint8_t>(vt_bytes, kUnwritten), 4096);
-    const std::vector<int32_t> cu = cu_of(start);
-    std::vector<uint8_t> cu_bytes(cu.size() * 4);
-    std::memcpy(cu_bytes.data(), cu.data(), cu_bytes.size());
-    GuardedDeviceBuffer dcu(cu_bytes, 256);
+    GuardedDeviceBuffer dcu(bytes_of(cu_of(start)), 256);
     sq::Fp8TransposeArgs args;
     args.v = {dsrc.data(), batch_stride, token_stride, v.dim};
     args.batch = batch;
@@ -724,11 +721,6 @@ PagedOutcome run_paged(const PagedCase& c, int64_t columns, bool paged = true) {
   PagedOutcome out;
   drain_device_faults();
   GuardedDeviceBuffer pool(c.pool, 64 << 10);
-  auto bytes_of = [](const std::vector<int32_t>& v) {
-    std::vector<uint8_t> b(v.size() * 4);
-    std::memcpy(b.data(), v.data(), b.size());
-    return b;
-  };
   GuardedDeviceBuffer table(bytes_of(c.table), 256), lens(bytes_of(c.lens), 256);
   const size_t vt_bytes = sq::fp8_vt_bytes(c.hkv, c.dim, columns);
   GuardedDeviceBuffer vt(std::vector<uint8_t>(vt_bytes, kUnwritten), 4096);
@@ -874,23 +866,18 @@ TEST(SageTransposeGpu, BadArgumentsAreRejected) {
   good.v_t = vt.data();
   good.v_t_bytes = sq::fp8_vt_bytes(c.hkv, c.dim, 30);
   good.kv_offsets = reinterpret_cast<int32_t*>(vt.data());
-  auto expect_rejected = [&](const std::string& field, auto change) {
+  auto paged = [&](const std::string& field, auto change) {
     sq::PagedFp8TransposeArgs a = good;
     change(a);
-    try {
-      sq::launch_paged_fp8_transpose_v(a, nullptr);
-      ADD_FAILURE() << field << ": accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
-    }
+    expect_rejected(field, [&] { sq::launch_paged_fp8_transpose_v(a, nullptr); });
   };
-  expect_rejected("kv_cache.dtype", [](auto& a) { a.cache.dtype = DType::kBF16; });
-  expect_rejected("cyclic", [](auto& a) { a.cache.window_slots = 64; });
-  expect_rejected("v_t", [](auto& a) { a.v_t_bytes -= 1; });
-  expect_rejected("tokens_per_block", [](auto& a) { a.cache.tokens_per_block = 48; });
-  expect_rejected("head_dim", [](auto& a) { a.cache.head_dim = 8; });
-  expect_rejected("kv_offsets", [](auto& a) { a.kv_offsets = nullptr; });
-  expect_rejected("block_table", [](auto& a) { a.cache.block_table.shape[0] = 1; });
+  paged("kv_cache.dtype", [](auto& a) { a.cache.dtype = DType::kBF16; });
+  paged("cyclic", [](auto& a) { a.cache.window_slots = 64; });
+  paged("v_t", [](auto& a) { a.v_t_bytes -= 1; });
+  paged("tokens_per_block", [](auto& a) { a.cache.tokens_per_block = 48; });
+  paged("head_dim", [](auto& a) { a.cache.head_dim = 8; });
+  paged("kv_offsets", [](auto& a) { a.kv_offsets = nullptr; });
+  paged("block_table", [](auto& a) { a.cache.block_table.shape[0] = 1; });
 
   sq::Fp8TransposeArgs dense;
   dense.v = {pool.data(), 0, 64 * 2, 64};
@@ -901,19 +888,14 @@ TEST(SageTransposeGpu, BadArgumentsAreRejected) {
   dense.seqlen_kv = 10;
   dense.v_t = vt.data();
   dense.v_t_bytes = sq::fp8_vt_bytes(2, 64, 10);
-  auto expect_dense_rejected = [&](const std::string& field, auto change) {
+  auto packed = [&](const std::string& field, auto change) {
     sq::Fp8TransposeArgs a = dense;
     change(a);
-    try {
-      sq::launch_fp8_transpose_v(a, nullptr);
-      ADD_FAILURE() << field << ": accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
-    }
+    expect_rejected(field, [&] { sq::launch_fp8_transpose_v(a, nullptr); });
   };
-  expect_dense_rejected("seqlen_kv", [](auto& a) { a.seqlen_kv = 9; });
-  expect_dense_rejected("strides", [](auto& a) { a.v.stride_token = 136; });
-  expect_dense_rejected("v_t", [](auto& a) { a.v_t_bytes = 100; });
+  packed("seqlen_kv", [](auto& a) { a.seqlen_kv = 9; });
+  packed("strides", [](auto& a) { a.v.stride_token = 136; });
+  packed("v_t", [](auto& a) { a.v_t_bytes = 100; });
   ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<uint8_t> after = vt.download_checking_guards("v_t");
   EXPECT_TRUE(std::all_of(after.begin(), after.end(), [](uint8_t x) { return x == kUnwritten; }))
