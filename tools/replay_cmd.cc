@@ -300,9 +300,10 @@ void print_summary(const ReplayOptions& o, const ReplayResult& r) {
       static_cast<long long>(r.checks_passed), static_cast<long long>(r.checks_failed),
       o.check_every, seqs.c_str(), rows.c_str(), r.max_check_error);
   if (r.check_threads > 0) {
-    std::printf("               %.1f s of computation on %d host threads beside the step loop, "
-                "which waited %.2f s for them\n",
-                r.check_cpu_seconds, r.check_threads, r.check_seconds);
+    std::printf(
+        "               %.1f s of computation on %d host threads beside the step loop, "
+        "which waited %.2f s for them\n",
+        r.check_cpu_seconds, r.check_threads, r.check_seconds);
   } else {
     std::printf("               %.2f s in the step loop\n", r.check_seconds);
   }

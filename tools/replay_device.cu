@@ -46,14 +46,15 @@ __global__ void activations_kernel(const __grid_constant__ ActivationParams p) {
 }
 
 void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) detail::fail("replay: ", what, " failed: ", cudaGetErrorString(status));
+  if (status != cudaSuccess)
+    detail::fail("replay: ", what, " failed: ", cudaGetErrorString(status));
 }
 
 }  // namespace
 
-void generate_activations_cuda(const int32_t* tokens, const int32_t* positions,
-                               int64_t num_tokens, int32_t layers, int64_t width,
-                               uint64_t seed_key, uint16_t* out, void* stream) {
+void generate_activations_cuda(const int32_t* tokens, const int32_t* positions, int64_t num_tokens,
+                               int32_t layers, int64_t width, uint64_t seed_key, uint16_t* out,
+                               void* stream) {
   ATTNKIT_CHECK(width >= 1 && width <= kMaxDeviceActivationWidth,
                 "replay: an activation row of (Hq + 2 Hkv) * D = ", width,
                 " elements is outside what the device generator takes (1 .. ",

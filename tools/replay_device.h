@@ -14,8 +14,8 @@ constexpr int64_t kMaxDeviceActivationWidth = 96 * 1024;
 /// l, width, i), bf16 bits. tokens, positions (int32 [num_tokens]) and out (uint16 [layers,
 /// num_tokens, width]) are device memory. Throws attnkit::Error when the launch fails or width
 /// is outside [1, kMaxDeviceActivationWidth].
-void generate_activations_cuda(const int32_t* tokens, const int32_t* positions,
-                               int64_t num_tokens, int32_t layers, int64_t width,
-                               uint64_t seed_key, uint16_t* out, void* stream);
+void generate_activations_cuda(const int32_t* tokens, const int32_t* positions, int64_t num_tokens,
+                               int32_t layers, int64_t width, uint64_t seed_key, uint16_t* out,
+                               void* stream);
 
 }  // namespace attnkit::tools

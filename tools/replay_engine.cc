@@ -159,8 +159,8 @@ class Activations {
     std::memcpy(row + (width_ - shift), base, static_cast<size_t>(shift) * 2);
   }
   // Elements [begin, begin + count) of layer `layer`'s row of one token.
-  void layer_elements(int32_t token, int32_t position, int32_t layer, int64_t begin,
-                      int64_t count, uint16_t* out) const {
+  void layer_elements(int32_t token, int32_t position, int32_t layer, int64_t begin, int64_t count,
+                      uint16_t* out) const {
     const uint64_t key = replay_act::row_key(seed_key_, token, position);
     for (int64_t i = 0; i < count; ++i) {
       out[i] = replay_act::layer_element(key, layer, width_, begin + i);
@@ -344,8 +344,12 @@ class ForwardTimer {
 #endif
   }
 #if defined(ATTNKIT_WITH_CUDA)
-  void start(const Stream& s) { cuda_check(cudaEventRecord(start_, s.cuda_stream()), "cudaEventRecord"); }
-  void stop(const Stream& s) { cuda_check(cudaEventRecord(stop_, s.cuda_stream()), "cudaEventRecord"); }
+  void start(const Stream& s) {
+    cuda_check(cudaEventRecord(start_, s.cuda_stream()), "cudaEventRecord");
+  }
+  void stop(const Stream& s) {
+    cuda_check(cudaEventRecord(stop_, s.cuda_stream()), "cudaEventRecord");
+  }
   // After the stream has passed stop().
   double seconds() const {
     float ms = 0;
@@ -678,17 +682,17 @@ Engine::Engine(const ReplayOptions& o)
     const int64_t indirection =
         o.beam_width > 1 ? int64_t{o.max_batch_requests} * o.beam_width * max_seq_ : 0;
     const int64_t row_bytes = row_elems_ * 2;
-    qkv_ = Buffer(o.device, false,
-                  static_cast<size_t>(int64_t{o.layers} * tokens * act_.width() * 2));
+    qkv_ =
+        Buffer(o.device, false, static_cast<size_t>(int64_t{o.layers} * tokens * act_.width() * 2));
     out_last_ = Buffer(o.device, false, static_cast<size_t>(tokens * row_bytes));
     out_check_ = Buffer(o.device, false, static_cast<size_t>(tokens * row_bytes));
-    meta_ = Buffer(o.device, false,
-                   static_cast<size_t>(4 * (2 * meta_align(tokens) +
-                                            meta_align(rows * max_blocks_) + meta_align(rows) +
-                                            meta_align(indirection))));
-    forward_workspace_ =
+    meta_ =
         Buffer(o.device, false,
-               static_cast<size_t>(forward_workspace_bytes(tokens, o.max_batch_requests, row_bytes)));
+               static_cast<size_t>(4 * (2 * meta_align(tokens) + meta_align(rows * max_blocks_) +
+                                        meta_align(rows) + meta_align(indirection))));
+    forward_workspace_ = Buffer(
+        o.device, false,
+        static_cast<size_t>(forward_workspace_bytes(tokens, o.max_batch_requests, row_bytes)));
     // Split-KV partials for up to 32 splits of every row: calls with few rows split more, but
     // then splits x rows stays far below this (docs/decode_design.md, the split heuristic).
     decode_workspace_ = std::make_unique<DecodeWorkspace>(spec_, rows, 32, o.device);
@@ -931,8 +935,9 @@ void Engine::launch(Group& g, size_t slot_index, bool check) {
   a.past_lens =
       TensorView(g.past_lens.data(), DType::kInt32, {static_cast<int64_t>(g.past_lens.size())});
   if (indirection > 0) {
-    a.cache_indirection = view_of(meta_, dev, DType::kInt32, {num_generation, g.beam_width, max_seq_},
-                                  static_cast<size_t>(4 * indirection_at));
+    a.cache_indirection =
+        view_of(meta_, dev, DType::kInt32, {num_generation, g.beam_width, max_seq_},
+                static_cast<size_t>(4 * indirection_at));
   }
   if (cuda) {
     a.workspace = TensorView(forward_workspace_.data(), DType::kInt8,
@@ -942,8 +947,8 @@ void Engine::launch(Group& g, size_t slot_index, bool check) {
   const size_t layer_bytes = static_cast<size_t>(n * width) * 2;
   auto set_layer = [&](int32_t l, size_t qkv_offset) {
     a.qkv = view_of(qkv_, dev, DType::kBF16, {n, width}, qkv_offset);
-    a.kv_cache = cache_view(l, static_cast<size_t>(4 * table_at), static_cast<size_t>(4 * lens_at),
-                            rows);
+    a.kv_cache =
+        cache_view(l, static_cast<size_t>(4 * table_at), static_cast<size_t>(4 * lens_at), rows);
     const Buffer& out = l == check_layer ? out_checked : out_last_;
     a.out = view_of(out, dev, DType::kBF16, {n, o_.num_q_heads, o_.head_dim});
   };
@@ -953,9 +958,8 @@ void Engine::launch(Group& g, size_t slot_index, bool check) {
 #if defined(ATTNKIT_WITH_CUDA)
     // Every layer's activations on the device, then the layers between the two events.
     qkv_.ensure(layer_bytes * static_cast<size_t>(o_.layers));
-    generate_activations_cuda(meta_.as<int32_t>(), meta_.as<int32_t>() + positions_at, n,
-                              o_.layers, width, act_.seed_key(), qkv_.as<uint16_t>(),
-                              stream_.handle());
+    generate_activations_cuda(meta_.as<int32_t>(), meta_.as<int32_t>() + positions_at, n, o_.layers,
+                              width, act_.seed_key(), qkv_.as<uint16_t>(), stream_.handle());
     slot.timer->start(stream_);
     for (int32_t l = 0; l < o_.layers; ++l) {
       set_layer(l, layer_bytes * static_cast<size_t>(l));
@@ -999,8 +1003,8 @@ void Engine::launch(Group& g, size_t slot_index, bool check) {
   g.checked.tokens.erase(std::unique(g.checked.tokens.begin(), g.checked.tokens.end()),
                          g.checked.tokens.end());
   const size_t sampled_rows = g.sampled.tokens.size();
-  slot.download.ensure((sampled_rows + g.checked.tokens.size()) *
-                       static_cast<size_t>(row_elems_) * 2);
+  slot.download.ensure((sampled_rows + g.checked.tokens.size()) * static_cast<size_t>(row_elems_) *
+                       2);
   uint16_t* down = slot.download.as<uint16_t>();
   copy_rows(stream_, out_last_, g.sampled.tokens, row_elems_, down);
   copy_rows(stream_, out_checked, g.checked.tokens, row_elems_,
@@ -1323,8 +1327,7 @@ std::vector<float> Engine::naive_attend(const CheckItem& item, const CheckCache&
         float acc = 0;
         for (int32_t e = 0; e < d; ++e) {
           acc += detail::load_as_float(qrow, DType::kBF16, e) *
-                 detail::load_as_float(c.view.k_base, o_.kv_dtype, (kh * len + j) * d + e) *
-                 scale;
+                 detail::load_as_float(c.view.k_base, o_.kv_dtype, (kh * len + j) * d + e) * scale;
         }
         s[j] = acc * softmax_scale;
         m = std::max(m, s[j]);
@@ -1337,8 +1340,7 @@ std::vector<float> Engine::naive_attend(const CheckItem& item, const CheckCache&
         const float pj_bf16 = bf16(pj);
         for (int32_t e = 0; e < d; ++e) {
           o[e] += pj_bf16 *
-                  detail::load_as_float(c.view.v_base, o_.kv_dtype, (kh * len + j) * d + e) *
-                  scale;
+                  detail::load_as_float(c.view.v_base, o_.kv_dtype, (kh * len + j) * d + e) * scale;
         }
       }
       for (int32_t e = 0; e < d; ++e) o[e] = bf16(o[e] / l);

@@ -21,10 +21,10 @@ struct ReplayProgress {
   int32_t total = 0;
   int32_t running = 0;
   int32_t waiting = 0;
-  int64_t tokens = 0;  ///< prompt (computed) + generated so far
-  int64_t forward_tokens = 0;    ///< context + generation-row tokens run through forward()
-  double seconds = 0;            ///< wall time so far
-  double forward_seconds = 0;    ///< of which inside forward()
+  int64_t tokens = 0;          ///< prompt (computed) + generated so far
+  int64_t forward_tokens = 0;  ///< context + generation-row tokens run through forward()
+  double seconds = 0;          ///< wall time so far
+  double forward_seconds = 0;  ///< of which inside forward()
 };
 
 struct ReplayOptions {

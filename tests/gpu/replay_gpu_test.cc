@@ -92,8 +92,8 @@ TEST(ReplayGpu, DeviceActivationsMatchHostBits) {
 
 TEST(ReplayGpu, DeviceActivationsRejectAnUnsupportedWidth) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  EXPECT_THROW(generate_activations_cuda(nullptr, nullptr, 1, 1, kMaxDeviceActivationWidth + 1,
-                                         1, nullptr, nullptr),
+  EXPECT_THROW(generate_activations_cuda(nullptr, nullptr, 1, 1, kMaxDeviceActivationWidth + 1, 1,
+                                         nullptr, nullptr),
                Error);
 }
 
@@ -153,12 +153,12 @@ TEST(ReplayGpu, ShortReplayPassesChecksAndReportsForwardTime) {
   EXPECT_EQ(generation, r.decode_tokens);
   EXPECT_NEAR(forward, r.forward_seconds, 1e-9 * static_cast<double>(r.steps) + 1e-12);
   const double fraction = r.forward_seconds / r.wall_seconds;
-  std::printf("[ ReplayGpu ] %lld steps, %lld checks: forward %.3f s of %.3f s wall (%.1f%%), "
-              "checks %.3f s waited (%.2f s computed), %.0f tokens/s in forward\n",
-              static_cast<long long>(r.steps), static_cast<long long>(r.checks_passed),
-              r.forward_seconds, r.wall_seconds, 100.0 * fraction, r.check_seconds,
-              r.check_cpu_seconds,
-              static_cast<double>(r.computed_prompt_tokens + r.decode_tokens) / r.forward_seconds);
+  std::printf(
+      "[ ReplayGpu ] %lld steps, %lld checks: forward %.3f s of %.3f s wall (%.1f%%), "
+      "checks %.3f s waited (%.2f s computed), %.0f tokens/s in forward\n",
+      static_cast<long long>(r.steps), static_cast<long long>(r.checks_passed), r.forward_seconds,
+      r.wall_seconds, 100.0 * fraction, r.check_seconds, r.check_cpu_seconds,
+      static_cast<double>(r.computed_prompt_tokens + r.decode_tokens) / r.forward_seconds);
   ::testing::Test::RecordProperty("forward_fraction", std::to_string(fraction));
 }
 
