@@ -286,10 +286,15 @@ class Buffer {
       return;
     }
 #if defined(ATTNKIT_WITH_CUDA)
-    if (pinned_) {
-      cuda_check(cudaMallocHost(&data_, bytes_), "cudaMallocHost");
-    } else {
-      cuda_check(cudaMalloc(&data_, bytes_), "cudaMalloc");
+    const cudaError_t status =
+        pinned_ ? cudaMallocHost(&data_, bytes_) : cudaMalloc(&data_, bytes_);
+    if (status != cudaSuccess) {
+      data_ = nullptr;
+      bytes_ = 0;
+      detail::fail("replay: ", pinned_ ? "cudaMallocHost" : "cudaMalloc", " of ", bytes / 1048576,
+                   " MiB failed: ", cudaGetErrorString(status),
+                   " (the batch buffers grow with --max-batch-tokens, --max-batch-requests, "
+                   "--beam-width and --layers)");
     }
 #else
     needs_cuda(device_);
