@@ -3,6 +3,7 @@
 // trace in-process.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -20,8 +21,10 @@ struct ReplayProgress {
   int32_t total = 0;
   int32_t running = 0;
   int32_t waiting = 0;
-  int64_t tokens = 0;  ///< prompt (computed) + generated so far
-  double seconds = 0;
+  int64_t tokens = 0;          ///< prompt (computed) + generated so far
+  int64_t forward_tokens = 0;  ///< context + generation-row tokens run through forward()
+  double seconds = 0;          ///< wall time so far
+  double forward_seconds = 0;  ///< of which inside forward()
 };
 
 struct ReplayOptions {
@@ -61,12 +64,41 @@ struct ReplayOptions {
   Backend backend = Backend::kAuto;
   int32_t check_every = 8;     ///< check every Nth step (0 = never)
   int32_t check_max_seqs = 0;  ///< sequences checked per checked batch (0 = all), spread evenly
+  /// Query rows checked per checked context chunk (0 = all), evenly spaced, the chunk's last one
+  /// included; each sampled row is recomputed alone over the keys up to it.
+  int32_t check_rows = 0;
+  /// Host threads that run the checks beside the step loop (0 = inline, in the step loop). The
+  /// step loop waits for them only when 4 checks per thread are pending, and at the end.
+  int32_t check_threads = 0;
   /// Corrupts one element of the checked layer's output before comparing (tests the checker).
   bool inject_fault = false;
 
   /// Called after every step (progress display); may be empty.
   std::function<void(const ReplayProgress&)> on_step;
 };
+
+/// One scheduler step: the tokens its forward() batches ran and the time inside forward().
+struct ReplayStep {
+  int32_t context_tokens = 0;     ///< prompt-chunk tokens
+  int32_t generation_tokens = 0;  ///< generation-row tokens (one per beam)
+  double forward_seconds = 0;     ///< every batch and layer of the step
+};
+
+/// Batch kinds of a step: context chunks only, generation rows only, or both.
+enum class StepKind : int32_t { kPrefill = 0, kDecode = 1, kMixed = 2 };
+StepKind step_kind(const ReplayStep& step);
+const char* step_kind_name(StepKind kind);  ///< "prefill", "decode", "mixed"
+
+/// Forward time per step (nearest-rank percentiles) and token mix of a set of steps.
+struct StepStats {
+  int64_t steps = 0;
+  double forward_seconds = 0;
+  double p50_seconds = 0, p90_seconds = 0, p99_seconds = 0, max_seconds = 0;
+  double mean_context_tokens = 0;     ///< per step
+  double mean_generation_tokens = 0;  ///< per step
+};
+/// The steps of `kind`, or every step when kind is empty.
+StepStats summarize_steps(const std::vector<ReplayStep>& steps, const StepKind* kind = nullptr);
 
 struct ReplayResult {
   int32_t requests = 0;
@@ -81,7 +113,14 @@ struct ReplayResult {
   int64_t decode_tokens = 0;     ///< generation-row tokens run through forward()
   double prefill_seconds = 0;    ///< forward() time attributed to context tokens
   double decode_seconds = 0;     ///< forward() time attributed to generation tokens
+  double forward_seconds = 0;    ///< all time inside forward() (CUDA: events around the layers)
   double wall_seconds = 0;
+  /// Wall time the step loop spent on checks: running them (inline) or waiting for the check
+  /// threads (when 4 checks per thread were pending, and at the end).
+  double check_seconds = 0;
+  double check_cpu_seconds = 0;  ///< time spent computing checks, summed over threads
+  int32_t check_threads = 0;
+  std::vector<ReplayStep> step_log;  ///< every step, in order
   int32_t max_running = 0;
   KvCacheStats cache;
   int64_t checks_passed = 0;

@@ -4,7 +4,10 @@
 // of bit-exact reference outputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "attnkit/types.h"
 #include "common/test_util.h"
@@ -122,6 +125,101 @@ TEST(Replay, RejectsInconsistentOptions) {
   o = tiny_options();
   o.beam_fraction = 1.5;
   EXPECT_THROW(run_replay(o), Error);
+}
+
+TEST(Replay, SampledRowsAndCheckThreadsGiveTheSameVerdicts) {
+  ReplayOptions o = tiny_options();
+  const ReplayResult all_rows = run_replay(o);
+  // A few rows of each chunk, each recomputed alone over the keys up to it: still bit-exact, and
+  // one check per sequence as before.
+  o.check_rows = 3;
+  const ReplayResult sampled = run_replay(o);
+  EXPECT_EQ(sampled.checks_failed, 0) << (sampled.failures.empty() ? "" : sampled.failures.front());
+  EXPECT_EQ(sampled.checks_passed, all_rows.checks_passed);
+  EXPECT_EQ(sampled.max_check_error, 0.0);
+  EXPECT_EQ(sampled.trace_digest, all_rows.trace_digest);
+  // The same checks on host threads beside the step loop.
+  o.check_threads = 2;
+  const ReplayResult pooled = run_replay(o);
+  EXPECT_EQ(pooled.checks_passed, sampled.checks_passed);
+  EXPECT_EQ(pooled.checks_failed, 0);
+  EXPECT_EQ(pooled.trace_digest, all_rows.trace_digest);
+  EXPECT_EQ(pooled.check_threads, 2);
+  EXPECT_GT(pooled.check_cpu_seconds, 0.0);
+  // And a corrupted element still fails there.
+  o.requests = 4;
+  o.inject_fault = true;
+  const ReplayResult faulty = run_replay(o);
+  EXPECT_GT(faulty.checks_failed, 0);
+  ASSERT_FALSE(faulty.failures.empty());
+  EXPECT_NE(faulty.failures.front().find("bit-exact"), std::string::npos);
+}
+
+TEST(Replay, ReportsForwardTimeAndTheTokenMixOfEveryStep) {
+  const ReplayOptions o = tiny_options();
+  const ReplayResult r = run_replay(o);
+  ASSERT_EQ(static_cast<int64_t>(r.step_log.size()), r.steps);
+  int64_t context = 0, generation = 0;
+  double forward = 0;
+  int64_t by_kind[3] = {0, 0, 0};
+  for (const ReplayStep& step : r.step_log) {
+    context += step.context_tokens;
+    generation += step.generation_tokens;
+    forward += step.forward_seconds;
+    EXPECT_GT(step.context_tokens + step.generation_tokens, 0);
+    EXPECT_LE(step.context_tokens + step.generation_tokens,
+              o.max_batch_tokens + o.max_batch_requests * o.beam_width);
+    ++by_kind[static_cast<int>(step_kind(step))];
+  }
+  EXPECT_EQ(context, r.computed_prompt_tokens);
+  EXPECT_EQ(generation, r.decode_tokens);
+  EXPECT_NEAR(forward, r.forward_seconds, 1e-9 * static_cast<double>(r.steps));
+  EXPECT_NEAR(r.prefill_seconds + r.decode_seconds, r.forward_seconds, 1e-9 * r.forward_seconds);
+  EXPECT_GT(r.forward_seconds, 0.0);
+  EXPECT_GT(r.check_seconds, 0.0);  // inline checks, every step
+  EXPECT_LE(r.forward_seconds + r.check_seconds, r.wall_seconds);
+  // The tiny trace has prefill-only steps (the first), decode-only ones (the tail) and mixed ones.
+  for (StepKind kind : {StepKind::kPrefill, StepKind::kDecode, StepKind::kMixed}) {
+    const StepStats s = summarize_steps(r.step_log, &kind);
+    EXPECT_EQ(s.steps, by_kind[static_cast<int>(kind)]) << step_kind_name(kind);
+    EXPECT_GT(s.steps, 0) << step_kind_name(kind);
+    EXPECT_LE(s.p50_seconds, s.p90_seconds);
+    EXPECT_LE(s.p90_seconds, s.p99_seconds);
+    EXPECT_LE(s.p99_seconds, s.max_seconds);
+  }
+  const StepStats all = summarize_steps(r.step_log);
+  EXPECT_EQ(all.steps, r.steps);
+  EXPECT_NEAR(all.mean_context_tokens * static_cast<double>(all.steps),
+              static_cast<double>(r.computed_prompt_tokens), 1e-6 * static_cast<double>(context));
+}
+
+TEST(Replay, StepPercentilesAreNearestRank) {
+  // Steps of 1..100 ms in a shuffled order, decode-only, plus mixed steps of 1 s.
+  std::vector<ReplayStep> steps;
+  std::mt19937_64 rng(attnkit::test::test_seed());
+  std::vector<int> ms(100);
+  for (int i = 0; i < 100; ++i) ms[i] = i + 1;
+  std::shuffle(ms.begin(), ms.end(), rng);
+  for (int m : ms) steps.push_back({0, 4, m * 1e-3});
+  for (int i = 0; i < 10; ++i) steps.push_back({16, 2, 1.0});
+  const StepKind decode = StepKind::kDecode, mixed = StepKind::kMixed, prefill = StepKind::kPrefill;
+  const StepStats d = summarize_steps(steps, &decode);
+  EXPECT_EQ(d.steps, 100);
+  EXPECT_DOUBLE_EQ(d.p50_seconds, 50e-3);
+  EXPECT_DOUBLE_EQ(d.p90_seconds, 90e-3);
+  EXPECT_DOUBLE_EQ(d.p99_seconds, 99e-3);
+  EXPECT_DOUBLE_EQ(d.max_seconds, 100e-3);
+  EXPECT_DOUBLE_EQ(d.mean_generation_tokens, 4.0);
+  EXPECT_DOUBLE_EQ(d.mean_context_tokens, 0.0);
+  const StepStats m = summarize_steps(steps, &mixed);
+  EXPECT_EQ(m.steps, 10);
+  EXPECT_DOUBLE_EQ(m.p50_seconds, 1.0);
+  EXPECT_DOUBLE_EQ(m.mean_context_tokens, 16.0);
+  EXPECT_EQ(summarize_steps(steps, &prefill).steps, 0);
+  const StepStats all = summarize_steps(steps);
+  EXPECT_EQ(all.steps, 110);
+  EXPECT_DOUBLE_EQ(all.p90_seconds, 99e-3);  // rank 99 of 110
+  EXPECT_DOUBLE_EQ(all.p99_seconds, 1.0);
 }
 
 }  // namespace
