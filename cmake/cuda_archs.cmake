@@ -40,8 +40,9 @@ function(attnkit_native_cuda_archs out_var)
   list(REMOVE_DUPLICATES archs)
   if(archs)
     list(SORT archs)
+    list(JOIN caps ", " caps_text)
     message(STATUS "attnkit: ATTNKIT_CUDA_ARCHS=native: the GPUs here (compute capability "
-                   "${caps}) -> ${archs}")
+                   "${caps_text}) -> ${archs}")
   else()
     set(archs ${default_archs})
     message(STATUS "attnkit: ATTNKIT_CUDA_ARCHS=native: no GPU listed by nvidia-smi, building "

@@ -14,10 +14,11 @@ def program_path() -> str:
 def main() -> None:
     path = program_path()
     if not os.access(path, os.X_OK):
-        # A package imported from a CMake build tree (PYTHONPATH=<build>/python) has no program
-        # inside it: that build's program is <build>/attnkit.
+        # A wheel built with ATTNKIT_BUILD_TOOLS=OFF, or the package of a CMake build tree
+        # (PYTHONPATH=<build>/python, whose program is <build>/attnkit), has no program inside.
         sys.exit(
-            f"attnkit: the program is not part of this installation ({path} is missing); "
-            "pip install . installs it, a CMake build has it at <build>/attnkit"
+            f"attnkit: this installation has no attnkit program ({path} is missing): it was "
+            "built with ATTNKIT_BUILD_TOOLS=OFF, or is a CMake build tree (the program is "
+            "<build>/attnkit there)"
         )
     os.execv(path, [path, *sys.argv[1:]])
