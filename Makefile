@@ -4,7 +4,9 @@
 # Both install what is missing first (Debian packages, PyPI packages). CI also runs
 #   make test-sanitize  the cpu tests of an ASan + UBSan build without CUDA (clang, build-sanitize/)
 #   make fuzz-smoke     the libFuzzer targets of that build, FUZZ_SECONDS (60) each
-# (docs/safety.md).
+# (docs/safety.md), and
+#   make test-pip       a CPU-only `pip install .` into a fresh virtual environment, then the
+#                       installed `attnkit` command and Python package (scripts/pip_check.sh)
 
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
@@ -15,7 +17,7 @@ CMAKE_FLAGS += -DATTNKIT_KERNEL_SUBSET=ON
 endif
 
 .PHONY: all deps build run test test-cpp test-python format-check format clean test-sanitize \
-	fuzz-smoke
+	fuzz-smoke test-pip
 
 all: build
 
@@ -80,5 +82,9 @@ fuzz-smoke: deps $(SANITIZE_BUILD_DIR)/build.ninja
 	cmake --build $(SANITIZE_BUILD_DIR) -j $(JOBS) --target attnkit_fuzz_config attnkit_fuzz_entry
 	$(SANITIZE_ENV) scripts/fuzz_smoke.sh $(SANITIZE_BUILD_DIR) $(FUZZ_SECONDS)
 
+PIP_BUILD_DIR ?= build-pip
+test-pip: deps
+	scripts/pip_check.sh $(PIP_BUILD_DIR)
+
 clean:
-	rm -rf $(BUILD_DIR) $(SANITIZE_BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(SANITIZE_BUILD_DIR) $(PIP_BUILD_DIR)

@@ -26,10 +26,11 @@ if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-# PyPI packages of the Python binding and its tests, for the python3 on PATH.
+# PyPI packages of the Python binding and its tests, for the python3 on PATH (scikit-build-core:
+# the pip build that scripts/pip_check.sh runs without build isolation). module:package pairs.
 py_need=()
-for mod in nanobind numpy pytest; do
-  python3 -c "import $mod" >/dev/null 2>&1 || py_need+=("$mod")
+for pair in nanobind:nanobind numpy:numpy pytest:pytest scikit_build_core:scikit-build-core; do
+  python3 -c "import ${pair%%:*}" >/dev/null 2>&1 || py_need+=("${pair#*:}")
 done
 if ((${#py_need[@]})); then
   echo "install_deps: pip installing ${py_need[*]}"

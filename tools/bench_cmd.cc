@@ -8,7 +8,7 @@ namespace attnkit::tools {
 void register_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand(
       "bench", "benchmark a kernel family on the GPU (table of TB/s or TFLOP/s, --json)");
-  bench->require_subcommand(1);
+  help_without_subcommand(*bench);
   register_bench_decode(*bench);
   register_bench_prefill(*bench);
   register_bench_dense(*bench);

@@ -5,11 +5,12 @@
 //    against its own equivalences (decode == last prefill row, paged == packed,
 //    merge_states(halves) == whole);
 //  - on each CUDA device, the vanilla and fused backends against the CPU reference.
-// Prints a table; exits non-zero on any mismatch.
+// Prints a table (--json: one JSON document); exits non-zero on any mismatch.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -28,9 +29,9 @@ struct Row {
   double error = 0;
   double tolerance = 0;
   std::string note;  // "skipped: ..." or an error message
-  bool pass() const {
-    return note.rfind("skipped", 0) == 0 || (note.empty() && error <= tolerance);
-  }
+  bool skipped() const { return note.rfind("skipped", 0) == 0; }
+  bool pass() const { return skipped() || (note.empty() && error <= tolerance); }
+  const char* result() const { return skipped() ? "skip" : pass() ? "ok" : "FAIL"; }
 };
 
 // Output tolerance for a dtype: a few units of its rounding at the output's magnitude.
@@ -59,8 +60,7 @@ Row compare(const Case& c, const Target& target, const std::vector<double>& ref)
   return row;
 }
 
-int run_check(uint64_t seed, bool verbose) {
-  std::printf("attnkit check (seed %llu)\n", static_cast<unsigned long long>(seed));
+std::vector<Row> run_cases(uint64_t seed) {
   std::vector<Target> targets = {Target{Device::cpu(), Backend::kVanilla}};
   for (const DeviceInfo& d : cuda_devices()) {
     targets.push_back(Target{Device::cuda(d.ordinal), Backend::kVanilla});
@@ -77,23 +77,58 @@ int run_check(uint64_t seed, bool verbose) {
     }
     for (const Target& target : targets) rows.push_back(compare(c, target, ref));
   }
+  return rows;
+}
+
+void print_table(uint64_t seed, const std::vector<Row>& rows, bool verbose) {
+  std::printf("attnkit check (seed %llu)\n", static_cast<unsigned long long>(seed));
   int failures = 0;
   std::printf("%-34s %-16s %-11s %-11s %s\n", "case", "backend", "max |err|", "tolerance",
               "result");
   for (const Row& r : rows) {
-    const bool ok = r.pass();
-    failures += ok ? 0 : 1;
+    failures += r.pass() ? 0 : 1;
     if (!r.note.empty()) {
-      const bool skipped = r.note.rfind("skipped", 0) == 0;
       std::printf("%-34s %-16s %-11s %-11s %s%s\n", r.name.c_str(), r.backend.c_str(), "-", "-",
-                  skipped ? "skip" : "FAIL: ", skipped && !verbose ? "" : r.note.c_str());
+                  r.skipped() ? "skip" : "FAIL: ", r.skipped() && !verbose ? "" : r.note.c_str());
     } else {
       std::printf("%-34s %-16s %-11.3g %-11.3g %s\n", r.name.c_str(), r.backend.c_str(), r.error,
-                  r.tolerance, ok ? "ok" : "FAIL");
+                  r.tolerance, r.result());
     }
   }
   std::printf("%zu checks, %d failed\n", rows.size(), failures);
-  return failures ? 1 : 0;
+}
+
+// {"seed", "checks": [{"case", "backend", "result": "ok" | "FAIL" | "skip", "error"?,
+// "tolerance"?, "note"?}], "failed"}: error and tolerance where the check compared outputs, note
+// where it was skipped or raised.
+void print_json(uint64_t seed, const std::vector<Row>& rows) {
+  nlohmann::json j;
+  j["seed"] = seed;
+  j["checks"] = nlohmann::json::array();
+  int failures = 0;
+  for (const Row& r : rows) {
+    failures += r.pass() ? 0 : 1;
+    nlohmann::json check = {{"case", r.name}, {"backend", r.backend}, {"result", r.result()}};
+    if (r.note.empty()) {
+      check["error"] = r.error;
+      check["tolerance"] = r.tolerance;
+    } else {
+      check["note"] = r.note;
+    }
+    j["checks"].push_back(check);
+  }
+  j["failed"] = failures;
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+int run_check(uint64_t seed, bool verbose, bool json) {
+  const std::vector<Row> rows = run_cases(seed);
+  if (json) {
+    print_json(seed, rows);
+  } else {
+    print_table(seed, rows, verbose);
+  }
+  return std::all_of(rows.begin(), rows.end(), [](const Row& r) { return r.pass(); }) ? 0 : 1;
 }
 
 }  // namespace
@@ -103,11 +138,13 @@ void register_check_command(CLI::App& app) {
       "check", "randomized self-test of every backend present against the reference");
   static uint64_t seed = 0;
   static bool verbose = false;
+  static bool json = false;
   check->add_option("--seed", seed, "random seed (default: a fresh one)");
   check->add_flag("-v,--verbose", verbose, "print why skipped checks were skipped");
+  check->add_flag("--json", json, "print the results as one JSON document on stdout");
   check->callback([] {
     if (seed == 0) seed = std::random_device{}();
-    const int rc = run_check(seed, verbose);
+    const int rc = run_check(seed, verbose, json);
     if (rc) throw CLI::RuntimeError(rc);
   });
 }

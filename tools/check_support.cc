@@ -13,9 +13,13 @@
 
 namespace attnkit::tools {
 
+std::string backend_label(const Device& device, Backend backend) {
+  return device.is_cpu() ? "reference" : backend_name(backend);
+}
+
 std::string Target::label() const {
-  if (device.is_cpu()) return "reference";
-  return device.str() + " " + backend_name(backend);
+  if (device.is_cpu()) return backend_label(device, backend);
+  return device.str() + " " + backend_label(device, backend);
 }
 
 Tensor::Tensor(DType dtype, std::vector<int64_t> shape) {

@@ -11,6 +11,11 @@
 
 namespace attnkit::tools {
 
+// The name the program prints for a backend on a device (info, check, replay): "reference" on the
+// CPU, whatever backend was asked for (host tensors run on the reference under "auto" and
+// "vanilla"), the backend's name on a CUDA device.
+std::string backend_label(const Device& device, Backend backend);
+
 struct Target {
   Device device;
   Backend backend;

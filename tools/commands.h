@@ -5,6 +5,15 @@
 
 namespace attnkit::tools {
 
+// A command whose work is in its subcommands (attnkit, attnkit bench, attnkit config): given none,
+// it prints its help (and exits 0) instead of an error.
+inline void help_without_subcommand(CLI::App& app) {
+  app.require_subcommand(0, 1);
+  app.callback([&app] {
+    if (app.get_subcommands().empty()) throw CLI::CallForHelp();
+  });
+}
+
 void register_info_command(CLI::App& app);    // info_cmd.cc
 void register_check_command(CLI::App& app);   // check_cmd.cc
 void register_config_command(CLI::App& app);  // config_cmd.cc

@@ -38,7 +38,7 @@ AttentionConfig load_config(const std::string& source) {
 
 void register_config_command(CLI::App& app) {
   CLI::App* config = app.add_subcommand("config", "Attention configuration (JSON) tools");
-  config->require_subcommand(1);
+  help_without_subcommand(*config);
   CLI::App* validate = config->add_subcommand(
       "validate",
       "Validate an AttentionConfig and print the resolved spec of default and of every role");

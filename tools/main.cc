@@ -1,14 +1,21 @@
-// The attnkit program: info, check, config validate, bench (replay arrives with its issue).
+// The attnkit program: info, check, config validate, bench, replay.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <string>
 
-#include "attnkit/types.h"
+#include "attnkit/attnkit.h"
 #include "commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"attnkit: attention kernels for LLM and diffusion inference"};
-  app.require_subcommand(1);
+  const std::string build =
+      attnkit::built_with_cuda()
+          ? "CUDA architectures " + attnkit::cuda_architectures()
+          : std::string("CPU only");
+  app.set_version_flag("--version", std::string("attnkit ") + attnkit::version() + " (" + build +
+                                        ")");
+  attnkit::tools::help_without_subcommand(app);
   attnkit::tools::register_info_command(app);
   attnkit::tools::register_check_command(app);
   attnkit::tools::register_config_command(app);

@@ -78,11 +78,27 @@ DType parse_kv_dtype(const std::string& name) {
   return it->second;
 }
 
-Backend parse_backend(const std::string& name) {
-  if (name == "auto") return Backend::kAuto;
-  if (name == "fused") return Backend::kFused;
-  if (name == "vanilla") return Backend::kVanilla;
-  throw Error("replay: --backend must be auto, fused or vanilla, got '" + name + "'");
+// The CPU runs the reference backend ("reference", the name info and check print, or "auto"); a
+// CUDA device runs "auto", "fused" or "vanilla". A backend the device cannot run is an error, not
+// a switch to another one; `--backend reference` with `--device auto` selects the CPU.
+Backend parse_backend(const std::string& name, const std::string& device_name, Device& device) {
+  if (name == "reference") {
+    if (device_name == "auto") device = Device::cpu();
+    if (!device.is_cpu()) {
+      throw Error("replay: --backend reference runs on the CPU, got --device " + device_name);
+    }
+    return Backend::kVanilla;
+  }
+  if (name != "auto" && name != "fused" && name != "vanilla") {
+    throw Error("replay: --backend must be auto, fused, vanilla (CUDA) or reference (the CPU), got '" +
+                name + "'");
+  }
+  if (name != "auto" && device.is_cpu()) {
+    throw Error("replay: --backend " + name + " needs a CUDA device, and the device is the CPU (" +
+                (device_name == "auto" ? std::string("no GPU visible") : "--device cpu") +
+                "); the CPU runs --backend reference or auto");
+  }
+  return name == "fused" ? Backend::kFused : name == "vanilla" ? Backend::kVanilla : Backend::kAuto;
 }
 
 Device parse_device(const std::string& name) {
@@ -314,7 +330,7 @@ void print_summary(const ReplayOptions& o, const ReplayResult& r) {
 int run(ReplayCli& cli, const CLI::App& cmd) {
   ReplayOptions& o = cli.options;
   o.device = parse_device(cli.device);
-  o.backend = parse_backend(cli.backend);
+  o.backend = parse_backend(cli.backend, cli.device, o.device);
   o.kv_dtype = parse_kv_dtype(cli.kv_dtype);
   apply_defaults(o, cli, cmd);
   if (o.device.is_cpu()) {
@@ -345,7 +361,7 @@ void register_replay_command(CLI::App& app) {
       "replay", "Replay a synthetic serving trace through forward() and the KV-cache manager");
   cmd->add_option("--device", cli->device, "auto, cpu, cuda or cuda:N (auto: cuda:0 if present)")
       ->capture_default_str();
-  cmd->add_option("--backend", cli->backend, "CUDA backend: auto, fused or vanilla")
+  cmd->add_option("--backend", cli->backend, "auto, fused or vanilla on a GPU; reference (or auto) on the CPU")
       ->capture_default_str();
   cmd->add_option("--layers", cli->layers, "attention layers (default 2 on the CPU, 32 on a GPU)");
   cmd->add_option("--requests", cli->requests, "requests in the trace (default 40 CPU, 512 GPU)");

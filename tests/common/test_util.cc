@@ -1,9 +1,15 @@
 #include "common/test_util.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "core/element.h"
@@ -104,6 +110,32 @@ bool any_nan(const std::vector<double>& a) {
     if (std::isnan(x)) return true;
   }
   return false;
+}
+
+ProgramResult run_program(const std::string& program, const std::string& args) {
+  // Outputs go to files named after the process and a counter: tests run in parallel processes.
+  static int runs = 0;
+  const std::string stem = (std::filesystem::temp_directory_path() /
+                            ("attnkit_run_" + std::to_string(::getpid()) + "_" +
+                             std::to_string(runs++)))
+                               .string();
+  const std::string out_path = stem + ".out", err_path = stem + ".err";
+  const std::string command =
+      "'" + program + "' " + args + " >'" + out_path + "' 2>'" + err_path + "'";
+  const int raw = std::system(command.c_str());
+  ProgramResult result;
+  result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  auto slurp = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  result.out = slurp(out_path);
+  result.err = slurp(err_path);
+  std::filesystem::remove(out_path);
+  std::filesystem::remove(err_path);
+  return result;
 }
 
 }  // namespace attnkit::test

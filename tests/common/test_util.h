@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attnkit/types.h"
@@ -61,5 +62,13 @@ T at_test_scale(T full, T small) {
 
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
 bool any_nan(const std::vector<double>& a);
+
+// A program run through the shell: `program` (quoted here) followed by `args` (shell syntax,
+// redirections included); its exit status (-1 when it did not exit) and both outputs.
+struct ProgramResult {
+  int status = -1;
+  std::string out, err;
+};
+ProgramResult run_program(const std::string& program, const std::string& args);
 
 }  // namespace attnkit::test

@@ -4,7 +4,6 @@
 #include "attnkit/config.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -620,30 +619,8 @@ TEST(ConfigLimits, DeeplyNestedJsonIsRejectedQuickly) {
 }
 
 #ifdef ATTNKIT_PROGRAM
-struct RunResult {
-  int status = -1;
-  std::string out, err;
-};
-
-RunResult run_program(const std::string& args) {
-  const auto out_path = temp_file("stdout"), err_path = temp_file("stderr");
-  const std::string command = std::string("'") + ATTNKIT_PROGRAM + "' " + args + " >'" +
-                              out_path.string() + "' 2>'" + err_path.string() + "'";
-  const int raw = std::system(command.c_str());
-  RunResult result;
-  result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  auto slurp = [](const std::filesystem::path& path) {
-    std::ifstream in(path);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-  };
-  result.out = slurp(out_path);
-  result.err = slurp(err_path);
-  std::filesystem::remove(out_path);
-  std::filesystem::remove(err_path);
-  return result;
-}
+using RunResult = test::ProgramResult;
+RunResult run_program(const std::string& args) { return test::run_program(ATTNKIT_PROGRAM, args); }
 
 TEST(ConfigCommand, ValidatePrintsTheResolvedSpecs) {
   json per_role = json::object();
