@@ -116,21 +116,24 @@ nlohmann::json info_json() {
   const std::vector<DeviceInfo> gpus = cuda_devices();
   j["devices"] = nlohmann::json::array();
   for (const DeviceInfo& d : gpus) {
-    j["devices"].push_back({{"device", Device::cuda(d.ordinal).str()},
-                            {"name", d.name},
-                            {"compute_capability", std::to_string(d.cc_major) + "." +
-                                                       std::to_string(d.cc_minor)},
-                            {"sm_count", d.sm_count},
-                            {"total_memory_bytes", d.total_memory},
-                            {"l2_bytes", d.l2_bytes}});
+    j["devices"].push_back(
+        {{"device", Device::cuda(d.ordinal).str()},
+         {"name", d.name},
+         {"compute_capability", std::to_string(d.cc_major) + "." + std::to_string(d.cc_minor)},
+         {"sm_count", d.sm_count},
+         {"total_memory_bytes", d.total_memory},
+         {"l2_bytes", d.l2_bytes}});
   }
   j["support"] = nlohmann::json::array();
   for (const Device& device : matrix_devices(gpus)) {
     for (const MatrixRow& row : support_matrix(device)) {
       for (size_t i = 0; i < kHeadDims.size(); ++i) {
-        nlohmann::json cell = {{"device", device.str()},  {"backend", row.backend},
-                               {"op", row.op},            {"q_dtype", row.q_dtype},
-                               {"kv_dtype", row.kv_dtype}, {"head_dim", kHeadDims[i]},
+        nlohmann::json cell = {{"device", device.str()},
+                               {"backend", row.backend},
+                               {"op", row.op},
+                               {"q_dtype", row.q_dtype},
+                               {"kv_dtype", row.kv_dtype},
+                               {"head_dim", kHeadDims[i]},
                                {"served", !row.served[i].empty()}};
         if (!row.served[i].empty() && row.served[i] != "y") cell["kernel"] = row.served[i];
         if (!row.reasons[i].empty()) cell["reason"] = row.reasons[i];

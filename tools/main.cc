@@ -9,12 +9,11 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"attnkit: attention kernels for LLM and diffusion inference"};
-  const std::string build =
-      attnkit::built_with_cuda()
-          ? "CUDA architectures " + attnkit::cuda_architectures()
-          : std::string("CPU only");
-  app.set_version_flag("--version", std::string("attnkit ") + attnkit::version() + " (" + build +
-                                        ")");
+  const std::string build = attnkit::built_with_cuda()
+                                ? "CUDA architectures " + attnkit::cuda_architectures()
+                                : std::string("CPU only");
+  app.set_version_flag("--version",
+                       std::string("attnkit ") + attnkit::version() + " (" + build + ")");
   attnkit::tools::help_without_subcommand(app);
   attnkit::tools::register_info_command(app);
   attnkit::tools::register_check_command(app);

@@ -79,8 +79,9 @@ Backend parse_backend(const std::string& name, const std::string& device_name, D
     return Backend::kVanilla;
   }
   if (name != "auto" && name != "fused" && name != "vanilla") {
-    throw Error("replay: --backend must be auto, fused, vanilla (CUDA) or reference (the CPU), got '" +
-                name + "'");
+    throw Error(
+        "replay: --backend must be auto, fused, vanilla (CUDA) or reference (the CPU), got '" +
+        name + "'");
   }
   if (name != "auto" && device.is_cpu()) {
     throw Error("replay: --backend " + name + " needs a CUDA device, and the device is the CPU (" +
@@ -270,7 +271,8 @@ void register_replay_command(CLI::App& app) {
       "replay", "Replay a synthetic serving trace through forward() and the KV-cache manager");
   cmd->add_option("--device", cli->device, "auto, cpu, cuda or cuda:N (auto: cuda:0 if present)")
       ->capture_default_str();
-  cmd->add_option("--backend", cli->backend, "auto, fused or vanilla on a GPU; reference (or auto) on the CPU")
+  cmd->add_option("--backend", cli->backend,
+                  "auto, fused or vanilla on a GPU; reference (or auto) on the CPU")
       ->capture_default_str();
   cmd->add_option("--layers", cli->layers, "attention layers (default 2 on the CPU, 32 on a GPU)");
   cmd->add_option("--requests", cli->requests, "requests in the trace (default 40 CPU, 128 GPU)");

@@ -115,10 +115,10 @@ bool any_nan(const std::vector<double>& a) {
 ProgramResult run_program(const std::string& program, const std::string& args) {
   // Outputs go to files named after the process and a counter: tests run in parallel processes.
   static int runs = 0;
-  const std::string stem = (std::filesystem::temp_directory_path() /
-                            ("attnkit_run_" + std::to_string(::getpid()) + "_" +
-                             std::to_string(runs++)))
-                               .string();
+  const std::string stem =
+      (std::filesystem::temp_directory_path() /
+       ("attnkit_run_" + std::to_string(::getpid()) + "_" + std::to_string(runs++)))
+          .string();
   const std::string out_path = stem + ".out", err_path = stem + ".err";
   const std::string command =
       "'" + program + "' " + args + " >'" + out_path + "' 2>'" + err_path + "'";

@@ -166,8 +166,7 @@ TEST(Program, CheckJsonReportsWhatItsTableReports) {
     if (!(rest >> error >> tolerance >> result)) continue;
     if (result == "FAIL:") result = "FAIL";
     if (result != "ok" && result != "FAIL" && result != "skip") continue;
-    from_table.push_back(trim(line.substr(0, 34)) + " " + trim(line.substr(35, 16)) + " " +
-                         result);
+    from_table.push_back(trim(line.substr(0, 34)) + " " + trim(line.substr(35, 16)) + " " + result);
   }
   EXPECT_EQ(from_table, from_json);
 }
