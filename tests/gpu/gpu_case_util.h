@@ -214,6 +214,47 @@ inline void expect_attention_matches(const std::string& what, const OracleAccumu
   }
 }
 
+// A paged cache's table for sequences of kv_lens tokens in pages of `page`: every sequence's
+// blocks handed out in a random order from a pool with two spare blocks, one spare column of -1
+// per row (entries past a row's blocks are -1), and the lengths.
+struct ShuffledBlockTable {
+  HostTensor table;     // int32 [B, max_blocks]
+  HostTensor seq_lens;  // int32 [B]
+  int num_blocks = 0;
+  int max_blocks = 0;
+  // The block of token j of sequence b.
+  int32_t block_of(int b, int j, int page) const {
+    return table.data<int32_t>()[b * max_blocks + j / page];
+  }
+};
+
+inline ShuffledBlockTable shuffled_block_table(const std::vector<int>& kv_lens, int page,
+                                               std::mt19937_64& rng) {
+  ShuffledBlockTable t;
+  const int batch = static_cast<int>(kv_lens.size());
+  for (int len : kv_lens) {
+    const int blocks = (len + page - 1) / page;
+    t.max_blocks = std::max(t.max_blocks, blocks);
+    t.num_blocks += blocks;
+  }
+  t.max_blocks = std::max(t.max_blocks, 1) + 1;
+  t.num_blocks += 2;
+  std::vector<int> ids(t.num_blocks);
+  for (int i = 0; i < t.num_blocks; ++i) ids[i] = i;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  t.table = HostTensor(DType::kInt32, {batch, t.max_blocks});
+  t.seq_lens = HostTensor(DType::kInt32, {batch});
+  int next = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int blocks = (kv_lens[b] + page - 1) / page;
+    for (int i = 0; i < t.max_blocks; ++i) {
+      t.table.data<int32_t>()[b * t.max_blocks + i] = i < blocks ? ids[next++] : -1;
+    }
+    t.seq_lens.data<int32_t>()[b] = kv_lens[b];
+  }
+  return t;
+}
+
 inline HostTensor poisoned(DType dtype, std::initializer_list<int64_t> shape) {
   HostTensor t(dtype, shape);
   t.fill(NAN);

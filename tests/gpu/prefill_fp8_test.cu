@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -24,6 +23,7 @@
 #include "core/numerics.h"
 #include "core/problem.h"
 #include "cuda/prefill/prefill_api.h"
+#include "gpu/gpu_case_util.h"
 #include "gpu/gpu_util.h"
 
 namespace attnkit::test {
@@ -87,7 +87,7 @@ struct Fp8Problem {
   std::vector<double> qd, kd, vd;              // dequantized, [tokens, heads, D]
   // Paged mode: the pool ([blocks, 2, Hkv, page, D] codes), table, lengths, cache scales ([Hkv]).
   HostTensor pool, table, seq_lens, cache_k_scale, cache_v_scale;
-  int num_blocks = 0, max_blocks = 0;
+  int num_blocks = 0;
 };
 
 // Per-(sequence, KV head) magnitudes that differ by up to 100x, so that a kernel that drops a
@@ -150,18 +150,8 @@ Fp8Problem make_problem(const Fp8Case& c, std::mt19937_64& rng) {
   // Paged: blocks in a random order, spare blocks, NaN codes everywhere unwritten; per-KV-head
   // cache scales.
   const int t = c.page;
-  for (int b = 0; b < p.batch; ++b) {
-    const int blocks = (p.c.kv_lens[b] + t - 1) / t;
-    p.max_blocks = std::max(p.max_blocks, blocks);
-    p.num_blocks += blocks;
-  }
-  p.max_blocks = std::max(p.max_blocks, 1) + 1;
-  p.num_blocks += 2;
-  std::vector<int> ids(p.num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  p.table = HostTensor(DType::kInt32, {p.batch, p.max_blocks});
-  p.seq_lens = HostTensor(DType::kInt32, {p.batch});
+  ShuffledBlockTable blocks = shuffled_block_table(p.c.kv_lens, t, rng);
+  p.num_blocks = blocks.num_blocks;
   p.pool = HostTensor(DType::kFp8E4M3, {p.num_blocks, 2, c.hkv, t, d});
   p.pool.fill(NAN);
   p.cache_k_scale = HostTensor(DType::kF32, {c.hkv});
@@ -172,15 +162,9 @@ Fp8Problem make_problem(const Fp8Case& c, std::mt19937_64& rng) {
   }
   p.kd.assign(static_cast<size_t>(p.cu_kv.back()) * c.hkv * d, 0.0);
   p.vd.assign(p.kd.size(), 0.0);
-  int next = 0;
   for (int b = 0; b < p.batch; ++b) {
-    const int blocks = (p.c.kv_lens[b] + t - 1) / t;
-    for (int i = 0; i < p.max_blocks; ++i) {
-      p.table.data<int32_t>()[b * p.max_blocks + i] = i < blocks ? ids[next + i] : -1;
-    }
-    p.seq_lens.data<int32_t>()[b] = p.c.kv_lens[b];
     for (int j = 0; j < p.c.kv_lens[b]; ++j) {
-      const int64_t block = ids[next + j / t];
+      const int64_t block = blocks.block_of(b, j, t);
       for (int hk = 0; hk < c.hkv; ++hk) {
         for (int e = 0; e < d; ++e) {
           for (int is_v = 0; is_v < 2; ++is_v) {
@@ -193,8 +177,9 @@ Fp8Problem make_problem(const Fp8Case& c, std::mt19937_64& rng) {
         }
       }
     }
-    next += blocks;
   }
+  p.table = std::move(blocks.table);
+  p.seq_lens = std::move(blocks.seq_lens);
   return p;
 }
 

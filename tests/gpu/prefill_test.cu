@@ -26,6 +26,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_launch.h"
+#include "gpu/gpu_case_util.h"
 #include "gpu/gpu_util.h"
 
 namespace attnkit::test {
@@ -128,26 +129,11 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   }
   // Paged: blocks handed out in a random order, two spare blocks, poison everywhere unwritten.
   const int t = c.page;
-  for (int b = 0; b < p.batch; ++b) {
-    const int blocks = (p.c.kv_lens[b] + t - 1) / t;
-    p.max_blocks = std::max(p.max_blocks, blocks);
-    p.num_blocks += blocks;
-  }
-  p.max_blocks = std::max(p.max_blocks, 1) + 1;
-  p.num_blocks += 2;
-  std::vector<int> ids(p.num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  p.block_table = HostTensor(DType::kInt32, {p.batch, p.max_blocks});
-  p.seq_lens = HostTensor(DType::kInt32, {p.batch});
-  int next = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const int blocks = (p.c.kv_lens[b] + t - 1) / t;
-    for (int i = 0; i < p.max_blocks; ++i) {
-      p.block_table.data<int32_t>()[b * p.max_blocks + i] = i < blocks ? ids[next++] : -1;
-    }
-    p.seq_lens.data<int32_t>()[b] = p.c.kv_lens[b];
-  }
+  ShuffledBlockTable blocks = shuffled_block_table(p.c.kv_lens, t, rng);
+  p.block_table = std::move(blocks.table);
+  p.seq_lens = std::move(blocks.seq_lens);
+  p.num_blocks = blocks.num_blocks;
+  p.max_blocks = blocks.max_blocks;
   p.pool = HostTensor(c.kv_dtype, {p.num_blocks, 2, c.hkv, t, d});
   // NaN for 16-bit and fp8 caches; int8 has none, so the largest value stands in.
   p.pool.fill(c.kv_dtype == DType::kInt8 ? 127.f : NAN);

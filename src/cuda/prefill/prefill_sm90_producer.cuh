@@ -86,11 +86,6 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
   return v;
 }
 
-// Byte permute: byte k of the result is byte sel[4k+3:4k] of {b, a} (a = bytes 0-3).
-__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
-  return __byte_perm(a, b, sel);
-}
-
 // The FP8 kernels' V transpose. fp8 wgmma reads B K-major only, so P V needs V^T: [head_dim rows
 // x kBlockN keys] in 128-byte swizzled rows, from the staged [kBlockN keys x head_dim] tile, with
 // the keys of each 32-key step permuted so that P needs no shuffle (fp8_layout::vt_key: the
@@ -121,11 +116,12 @@ __device__ __forceinline__ void transpose_v_tile(uint32_t src, uint32_t dst, int
                    ? ld_shared_u32(src + fp8_layout::staged_offset(key, d0, T::kKvColBlockBytes))
                    : 0u;
       }
-      // 4 x 4 byte transpose: out[i] = byte i of w[0..3].
-      const uint32_t t0 = byte_perm(w[0], w[1], 0x5140), t1 = byte_perm(w[2], w[3], 0x5140);
-      const uint32_t t2 = byte_perm(w[0], w[1], 0x7362), t3 = byte_perm(w[2], w[3], 0x7362);
-      const uint32_t out[4] = {byte_perm(t0, t1, 0x5410), byte_perm(t0, t1, 0x7632),
-                               byte_perm(t2, t3, 0x5410), byte_perm(t2, t3, 0x7632)};
+      // 4 x 4 byte transpose, out[i] = byte i of w[0..3] (__byte_perm: nibble k of the selector
+      // picks result byte k from {b, a}, a = bytes 0-3).
+      const uint32_t t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[2], w[3], 0x5140);
+      const uint32_t t2 = __byte_perm(w[0], w[1], 0x7362), t3 = __byte_perm(w[2], w[3], 0x7362);
+      const uint32_t out[4] = {__byte_perm(t0, t1, 0x5410), __byte_perm(t0, t1, 0x7632),
+                               __byte_perm(t2, t3, 0x5410), __byte_perm(t2, t3, 0x7632)};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         st_shared_u32(dst + fp8_layout::vt_offset(d0 + i, 4 * q), out[i]);
