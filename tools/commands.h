@@ -10,6 +10,7 @@ void register_check_command(CLI::App& app);   // check_cmd.cc
 void register_config_command(CLI::App& app);  // config_cmd.cc
 void register_bench_command(CLI::App& app);   // bench_cmd.cc
 void register_replay_command(CLI::App& app);  // replay_cmd.cc
+void register_calibrate_command(CLI::App& app);  // calibrate_cmd.cc
 
 // Benchmark subcommands under `attnkit bench` (CUDA builds measure; CPU-only builds explain).
 void register_bench_decode(CLI::App& bench);   // bench_decode.cc

@@ -354,9 +354,15 @@ void py_prefill(const nb::dict& spec_dict, const InArray& q, const InArray& cu_s
                 const OutArray& out, const std::optional<InArray>& k,
                 const std::optional<InArray>& v, const std::optional<InArray>& cu_seqlens_kv,
                 const std::optional<nb::dict>& kv_cache, const std::optional<OutArray>& lse,
-                int32_t max_seqlen_q, int32_t max_seqlen_kv, bool checked, uintptr_t stream) {
+                int32_t max_seqlen_q, int32_t max_seqlen_kv, double timestep, int32_t block_m,
+                int32_t block_n, const std::optional<OutArray>& skip_stats, bool checked,
+                uintptr_t stream) {
   const AttentionSpec spec = spec_from_dict(spec_dict);
   PrefillArgs args;
+  args.timestep = timestep;
+  args.block_m = block_m;
+  args.block_n = block_n;
+  args.skip_stats = opt_view(skip_stats, "skip_stats");
   args.q = to_view(q, "q");
   args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
   args.out = to_view(out, "out");
@@ -729,7 +735,9 @@ NB_MODULE(_attnkit, m) {
   m.def("prefill", &py_prefill, "spec"_a, "q"_a, "cu_seqlens_q"_a, "out"_a.noconvert(),
         "k"_a.none() = nb::none(), "v"_a.none() = nb::none(), "cu_seqlens_kv"_a.none() = nb::none(),
         "kv_cache"_a.none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
-        "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "checked"_a = false, "stream"_a = 0);
+        "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "timestep"_a = 0.0, "block_m"_a = 128,
+        "block_n"_a = 128, "skip_stats"_a.noconvert().none() = nb::none(), "checked"_a = false,
+        "stream"_a = 0);
   m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a.noconvert(),
         "lse"_a.noconvert().none() = nb::none(), "beam_width"_a = 1,
         "cache_indirection"_a.none() = nb::none(), "num_splits"_a = 0, "max_seq_len"_a = 0,

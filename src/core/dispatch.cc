@@ -67,8 +67,14 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream) 
   const detail::PrefillProblem p = detail::validate_prefill(spec, args);
   const std::string reason =
       p.device.is_cuda() ? cuda::fused_prefill_unsupported(spec, p) : std::string();
+  const Route route = choose_route(spec.backend, p.device, "prefill", reason);
+  // auto does not take a skip-softmax call to the vanilla kernels, which do not skip.
+  ATTNKIT_CHECK(route != Route::kCudaVanilla || !spec.skip_softmax ||
+                    spec.backend == Backend::kVanilla,
+                "prefill: skip_softmax runs on the fused kernels, which cannot serve this call: ",
+                reason);
   run_route(
-      choose_route(spec.backend, p.device, "prefill", reason), "prefill", args.checked, stream,
+      route, "prefill", args.checked, stream,
       [&] { reference::prefill(spec, args, p); },
       [&] { cuda::vanilla_prefill(spec, args, p, stream); },
       [&] { cuda::fused_prefill(spec, args, p, stream); });

@@ -98,6 +98,16 @@ struct PrefillParams {
   float softcap = 0.f;  // 0: off
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
+
+  // Skip-softmax (the portable kernels' kSkipSoftmax instantiations; the sm90 kernel reads its
+  // own copy in Sm90PrefillParams): log2(lambda) in log2 units of the scaled logits, and the
+  // device counters {tiles visited, tiles skipped} that every CTA adds its counts to (nullptr: not
+  // counted).
+  float skip_log2_lambda = 0.f;
+  // prefill() with target_sparsity: lambda = a exp(b s) / kv_len of each sequence;
+  // skip_log2_lambda then holds log2(a exp(b s)) and the kernel subtracts log2(kv_len).
+  bool skip_per_kv_len = false;
+  unsigned long long* skip_counts = nullptr;
 };
 
 // Whether a call takes the modifier path: soft-cap or ALiBi, or a softmax scale that is not
