@@ -166,7 +166,7 @@ TEST(CalibrateSweep, SparsityAndErrorGrowWithLambda) {
   write_sample(dir / "t0", 256, 2, 64, 3);
   const Sample sample = load_sample((dir / "t0").string());
   SweepOptions o;
-  o.lambdas = {1e-5, 1e-3, 1e-2, 1e-1, 0.5};
+  o.lambdas = {1e-12, 1e-4, 1e-2, 1e-1, 0.9};
   o.block_m = 32;
   o.block_n = 32;
   const std::vector<SweepPoint> points = sweep_reference(sample, o);
@@ -210,11 +210,17 @@ TEST(CalibrateCommand, ReportFeedsAConfig) {
   EXPECT_EQ(j["samples"][1]["timestep"].get<double>(), 0.5);
   EXPECT_EQ(j["samples"][0]["sweep"].size(), 9u);
   EXPECT_EQ(j["tiles"]["block_m"].get<int>(), 32);
-  // The skip_softmax object is a valid config entry, and its curve gives lambdas in the sweep.
+  // The skip_softmax object is a valid config entry with the fitted curve.
   const std::string config_text =
       nlohmann::json{{"default", {{"skip_softmax", j["skip_softmax"]}}}}.dump();
   const AttentionConfig config = AttentionConfig::from_json(config_text);
-  const SkipSoftmaxSpec skip = *config.resolve("self").skip_softmax;
+  SkipSoftmaxSpec skip = *config.resolve("self").skip_softmax;
+  EXPECT_EQ(skip.target_sparsity, 0.5);
+  EXPECT_EQ(skip.calibration_a, j["calibration"]["a"].get<double>());
+  // At a sparsity the sweep measured (its middle point), the curve gives a lambda inside the
+  // swept range.
+  skip.target_sparsity = j["samples"][0]["sweep"][4]["sparsity"].get<double>();
+  ASSERT_GT(*skip.target_sparsity, 0.0);
   const double lambda = skip.lambda(256);
   EXPECT_GT(lambda, 1e-4);
   EXPECT_LT(lambda, 0.5);

@@ -94,15 +94,15 @@ AttentionSpec causal_spec(const PackedInputs& in, std::optional<double> threshol
   return spec;
 }
 
-struct Run {
+struct Result {
   HostTensor out, lse;
   SkipStats stats;
 };
 
-Run run_prefill(const AttentionSpec& spec, const PackedInputs& in, int32_t block_m,
+Result run_prefill(const AttentionSpec& spec, const PackedInputs& in, int32_t block_m,
                 int32_t block_n, double timestep = 0.0) {
   const int64_t total_q = in.q.view().shape[0];
-  Run r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}), HostTensor(DType::kF32, {total_q, in.hq}),
+  Result r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}), HostTensor(DType::kF32, {total_q, in.hq}),
         {}};
   r.out.fill(NAN);
   r.lse.fill(NAN);
@@ -245,7 +245,7 @@ TEST(PrefillSkip, DecisionsAndOutputsMatchAnIndependentTileWalk) {
       spec.alibi = true;
       slopes = default_alibi_slopes(in.hq);
     }
-    const Run got = run_prefill(spec, in, c.bm, c.bn);
+    const Result got = run_prefill(spec, in, c.bm, c.bn);
     const Walk want =
         independent_walk(in, c.bm, c.bn, c.lambda, [&](double dot, int h, int64_t p, int64_t j) {
           double x = dot * scale;
@@ -267,31 +267,31 @@ TEST(PrefillSkip, MaskNoneWalksEveryKeyTileFromTheLast) {
   PackedInputs in = make_inputs({{200, 200}, {64, 300}}, 2, 2, 64, 2);
   AttentionSpec spec = causal_spec(in, 1e-2);
   spec.mask.kind = MaskKind::kNone;
-  const Run got = run_prefill(spec, in, 64, 32);
+  const Result got = run_prefill(spec, in, 64, 32);
   // Every query tile visits ceil(kv_len / 32) key tiles.
   EXPECT_EQ(got.stats.tiles_total, 2 * (4 * 7 + 1 * 10));
   EXPECT_GT(got.stats.tiles_skipped, 0);
-  const Run plain = run_prefill(causal_spec(in, std::nullopt), in, 64, 32);
+  const Result plain = run_prefill(causal_spec(in, std::nullopt), in, 64, 32);
   EXPECT_FALSE(same_bytes(got.out, plain.out));
 }
 
 TEST(PrefillSkip, ThresholdZeroAndAClosedGateAreThePlainCallBitForBit) {
   const PackedInputs in = make_inputs(kSeqs, 4, 2, 64, 3);
-  const Run plain = run_prefill(causal_spec(in, std::nullopt), in, 64, 64);
+  const Result plain = run_prefill(causal_spec(in, std::nullopt), in, 64, 64);
   // Without skip_softmax, skip_stats still counts the visited tiles.
   EXPECT_GT(plain.stats.tiles_total, 0);
   EXPECT_EQ(plain.stats.tiles_skipped, 0);
-  const Run zero = run_prefill(causal_spec(in, 0.0), in, 64, 64);
+  const Result zero = run_prefill(causal_spec(in, 0.0), in, 64, 64);
   EXPECT_TRUE(same_bytes(zero.out, plain.out));
   EXPECT_TRUE(same_bytes(zero.lse, plain.lse));
   EXPECT_EQ(zero.stats.tiles_total, plain.stats.tiles_total);
   EXPECT_EQ(zero.stats.tiles_skipped, 0);
   // Gate at 0.5: closed at 0.8, open at 0.5.
   const AttentionSpec gated = causal_spec(in, 1e-2, 0.5);
-  const Run closed = run_prefill(gated, in, 64, 64, 0.8);
+  const Result closed = run_prefill(gated, in, 64, 64, 0.8);
   EXPECT_TRUE(same_bytes(closed.out, plain.out));
   EXPECT_EQ(closed.stats.tiles_skipped, 0);
-  const Run open = run_prefill(gated, in, 64, 64, 0.5);
+  const Result open = run_prefill(gated, in, 64, 64, 0.5);
   EXPECT_GT(open.stats.tiles_skipped, 0);
   EXPECT_FALSE(same_bytes(open.out, plain.out));
   EXPECT_EQ(open.stats.tiles_total, plain.stats.tiles_total);
@@ -299,8 +299,8 @@ TEST(PrefillSkip, ThresholdZeroAndAClosedGateAreThePlainCallBitForBit) {
 
 TEST(PrefillSkip, ALargeThresholdChangesTheOutputMeasurably) {
   const PackedInputs in = make_inputs(kSeqs, 4, 2, 64, 4);
-  const Run plain = run_prefill(causal_spec(in, std::nullopt), in, 64, 64);
-  const Run skipped = run_prefill(causal_spec(in, 0.9), in, 64, 64);
+  const Result plain = run_prefill(causal_spec(in, std::nullopt), in, 64, 64);
+  const Result skipped = run_prefill(causal_spec(in, 0.9), in, 64, 64);
   EXPECT_GT(skipped.stats.tiles_skipped, skipped.stats.tiles_total / 4);
   EXPECT_GT(max_abs_diff(plain.out.to_double(), skipped.out.to_double()), 0.05);
 }
@@ -313,7 +313,7 @@ TEST(PrefillSkip, TargetSparsityTakesEachSequencesKvLen) {
   s.calibration_a = 0.5;
   s.calibration_b = 4.0;
   target.skip_softmax = s;
-  const Run all = run_prefill(target, in, 32, 32);
+  const Result all = run_prefill(target, in, 32, 32);
   int64_t total = 0, skipped = 0;
   int64_t q0 = 0;
   for (size_t i = 0; i < kSeqs.size(); ++i) {
@@ -337,7 +337,7 @@ TEST(PrefillSkip, TargetSparsityTakesEachSequencesKvLen) {
     single.cu_q.data<int32_t>()[1] = kSeqs[i].q_len;
     single.cu_kv.data<int32_t>()[1] = kSeqs[i].kv_len;
     const double lambda = 0.5 * std::exp(4.0 * 0.6) / kSeqs[i].kv_len;
-    const Run alone = run_prefill(causal_spec(single, lambda), single, 32, 32);
+    const Result alone = run_prefill(causal_spec(single, lambda), single, 32, 32);
     total += alone.stats.tiles_total;
     skipped += alone.stats.tiles_skipped;
     const int64_t elems = single.q.numel();
@@ -432,19 +432,19 @@ TEST(SkipRoles, EachRolesSpecReachesItsCall) {
     "per_role": {
       "self": {"skip_softmax": {"threshold": 0.05}},
       "self.video": {"skip_softmax": {"threshold": 0.05, "disabled_until_timestep": 0.3}},
-      "cross": {"skip_softmax": {"threshold": 0.002}}
+      "cross": {"skip_softmax": {"threshold": 1e-4}}
     }})");
   const double timestep = 0.6;
   const PackedInputs in = make_inputs({{256, 256}}, 2, 2, 64, 7);
   std::vector<std::pair<std::string, double>> self_rates;
   for (const std::string role : {"self", "self.video", "self.audio"}) {
     const AttentionSpec spec = config.apply(role, causal_spec(in, std::nullopt));
-    const Run run = run_prefill(spec, in, 32, 32, timestep);
+    const Result got = run_prefill(spec, in, 32, 32, timestep);
     const double expected_threshold = role == "self.video" ? 0.0 : 0.05;  // gated off at 0.6
-    const Run by_hand = run_prefill(causal_spec(in, expected_threshold), in, 32, 32);
-    EXPECT_TRUE(same_bytes(run.out, by_hand.out)) << role;
-    EXPECT_EQ(run.stats.tiles_skipped, by_hand.stats.tiles_skipped) << role;
-    self_rates.emplace_back(role, run.stats.skipped_fraction());
+    const Result by_hand = run_prefill(causal_spec(in, expected_threshold), in, 32, 32);
+    EXPECT_TRUE(same_bytes(got.out, by_hand.out)) << role;
+    EXPECT_EQ(got.stats.tiles_skipped, by_hand.stats.tiles_skipped) << role;
+    self_rates.emplace_back(role, got.stats.skipped_fraction());
   }
   EXPECT_GT(self_rates[0].second, 0.05);
   EXPECT_EQ(self_rates[1].second, 0.0);

@@ -121,16 +121,16 @@ AttentionSpec spec_of(const Inputs& in, MaskKind mask, std::optional<SkipSoftmax
   return spec;
 }
 
-struct Run {
+struct Result {
   HostTensor out, lse;
   SkipStats stats;
 };
 
 // The fused call on the GPU; `tile` forces a kernel (run_prefill), else the public prefill().
-Run run_gpu(const AttentionSpec& spec, const Inputs& in, std::optional<PrefillTile> tile = {},
+Result run_gpu(const AttentionSpec& spec, const Inputs& in, std::optional<PrefillTile> tile = {},
             double timestep = 0.0) {
   const int64_t total_q = in.q.view().shape[0];
-  Run r{HostTensor(DType::kBF16, {total_q, in.hq, in.dim}),
+  Result r{HostTensor(DType::kBF16, {total_q, in.hq, in.dim}),
         HostTensor(DType::kF32, {total_q, in.hq}), {}};
   r.out.fill(NAN);
   r.lse.fill(NAN);
@@ -165,11 +165,11 @@ Run run_gpu(const AttentionSpec& spec, const Inputs& in, std::optional<PrefillTi
 }
 
 // The CPU reference prefill() on the f32 copies with the kernel's tiles.
-Run run_reference(AttentionSpec spec, const Inputs& in, const SkipStats& tiles,
+Result run_reference(AttentionSpec spec, const Inputs& in, const SkipStats& tiles,
                   double timestep = 0.0) {
   spec.backend = Backend::kAuto;
   const int64_t total_q = in.q.view().shape[0];
-  Run r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}),
+  Result r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}),
         HostTensor(DType::kF32, {total_q, in.hq}), {}};
   HostTensor stats(DType::kInt64, {4});
   PrefillArgs args;
@@ -197,7 +197,7 @@ bool same_bytes(const HostTensor& a, const HostTensor& b) { return a.bytes() == 
 
 // Kernel against reference: totals exact, skipped counts within the float32 slack, between 10%
 // and 90% of the tiles skipped (`min_fraction` to 90%), outputs by docs/testing.md's rule, LSE.
-void expect_matches_reference(const Run& got, const Run& want, double min_fraction = 0.1) {
+void expect_matches_reference(const Result& got, const Result& want, double min_fraction = 0.1) {
   EXPECT_EQ(got.stats.tiles_total, want.stats.tiles_total);
   const int64_t slack = std::max<int64_t>(2, want.stats.tiles_total / 500);
   EXPECT_NEAR(static_cast<double>(got.stats.tiles_skipped),
@@ -253,7 +253,7 @@ TEST(PrefillSkipGpu, PortableCausalMatchesTheTileFaithfulReference) {
                                         << " threshold=" << threshold);
         const AttentionSpec spec =
             spec_of(in, MaskKind::kCausal, threshold_skip(threshold), FusedKernel::kPortable);
-        const Run got = run_gpu(spec, in, tiles[t]);
+        const Result got = run_gpu(spec, in, tiles[t]);
         EXPECT_EQ(got.stats.block_m, cuda::prefill::prefill_block_m(tiles[t], dim));
         EXPECT_EQ(got.stats.block_n, cuda::prefill::prefill_block_n(tiles[t], dim, true));
         expect_matches_reference(got, run_reference(spec, in, got.stats));
@@ -272,7 +272,7 @@ TEST(PrefillSkipGpu, PortableTargetSparsityTakesEachSequencesKvLen) {
   s.calibration_a = 2.0;
   s.calibration_b = 3.0;  // lambda = 2 e^1.5 / kv_len: 9e-3 .. 1.3e-2 here
   const AttentionSpec spec = spec_of(in, MaskKind::kCausal, s);
-  const Run got = run_gpu(spec, in);
+  const Result got = run_gpu(spec, in);
   expect_matches_reference(got, run_reference(spec, in, got.stats));
 }
 
@@ -283,7 +283,7 @@ TEST(PrefillSkipGpu, PortableUnmaskedMatchesTheReference) {
   const Inputs in = make_inputs({{900, 900}, {200, 1200}}, 4, 2, 128, 31);
   const AttentionSpec spec =
       spec_of(in, MaskKind::kNone, threshold_skip(1e-2), FusedKernel::kPortable);
-  const Run got = run_gpu(spec, in);
+  const Result got = run_gpu(spec, in);
   expect_matches_reference(got, run_reference(spec, in, got.stats));
 }
 
@@ -299,7 +299,7 @@ TEST(PrefillSkipGpu, HopperUnmaskedMatchesTheReference) {
     const Inputs in = make_inputs({{900, 900}, {200, 1200}}, 4, 2, dim, 41 + dim);
     const AttentionSpec spec =
         spec_of(in, MaskKind::kNone, threshold_skip(1e-2), FusedKernel::kHopper);
-    const Run got = run_gpu(spec, in);
+    const Result got = run_gpu(spec, in);
     EXPECT_EQ(got.stats.block_m, 64);
     EXPECT_EQ(got.stats.block_n, cuda::prefill::prefill_block_n(PrefillTile::kSm90, dim, true));
     expect_matches_reference(got, run_reference(spec, in, got.stats));
@@ -313,26 +313,26 @@ TEST(PrefillSkipGpu, ThresholdZeroAClosedGateAndNothingSkippedAreThePlainCallBit
   const Inputs in = make_inputs(kCausalSeqs, 4, 2, 128, 51);
   for (PrefillTile tile : tiles) {
     SCOPED_TRACE(cuda::prefill::prefill_tile_name(tile));
-    const Run plain = run_gpu(spec_of(in, MaskKind::kCausal, std::nullopt), in, tile);
+    const Result plain = run_gpu(spec_of(in, MaskKind::kCausal, std::nullopt), in, tile);
     EXPECT_EQ(plain.stats.tiles_skipped, 0);
-    const Run zero = run_gpu(spec_of(in, MaskKind::kCausal, threshold_skip(0.0)), in, tile);
+    const Result zero = run_gpu(spec_of(in, MaskKind::kCausal, threshold_skip(0.0)), in, tile);
     EXPECT_TRUE(same_bytes(zero.out, plain.out));
     EXPECT_TRUE(same_bytes(zero.lse, plain.lse));
     EXPECT_EQ(zero.stats.tiles_total, plain.stats.tiles_total);
     EXPECT_EQ(zero.stats.tiles_skipped, 0);
     // lambda = 1e-30: the skipping kernel runs, and no tile is 69 nats below its running maximum:
     // its arithmetic is the plain kernel's.
-    const Run none = run_gpu(spec_of(in, MaskKind::kCausal, threshold_skip(1e-30)), in, tile);
+    const Result none = run_gpu(spec_of(in, MaskKind::kCausal, threshold_skip(1e-30)), in, tile);
     EXPECT_EQ(none.stats.tiles_skipped, 0);
     EXPECT_EQ(none.stats.tiles_total, plain.stats.tiles_total);
     EXPECT_TRUE(same_bytes(none.out, plain.out));
     EXPECT_TRUE(same_bytes(none.lse, plain.lse));
     // The gate: active for timestep <= 0.5 only.
     const AttentionSpec gated = spec_of(in, MaskKind::kCausal, threshold_skip(3e-2, 0.5));
-    const Run closed = run_gpu(gated, in, tile, 0.8);
+    const Result closed = run_gpu(gated, in, tile, 0.8);
     EXPECT_TRUE(same_bytes(closed.out, plain.out));
     EXPECT_EQ(closed.stats.tiles_skipped, 0);
-    const Run open = run_gpu(gated, in, tile, 0.5);
+    const Result open = run_gpu(gated, in, tile, 0.5);
     EXPECT_GT(open.stats.tiles_skipped, 0);
     EXPECT_FALSE(same_bytes(open.out, plain.out));
   }
@@ -342,8 +342,8 @@ TEST(PrefillSkipGpu, ALargeThresholdChangesTheOutput) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   if (portable_tiles(128).empty()) GTEST_SKIP() << "no portable kernel for head_dim 128";
   const Inputs in = make_inputs(kCausalSeqs, 4, 2, 128, 61);
-  const Run plain = run_gpu(spec_of(in, MaskKind::kCausal, std::nullopt), in);
-  const Run skipped = run_gpu(spec_of(in, MaskKind::kCausal, threshold_skip(0.9)), in);
+  const Result plain = run_gpu(spec_of(in, MaskKind::kCausal, std::nullopt), in);
+  const Result skipped = run_gpu(spec_of(in, MaskKind::kCausal, threshold_skip(0.9)), in);
   EXPECT_GT(skipped.stats.tiles_skipped, skipped.stats.tiles_total / 4);
   EXPECT_GT(max_abs_diff(plain.out.to_double(), skipped.out.to_double()), 0.05);
 }
@@ -355,7 +355,7 @@ TEST(PrefillSkipGpu, SkipStatsWithoutSkipCountTheVisitedTiles) {
   if (portable_tiles(128).empty() && !has_sm90(128)) GTEST_SKIP() << "no kernel for head_dim 128";
   const Inputs in = make_inputs(kCausalSeqs, 4, 2, 128, 71);
   for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone}) {
-    const Run plain = run_gpu(spec_of(in, mask, std::nullopt), in);
+    const Result plain = run_gpu(spec_of(in, mask, std::nullopt), in);
     ASSERT_GT(plain.stats.block_m, 0);
     ASSERT_GT(plain.stats.block_n, 0);
     int64_t want = 0;
@@ -451,10 +451,10 @@ TEST(SkipRolesGpu, EachRolesSpecReachesItsKernel) {
   std::vector<double> self_rate;
   for (const std::string role : {"self", "self.video"}) {
     const AttentionSpec spec = config.apply(role, spec_of(in, MaskKind::kCausal, std::nullopt));
-    const Run got = run_gpu(spec, in, std::nullopt, timestep);
+    const Result got = run_gpu(spec, in, std::nullopt, timestep);
     AttentionSpec by_hand = spec_of(in, MaskKind::kCausal, std::nullopt);
     if (role == "self") by_hand.skip_softmax = threshold_skip(0.03);
-    const Run want = run_gpu(by_hand, in);
+    const Result want = run_gpu(by_hand, in);
     EXPECT_TRUE(same_bytes(got.out, want.out)) << role;
     EXPECT_EQ(got.stats.tiles_skipped, want.stats.tiles_skipped) << role;
     self_rate.push_back(got.stats.skipped_fraction());
