@@ -92,7 +92,8 @@ HostArray read_npy(const std::string& path) {
     offset = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) throw Error("calibrate: " + path + ": truncated .npy header");
-    for (int i = 0; i < 4; ++i) header_len |= size_t{static_cast<unsigned char>(bytes[8 + i])} << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      header_len |= size_t{static_cast<unsigned char>(bytes[8 + i])} << (8 * i);
     offset = 12;
   } else {
     throw Error("calibrate: " + path + ": npy format version " + std::to_string(major) +
@@ -131,7 +132,8 @@ HostArray read_safetensors(const std::string& path, const std::string& name) {
   const std::string bytes = read_file(path);
   if (bytes.size() < 8) throw Error("calibrate: " + path + ": not a .safetensors file");
   uint64_t header_len = 0;
-  for (int i = 0; i < 8; ++i) header_len |= uint64_t{static_cast<unsigned char>(bytes[i])} << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    header_len |= uint64_t{static_cast<unsigned char>(bytes[i])} << (8 * i);
   if (header_len > bytes.size() - 8) throw Error("calibrate: " + path + ": truncated header");
   nlohmann::json header;
   try {
@@ -239,8 +241,8 @@ std::vector<SweepPoint> sweep_reference(const Sample& sample, const SweepOptions
   reference::DenseTileRule rule;
   rule.block_m = options.block_m;
   rule.block_n = options.block_n;
-  rule.softmax_scale =
-      options.softmax_scale > 0.0 ? options.softmax_scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  rule.softmax_scale = options.softmax_scale > 0.0 ? options.softmax_scale
+                                                   : 1.0 / std::sqrt(static_cast<double>(dim));
   rule.last_tile_first = true;  // the fused kernels' order
   // The walked query tiles, evenly spaced.
   const int64_t q_tiles = (sq + options.block_m - 1) / options.block_m;
@@ -272,7 +274,8 @@ std::vector<SweepPoint> sweep_reference(const Sample& sample, const SweepOptions
         qh.resize(static_cast<size_t>(rows * dim));
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < dim; ++c) {
-            qh[r * dim + c] = sample.q.data[static_cast<size_t>(((b * sq + m0 + r) * hq + h) * dim + c)];
+            qh[r * dim + c] =
+                sample.q.data[static_cast<size_t>(((b * sq + m0 + r) * hq + h) * dim + c)];
           }
         }
         plain.resize(qh.size());
@@ -334,7 +337,8 @@ Fit fit_curve(const std::vector<Observation>& observations) {
   if (xy.size() < 2 || !(sxx > 0.0)) {
     throw Error(
         "calibrate: fewer than two sweep points with distinct sparsities strictly between 0 and 1 "
-        "(" + std::to_string(xy.size()) +
+        "(" +
+        std::to_string(xy.size()) +
         " in range); widen or refine the sweep (--lambda-min, --lambda-max, --points)");
   }
   Fit fit;

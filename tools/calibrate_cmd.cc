@@ -75,7 +75,8 @@ std::vector<SweepPoint> sweep_cuda(const Sample& sample, const CalibrateOptions&
   spec.softmax_scale = o.softmax_scale;
   spec.mask.kind = MaskKind::kNone;
   spec.backend = Backend::kFused;
-  const DeviceBuffer q = upload_bf16(sample.q), k = upload_bf16(sample.k), v = upload_bf16(sample.v);
+  const DeviceBuffer q = upload_bf16(sample.q), k = upload_bf16(sample.k),
+                     v = upload_bf16(sample.v);
   const DeviceBuffer out(sample.q.data.size() * sizeof(uint16_t));
   const size_t count = sample.q.data.size();
   auto run = [&](std::optional<double> lambda, DenseStats* stats) {
@@ -134,18 +135,17 @@ bool use_cuda(const std::string& backend) {
   if (backend == "reference") return false;
   const bool available = built_with_cuda() && !cuda_devices().empty();
   if (backend == "cuda" && !available) {
-    throw Error("calibrate: --backend cuda: " + std::string(built_with_cuda()
-                                                                ? "no CUDA device is visible"
-                                                                : "this build has no CUDA backend"));
+    throw Error("calibrate: --backend cuda: " +
+                std::string(built_with_cuda() ? "no CUDA device is visible"
+                                              : "this build has no CUDA backend"));
   }
   return available;
 }
 
 void run_calibrate(CalibrateOptions o) {
   if (!o.timesteps.empty() && o.timesteps.size() != o.samples.size()) {
-    throw Error("calibrate: --timesteps: " + std::to_string(o.timesteps.size()) +
-                " values for " + std::to_string(o.samples.size()) +
-                " samples (accepted: one a sample, or none)");
+    throw Error("calibrate: --timesteps: " + std::to_string(o.timesteps.size()) + " values for " +
+                std::to_string(o.samples.size()) + " samples (accepted: one a sample, or none)");
   }
   if (o.lambdas.empty()) o.lambdas = calibrate::log_spaced(o.lambda_min, o.lambda_max, o.points);
   for (double l : o.lambdas) {
@@ -177,8 +177,8 @@ void run_calibrate(CalibrateOptions o) {
     r.q_shape = sample.q.shape;
     r.k_shape = sample.k.shape;
 #if defined(ATTNKIT_WITH_CUDA)
-    r.points = cuda ? sweep_cuda(sample, o, block_m, block_n)
-                    : calibrate::sweep_reference(sample, sweep);
+    r.points =
+        cuda ? sweep_cuda(sample, o, block_m, block_n) : calibrate::sweep_reference(sample, sweep);
 #else
     r.points = calibrate::sweep_reference(sample, sweep);
 #endif
@@ -243,8 +243,7 @@ void register_calibrate_command(CLI::App& app) {
                   "Query tiles per (batch, head) the CPU reference walks, evenly spaced (0: all)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--softmax-scale", o->softmax_scale, "Softmax scale (0: 1 / sqrt(head_dim))");
-  cmd->add_option("--backend", o->backend,
-                  "auto (the GPU where present), reference (CPU) or cuda")
+  cmd->add_option("--backend", o->backend, "auto (the GPU where present), reference (CPU) or cuda")
       ->check(CLI::IsMember({"auto", "reference", "cuda"}));
   cmd->add_option("--target-sparsity", o->target_sparsity,
                   "Also write a skip_softmax object for this target sparsity");

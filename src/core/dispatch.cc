@@ -69,13 +69,11 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream) 
       p.device.is_cuda() ? cuda::fused_prefill_unsupported(spec, p) : std::string();
   const Route route = choose_route(spec.backend, p.device, "prefill", reason);
   // auto does not take a skip-softmax call to the vanilla kernels, which do not skip.
-  ATTNKIT_CHECK(route != Route::kCudaVanilla || !spec.skip_softmax ||
-                    spec.backend == Backend::kVanilla,
-                "prefill: skip_softmax runs on the fused kernels, which cannot serve this call: ",
-                reason);
+  ATTNKIT_CHECK(
+      route != Route::kCudaVanilla || !spec.skip_softmax || spec.backend == Backend::kVanilla,
+      "prefill: skip_softmax runs on the fused kernels, which cannot serve this call: ", reason);
   run_route(
-      route, "prefill", args.checked, stream,
-      [&] { reference::prefill(spec, args, p); },
+      route, "prefill", args.checked, stream, [&] { reference::prefill(spec, args, p); },
       [&] { cuda::vanilla_prefill(spec, args, p, stream); },
       [&] { cuda::fused_prefill(spec, args, p, stream); });
 }

@@ -56,9 +56,9 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
     tiles.log_lambda = tiles.skip ? std::log(lambda) : 0.0;
     if (!tiles.skip) {
       for (int64_t m0 = 0; m0 < num_q; m0 += args.block_m) {
-        stats.tiles_total += spec.num_q_heads *
-                             visited_key_tiles(tiles, m0, std::min<int64_t>(args.block_m, num_q - m0),
-                                               kv_len);
+        stats.tiles_total +=
+            spec.num_q_heads *
+            visited_key_tiles(tiles, m0, std::min<int64_t>(args.block_m, num_q - m0), kv_len);
       }
     }
     // Load the keys some query attends once (never the others: their blocks may be gone).
@@ -85,7 +85,8 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
       for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         if (tiles.skip) {
           // Mask none or causal (validated): the keys are positions 0 .. kv_len - 1.
-          for (int64_t t = 0; t < num_q; ++t) load_head(args.q, q_begin + t, h, &q_rows[t * head_dim]);
+          for (int64_t t = 0; t < num_q; ++t)
+            load_head(args.q, q_begin + t, h, &q_rows[t * head_dim]);
           tiles.alibi_slope = rule.alibi_slopes.empty() ? 0.0 : rule.alibi_slopes[h];
           const DenseTileCounts counts = dense_attend_head(
               q_rows.data(), q_ones.data(), k.data(), k_ones.data(), v.data(), ones.data(), num_q,

@@ -24,58 +24,15 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-struct Seq {
-  int32_t q_len, kv_len;
-};
+using Seq = PackedSeq;
+using PackedInputs = PackedDiffusionLike;
 
-// Packed causal inputs: sequence i has kv_len keys of diffusion-like structure (a shared low-rank
-// positional part makes attention local, so that tiles far from the diagonal skip) and its queries
-// are the last q_len of those positions.
-struct PackedInputs {
-  std::vector<Seq> seqs;
-  int32_t hq, hkv, dim;
-  HostTensor q, k, v, cu_q, cu_kv;
-};
-
+// Packed causal f32 inputs: a shared low-rank positional part makes attention local, so that tiles
+// far from the diagonal skip.
 PackedInputs make_inputs(const std::vector<Seq>& seqs, int32_t hq, int32_t hkv, int32_t dim,
                          uint64_t salt) {
-  int64_t total_q = 0, total_kv = 0;
-  for (const Seq& s : seqs) {
-    total_q += s.q_len;
-    total_kv += s.kv_len;
-  }
-  PackedInputs in{seqs,
-                  hq,
-                  hkv,
-                  dim,
-                  HostTensor(DType::kF32, {total_q, hq, dim}),
-                  HostTensor(DType::kF32, {total_kv, hkv, dim}),
-                  HostTensor(DType::kF32, {total_kv, hkv, dim}),
-                  HostTensor(DType::kInt32, {static_cast<int64_t>(seqs.size()) + 1}),
-                  HostTensor(DType::kInt32, {static_cast<int64_t>(seqs.size()) + 1})};
   std::mt19937_64 rng(test_seed() + salt);
-  int64_t q0 = 0, k0 = 0;
-  in.cu_q.data<int32_t>()[0] = 0;
-  in.cu_kv.data<int32_t>()[0] = 0;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const Seq& s = seqs[i];
-    HostTensor q(DType::kF32, {1, s.kv_len, hq, dim}), k(DType::kF32, {1, s.kv_len, hkv, dim}),
-        v(DType::kF32, {1, s.kv_len, hkv, dim});
-    fill_diffusion_like(q, k, v, rng);
-    const int64_t skip_rows = int64_t{s.kv_len - s.q_len} * hq * dim;
-    for (int64_t e = 0; e < int64_t{s.q_len} * hq * dim; ++e) {
-      in.q.set(q0 * hq * dim + e, q.get(skip_rows + e));
-    }
-    for (int64_t e = 0; e < int64_t{s.kv_len} * hkv * dim; ++e) {
-      in.k.set(k0 * hkv * dim + e, k.get(e));
-      in.v.set(k0 * hkv * dim + e, v.get(e));
-    }
-    q0 += s.q_len;
-    k0 += s.kv_len;
-    in.cu_q.data<int32_t>()[i + 1] = static_cast<int32_t>(q0);
-    in.cu_kv.data<int32_t>()[i + 1] = static_cast<int32_t>(k0);
-  }
-  return in;
+  return make_packed_diffusion_like(seqs, hq, hkv, dim, DType::kF32, rng);
 }
 
 AttentionSpec causal_spec(const PackedInputs& in, std::optional<double> threshold,
@@ -100,10 +57,11 @@ struct Result {
 };
 
 Result run_prefill(const AttentionSpec& spec, const PackedInputs& in, int32_t block_m,
-                int32_t block_n, double timestep = 0.0) {
+                   int32_t block_n, double timestep = 0.0) {
   const int64_t total_q = in.q.view().shape[0];
-  Result r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}), HostTensor(DType::kF32, {total_q, in.hq}),
-        {}};
+  Result r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}),
+           HostTensor(DType::kF32, {total_q, in.hq}),
+           {}};
   r.out.fill(NAN);
   r.lse.fill(NAN);
   HostTensor stats(DType::kInt64, {4});
@@ -318,15 +276,16 @@ TEST(PrefillSkip, TargetSparsityTakesEachSequencesKvLen) {
   int64_t q0 = 0;
   for (size_t i = 0; i < kSeqs.size(); ++i) {
     // Sequence i alone, with its own lambda as a threshold.
-    PackedInputs single{{kSeqs[i]},
-                        2,
-                        1,
-                        64,
-                        HostTensor(DType::kF32, {kSeqs[i].q_len, 2, 64}),
-                        HostTensor(DType::kF32, {kSeqs[i].kv_len, 1, 64}),
-                        HostTensor(DType::kF32, {kSeqs[i].kv_len, 1, 64}),
-                        HostTensor(DType::kInt32, {2}),
-                        HostTensor(DType::kInt32, {2})};
+    PackedInputs single;
+    single.seqs = {kSeqs[i]};
+    single.hq = 2;
+    single.hkv = 1;
+    single.dim = 64;
+    single.q = HostTensor(DType::kF32, {kSeqs[i].q_len, 2, 64});
+    single.k = HostTensor(DType::kF32, {kSeqs[i].kv_len, 1, 64});
+    single.v = HostTensor(DType::kF32, {kSeqs[i].kv_len, 1, 64});
+    single.cu_q = HostTensor(DType::kInt32, {2});
+    single.cu_kv = HostTensor(DType::kInt32, {2});
     const int64_t k0 = in.cu_kv.data<int32_t>()[i];
     for (int64_t e = 0; e < single.q.numel(); ++e) single.q.set(e, in.q.get(q0 * 2 * 64 + e));
     for (int64_t e = 0; e < single.k.numel(); ++e) {

@@ -177,105 +177,105 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
 TEST(DenseSkipGpu, DecisionsAndOutputsMatchTheReference) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   for (FusedKernel kernel : {FusedKernel::kHopper, FusedKernel::kPortable}) {
-  for (int dim : {128, 64, 256}) {
-    if (!has_kernel(dim, kernel)) {
-      std::printf("[ SKIPPED  ] no %s kernel for head_dim %d on this GPU / build\n",
-                  fused_kernel_name(kernel), dim);
-      continue;
-    }
-    for (double threshold : {1e-3, 3e-2}) {
-      DenseCase c;
-      c.batch = at_test_scale(2, 1);
-      c.dim = dim;
-      c.threshold = threshold;
-      c.kernel = kernel;
-      SCOPED_TRACE(testing::Message() << fused_kernel_name(kernel) << " dim=" << dim
-                                      << " threshold=" << threshold);
-      const DenseData data(c, 11 + dim);
-      const DenseRun got = run(c, data, /*skip=*/true);
-      if (kernel == FusedKernel::kHopper) {
-        EXPECT_EQ(got.stats.block_m, 64);
-        EXPECT_EQ(got.stats.block_n,
-                  cuda::prefill::prefill_block_n(PrefillTile::kSm90, dim, true));
-      } else {
-        // The portable kernel's skip tile is its CTA tile: 64 or 128 rows x 64 or 128 keys.
-        EXPECT_TRUE(got.stats.block_m == 64 || got.stats.block_m == 128) << got.stats.block_m;
-        EXPECT_TRUE(got.stats.block_n == 64 || got.stats.block_n == 128) << got.stats.block_n;
+    for (int dim : {128, 64, 256}) {
+      if (!has_kernel(dim, kernel)) {
+        std::printf("[ SKIPPED  ] no %s kernel for head_dim %d on this GPU / build\n",
+                    fused_kernel_name(kernel), dim);
+        continue;
       }
-      std::vector<double> ref, ref_lse;
-      const reference::DenseTileCounts want = reference_run(c, data, got.stats, ref, ref_lse);
-      EXPECT_EQ(got.stats.tiles_total, want.total);
-      // Decisions agree except on tiles whose margin lies within float32 rounding of ln(lambda).
-      const int64_t slack = std::max<int64_t>(2, want.total / 500);
-      EXPECT_NEAR(static_cast<double>(got.stats.tiles_skipped), static_cast<double>(want.skipped),
-                  static_cast<double>(slack));
-      // The structured data must make the kernel skip, and not everything.
-      EXPECT_GT(got.stats.tiles_skipped, want.total / 10) << "nothing skipped: the test is void";
-      EXPECT_LT(got.stats.tiles_skipped, want.total * 9 / 10);
-      EXPECT_EQ(got.device_stats[0], got.stats.tiles_total);
-      EXPECT_EQ(got.device_stats[1], got.stats.tiles_skipped);
-      const std::vector<double> out = got.out.to_double();
-      ASSERT_FALSE(any_nan(out));
-      double naive = 0.0, err = 0.0;
-      for (size_t i = 0; i < out.size(); ++i) {
-        naive = std::max(naive, std::fabs(round_bf16(ref[i]) - ref[i]));
-        err = std::max(err, std::fabs(out[i] - ref[i]));
+      for (double threshold : {1e-3, 3e-2}) {
+        DenseCase c;
+        c.batch = at_test_scale(2, 1);
+        c.dim = dim;
+        c.threshold = threshold;
+        c.kernel = kernel;
+        SCOPED_TRACE(testing::Message()
+                     << fused_kernel_name(kernel) << " dim=" << dim << " threshold=" << threshold);
+        const DenseData data(c, 11 + dim);
+        const DenseRun got = run(c, data, /*skip=*/true);
+        if (kernel == FusedKernel::kHopper) {
+          EXPECT_EQ(got.stats.block_m, 64);
+          EXPECT_EQ(got.stats.block_n,
+                    cuda::prefill::prefill_block_n(PrefillTile::kSm90, dim, true));
+        } else {
+          // The portable kernel's skip tile is its CTA tile: 64 or 128 rows x 64 or 128 keys.
+          EXPECT_TRUE(got.stats.block_m == 64 || got.stats.block_m == 128) << got.stats.block_m;
+          EXPECT_TRUE(got.stats.block_n == 64 || got.stats.block_n == 128) << got.stats.block_n;
+        }
+        std::vector<double> ref, ref_lse;
+        const reference::DenseTileCounts want = reference_run(c, data, got.stats, ref, ref_lse);
+        EXPECT_EQ(got.stats.tiles_total, want.total);
+        // Decisions agree except on tiles whose margin lies within float32 rounding of ln(lambda).
+        const int64_t slack = std::max<int64_t>(2, want.total / 500);
+        EXPECT_NEAR(static_cast<double>(got.stats.tiles_skipped), static_cast<double>(want.skipped),
+                    static_cast<double>(slack));
+        // The structured data must make the kernel skip, and not everything.
+        EXPECT_GT(got.stats.tiles_skipped, want.total / 10) << "nothing skipped: the test is void";
+        EXPECT_LT(got.stats.tiles_skipped, want.total * 9 / 10);
+        EXPECT_EQ(got.device_stats[0], got.stats.tiles_total);
+        EXPECT_EQ(got.device_stats[1], got.stats.tiles_skipped);
+        const std::vector<double> out = got.out.to_double();
+        ASSERT_FALSE(any_nan(out));
+        double naive = 0.0, err = 0.0;
+        for (size_t i = 0; i < out.size(); ++i) {
+          naive = std::max(naive, std::fabs(round_bf16(ref[i]) - ref[i]));
+          err = std::max(err, std::fabs(out[i] - ref[i]));
+        }
+        EXPECT_LE(err, 2 * naive + 1e-3) << "naive bf16 error " << naive;
+        const std::vector<double> lse = got.lse.to_double();
+        for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], ref_lse[i], 2e-3) << i;
       }
-      EXPECT_LE(err, 2 * naive + 1e-3) << "naive bf16 error " << naive;
-      const std::vector<double> lse = got.lse.to_double();
-      for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], ref_lse[i], 2e-3) << i;
     }
-  }
   }
 }
 
 TEST(DenseSkipGpu, ThresholdZeroAndAClosedGateAreThePlainCallBitForBit) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   for (FusedKernel kernel : {FusedKernel::kHopper, FusedKernel::kPortable}) {
-  if (!has_kernel(128, kernel)) {
-    std::printf("[ SKIPPED  ] no %s kernel for head_dim 128\n", fused_kernel_name(kernel));
-    continue;
-  }
-  SCOPED_TRACE(fused_kernel_name(kernel));
-  DenseCase c;
-  c.kernel = kernel;
-  const DenseData data(c, 21);
-  const DenseRun plain = run(c, data, /*skip=*/false);
-  c.threshold = 0.0;
-  const DenseRun zero = run(c, data, /*skip=*/true);
-  EXPECT_TRUE(bitwise_equal(zero.out, plain.out));
-  EXPECT_TRUE(bitwise_equal(zero.lse, plain.lse));
-  EXPECT_EQ(zero.stats.tiles_skipped, 0);
-  EXPECT_EQ(zero.device_stats[1], 0);
-  EXPECT_EQ(zero.device_stats[0], zero.stats.tiles_total);
-  // Gate: active for timestep <= 0.5 only.
-  c.threshold = 3e-2;
-  c.disabled_until = 0.5;
-  c.timestep = 0.8;
-  const DenseRun closed = run(c, data, /*skip=*/true);
-  EXPECT_TRUE(bitwise_equal(closed.out, plain.out));
-  EXPECT_EQ(closed.stats.tiles_skipped, 0);
-  c.timestep = 0.5;
-  const DenseRun open = run(c, data, /*skip=*/true);
-  EXPECT_GT(open.stats.tiles_skipped, 0);
-  EXPECT_FALSE(bitwise_equal(open.out, plain.out));
+    if (!has_kernel(128, kernel)) {
+      std::printf("[ SKIPPED  ] no %s kernel for head_dim 128\n", fused_kernel_name(kernel));
+      continue;
+    }
+    SCOPED_TRACE(fused_kernel_name(kernel));
+    DenseCase c;
+    c.kernel = kernel;
+    const DenseData data(c, 21);
+    const DenseRun plain = run(c, data, /*skip=*/false);
+    c.threshold = 0.0;
+    const DenseRun zero = run(c, data, /*skip=*/true);
+    EXPECT_TRUE(bitwise_equal(zero.out, plain.out));
+    EXPECT_TRUE(bitwise_equal(zero.lse, plain.lse));
+    EXPECT_EQ(zero.stats.tiles_skipped, 0);
+    EXPECT_EQ(zero.device_stats[1], 0);
+    EXPECT_EQ(zero.device_stats[0], zero.stats.tiles_total);
+    // Gate: active for timestep <= 0.5 only.
+    c.threshold = 3e-2;
+    c.disabled_until = 0.5;
+    c.timestep = 0.8;
+    const DenseRun closed = run(c, data, /*skip=*/true);
+    EXPECT_TRUE(bitwise_equal(closed.out, plain.out));
+    EXPECT_EQ(closed.stats.tiles_skipped, 0);
+    c.timestep = 0.5;
+    const DenseRun open = run(c, data, /*skip=*/true);
+    EXPECT_GT(open.stats.tiles_skipped, 0);
+    EXPECT_FALSE(bitwise_equal(open.out, plain.out));
   }
 }
 
 TEST(DenseSkipGpu, ALargeThresholdChangesTheOutput) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   for (FusedKernel kernel : {FusedKernel::kHopper, FusedKernel::kPortable}) {
-  if (!has_kernel(128, kernel)) continue;
-  SCOPED_TRACE(fused_kernel_name(kernel));
-  DenseCase c;
-  c.kernel = kernel;
-  const DenseData data(c, 31);
-  const DenseRun plain = run(c, data, /*skip=*/false);
-  c.threshold = 0.9;  // skips tiles within ln(0.9) of the running maximum
-  const DenseRun skipped = run(c, data, /*skip=*/true);
-  EXPECT_GT(skipped.stats.tiles_skipped, skipped.stats.tiles_total / 4);
-  const std::vector<double> a = plain.out.to_double(), b = skipped.out.to_double();
-  EXPECT_GT(max_abs_diff(a, b), 0.05);
+    if (!has_kernel(128, kernel)) continue;
+    SCOPED_TRACE(fused_kernel_name(kernel));
+    DenseCase c;
+    c.kernel = kernel;
+    const DenseData data(c, 31);
+    const DenseRun plain = run(c, data, /*skip=*/false);
+    c.threshold = 0.9;  // skips tiles within ln(0.9) of the running maximum
+    const DenseRun skipped = run(c, data, /*skip=*/true);
+    EXPECT_GT(skipped.stats.tiles_skipped, skipped.stats.tiles_total / 4);
+    const std::vector<double> a = plain.out.to_double(), b = skipped.out.to_double();
+    EXPECT_GT(max_abs_diff(a, b), 0.05);
   }
 }
 

@@ -34,65 +34,23 @@ namespace {
 
 using cuda::prefill::PrefillTile;
 
-struct Seq {
-  int32_t q_len, kv_len;
-};
+using Seq = PackedSeq;
 
-// Packed bf16 inputs of diffusion-like structure (sequence i: kv_len positions, its queries the
-// last q_len), and exact f32 copies for the reference.
-struct Inputs {
-  std::vector<Seq> seqs;
-  int32_t hq, hkv, dim;
-  int32_t max_q = 0, max_kv = 0;
-  HostTensor q, k, v, cu_q, cu_kv;  // bf16 / int32
-  HostTensor q32, k32, v32;         // the same values in f32
+// Packed bf16 inputs of diffusion-like structure, and exact f32 copies for the reference.
+struct Inputs : PackedDiffusionLike {
+  HostTensor q32, k32, v32;
 };
 
 Inputs make_inputs(const std::vector<Seq>& seqs, int32_t hq, int32_t hkv, int32_t dim,
                    uint64_t salt) {
-  int64_t total_q = 0, total_kv = 0;
-  for (const Seq& s : seqs) {
-    total_q += s.q_len;
-    total_kv += s.kv_len;
-  }
-  const int64_t n = static_cast<int64_t>(seqs.size());
-  Inputs in{seqs,
-            hq,
-            hkv,
-            dim,
-            0,
-            0,
-            HostTensor(DType::kBF16, {total_q, hq, dim}),
-            HostTensor(DType::kBF16, {total_kv, hkv, dim}),
-            HostTensor(DType::kBF16, {total_kv, hkv, dim}),
-            HostTensor(DType::kInt32, {n + 1}),
-            HostTensor(DType::kInt32, {n + 1}),
-            HostTensor(DType::kF32, {total_q, hq, dim}),
-            HostTensor(DType::kF32, {total_kv, hkv, dim}),
-            HostTensor(DType::kF32, {total_kv, hkv, dim})};
   std::mt19937_64 rng(test_seed() + salt);
-  int64_t q0 = 0, k0 = 0;
-  in.cu_q.data<int32_t>()[0] = in.cu_kv.data<int32_t>()[0] = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const Seq& s = seqs[i];
-    HostTensor q(DType::kBF16, {1, s.kv_len, hq, dim}), k(DType::kBF16, {1, s.kv_len, hkv, dim}),
-        v(DType::kBF16, {1, s.kv_len, hkv, dim});
-    fill_diffusion_like(q, k, v, rng);
-    const int64_t first = int64_t{s.kv_len - s.q_len} * hq * dim;
-    for (int64_t e = 0; e < int64_t{s.q_len} * hq * dim; ++e) {
-      in.q.set(q0 * hq * dim + e, q.get(first + e));
-    }
-    for (int64_t e = 0; e < int64_t{s.kv_len} * hkv * dim; ++e) {
-      in.k.set(k0 * hkv * dim + e, k.get(e));
-      in.v.set(k0 * hkv * dim + e, v.get(e));
-    }
-    q0 += s.q_len;
-    k0 += s.kv_len;
-    in.cu_q.data<int32_t>()[i + 1] = static_cast<int32_t>(q0);
-    in.cu_kv.data<int32_t>()[i + 1] = static_cast<int32_t>(k0);
-    in.max_q = std::max(in.max_q, s.q_len);
-    in.max_kv = std::max(in.max_kv, s.kv_len);
-  }
+  Inputs in{make_packed_diffusion_like(seqs, hq, hkv, dim, DType::kBF16, rng)};
+  in.q32 = HostTensor(
+      DType::kF32, std::vector<int64_t>(in.q.view().shape.begin(), in.q.view().shape.begin() + 3));
+  in.k32 = HostTensor(
+      DType::kF32, std::vector<int64_t>(in.k.view().shape.begin(), in.k.view().shape.begin() + 3));
+  in.v32 = HostTensor(
+      DType::kF32, std::vector<int64_t>(in.k.view().shape.begin(), in.k.view().shape.begin() + 3));
   for (int64_t e = 0; e < in.q.numel(); ++e) in.q32.set(e, in.q.get(e));
   for (int64_t e = 0; e < in.k.numel(); ++e) {
     in.k32.set(e, in.k.get(e));
@@ -128,10 +86,11 @@ struct Result {
 
 // The fused call on the GPU; `tile` forces a kernel (run_prefill), else the public prefill().
 Result run_gpu(const AttentionSpec& spec, const Inputs& in, std::optional<PrefillTile> tile = {},
-            double timestep = 0.0) {
+               double timestep = 0.0) {
   const int64_t total_q = in.q.view().shape[0];
   Result r{HostTensor(DType::kBF16, {total_q, in.hq, in.dim}),
-        HostTensor(DType::kF32, {total_q, in.hq}), {}};
+           HostTensor(DType::kF32, {total_q, in.hq}),
+           {}};
   r.out.fill(NAN);
   r.lse.fill(NAN);
   HostTensor stats(DType::kInt64, {4});
@@ -166,11 +125,12 @@ Result run_gpu(const AttentionSpec& spec, const Inputs& in, std::optional<Prefil
 
 // The CPU reference prefill() on the f32 copies with the kernel's tiles.
 Result run_reference(AttentionSpec spec, const Inputs& in, const SkipStats& tiles,
-                  double timestep = 0.0) {
+                     double timestep = 0.0) {
   spec.backend = Backend::kAuto;
   const int64_t total_q = in.q.view().shape[0];
   Result r{HostTensor(DType::kF32, {total_q, in.hq, in.dim}),
-        HostTensor(DType::kF32, {total_q, in.hq}), {}};
+           HostTensor(DType::kF32, {total_q, in.hq}),
+           {}};
   HostTensor stats(DType::kInt64, {4});
   PrefillArgs args;
   args.q = in.q32;
@@ -248,9 +208,9 @@ TEST(PrefillSkipGpu, PortableCausalMatchesTheTileFaithfulReference) {
     const Inputs in = make_inputs(kCausalSeqs, 4, 2, dim, 11 + dim);
     for (size_t t = 0; t < (small_test_scale() ? 1 : tiles.size()); ++t) {
       for (double threshold : {1e-3, 3e-2}) {
-        SCOPED_TRACE(testing::Message() << "dim=" << dim << " tile="
-                                        << cuda::prefill::prefill_tile_name(tiles[t])
-                                        << " threshold=" << threshold);
+        SCOPED_TRACE(testing::Message()
+                     << "dim=" << dim << " tile=" << cuda::prefill::prefill_tile_name(tiles[t])
+                     << " threshold=" << threshold);
         const AttentionSpec spec =
             spec_of(in, MaskKind::kCausal, threshold_skip(threshold), FusedKernel::kPortable);
         const Result got = run_gpu(spec, in, tiles[t]);
@@ -361,8 +321,10 @@ TEST(PrefillSkipGpu, SkipStatsWithoutSkipCountTheVisitedTiles) {
     int64_t want = 0;
     for (const Seq& s : in.seqs) {
       for (int64_t m0 = 0; m0 < s.q_len; m0 += plain.stats.block_m) {
-        const int64_t last = s.kv_len - s.q_len + std::min<int64_t>(s.q_len, m0 + plain.stats.block_m);
-        const int64_t keys = mask == MaskKind::kCausal ? std::min<int64_t>(s.kv_len, last) : s.kv_len;
+        const int64_t last =
+            s.kv_len - s.q_len + std::min<int64_t>(s.q_len, m0 + plain.stats.block_m);
+        const int64_t keys =
+            mask == MaskKind::kCausal ? std::min<int64_t>(s.kv_len, last) : s.kv_len;
         want += (keys + plain.stats.block_n - 1) / plain.stats.block_n;
       }
     }
@@ -386,7 +348,8 @@ TEST(PrefillSkipGpu, UnservableAndInvalidCallsRaiseAndWriteNothing) {
   args.out = d_out;
   args.max_seqlen_q = 256;
   args.max_seqlen_kv = 256;
-  auto expect_raise = [&](const AttentionSpec& spec, const PrefillArgs& a, const std::string& what) {
+  auto expect_raise = [&](const AttentionSpec& spec, const PrefillArgs& a,
+                          const std::string& what) {
     try {
       prefill(spec, a);
       ADD_FAILURE() << "accepted: " << what;

@@ -48,17 +48,17 @@ using Launcher = void (*)(const PrefillParams&, cudaStream_t);
 constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 
 template <int D, PrefillTile kTile, DType kDT>
-Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead,
-                      bool split, bool skip_softmax) {
+Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead, bool split,
+                      bool skip_softmax) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
     // skip_softmax: the kSkipSoftmax kernels (packed 16-bit K/V; prefill_unsupported).
     if (skip_softmax) {
       if (paged || quant_kv) return nullptr;
       constexpr bool kSw = swizzle_default(D);
-      return masked
-                 ? &launch_prefill<D, kTile, kDT, true, false, false, kSw, false, false, false, true>
-                 : &launch_prefill<D, kTile, kDT, false, false, false, kSw, false, false, false,
-                                   true>;
+      return masked ? &launch_prefill<D, kTile, kDT, true, false, false, kSw, false, false, false,
+                                      true>
+                    : &launch_prefill<D, kTile, kDT, false, false, false, kSw, false, false, false,
+                                      true>;
     }
     // split: the packed unmasked head_dim 256 kM64 kernel with split warps (uses_split_warps).
     if constexpr (D == 256 && kTile == PrefillTile::kM64) {
@@ -104,13 +104,17 @@ Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, 
                       bool skip_dead, bool split, bool skip_softmax) {
   switch (tile) {
     case PrefillTile::kM128:
-      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs, skip_dead,
+                                                      split, skip_softmax);
     case PrefillTile::kM64:
-      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs, skip_dead,
+                                                     split, skip_softmax);
     case PrefillTile::kM128W4:
-      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs, skip_dead,
+                                                        split, skip_softmax);
     case PrefillTile::kM128W4N128:
-      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs,
+                                                            skip_dead, split, skip_softmax);
     case PrefillTile::kSm90:
       return nullptr;  // run_sm90
   }
@@ -122,15 +126,20 @@ Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv
                       bool runs, bool skip_dead, bool split, bool skip_softmax) {
   switch (head_dim) {
     case 64:
-      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                   skip_softmax);
     case 80:
-      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                   skip_softmax);
     case 96:
-      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                   skip_softmax);
     case 128:
-      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                    skip_softmax);
     case 256:
-      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split, skip_softmax);
+      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                    skip_softmax);
     default:
       return nullptr;
   }
@@ -475,9 +484,8 @@ SkipPolicy skip_policy(const AttentionSpec& spec, double timestep,
   if (!dense_kv_len && s.target_sparsity) {
     policy.active = true;
     policy.per_kv_len = true;
-    policy.log2_lambda =
-        static_cast<float>(std::log2(*s.calibration_a) + *s.calibration_b * *s.target_sparsity *
-                                                              1.4426950408889634);
+    policy.log2_lambda = static_cast<float>(
+        std::log2(*s.calibration_a) + *s.calibration_b * *s.target_sparsity * 1.4426950408889634);
     return policy;
   }
   const double lambda = s.lambda(dense_kv_len.value_or(0));
@@ -585,8 +593,8 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
     if (spec.quant) return "skip_softmax with quant (SAGE): the fused kernels do not quantize";
     if (spec.fused_kernel == FusedKernel::kHopper) {
       const std::string why =
-          sm90_skip_reason(sm90_call({p.device.index, spec.head_dim, p.dtype, p.dtype, false},
-                                     spec, /*masked=*/false, 0),
+          sm90_skip_reason(sm90_call({p.device.index, spec.head_dim, p.dtype, p.dtype, false}, spec,
+                                     /*masked=*/false, 0),
                            spec, /*prefill_call=*/false);
       if (!why.empty()) return "skip_softmax with fused_kernel 'hopper': " + why;
     }
@@ -606,8 +614,9 @@ std::string choice_name(const AttentionSpec& spec, const CallShape& shape, bool 
   try {
     const Sm90Call call = sm90_call(shape, spec, masked, 0);
     const bool skip = spec.skip_softmax.has_value();
-    const bool packs = prefill_call && !skip &&
-                       sm90_packs(spec.group_size(), spec.alibi, sm90_block_m(spec.head_dim), seqlen);
+    const bool packs =
+        prefill_call && !skip &&
+        sm90_packs(spec.group_size(), spec.alibi, sm90_block_m(spec.head_dim), seqlen);
     const std::string sm90_reason =
         skip ? sm90_skip_reason(call, spec, prefill_call) : sm90_unsupported(call);
     return prefill_tile_name(pick_tile(shape, std::nullopt, 1, seqlen, spec.num_q_heads, masked,
@@ -730,8 +739,9 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
       skip.active ? sm90_skip_reason(call, spec, /*prefill_call=*/true) : sm90_unsupported(call);
   call.skip = skip.active;
   call.skip_log2_lambda = skip.log2_lambda;
-  ATTNKIT_CHECK(!skip.active || !forced_q_pack || !*forced_q_pack,
-                "prefill: GQA packing does not combine with skip-softmax (a skip tile is one head's)");
+  ATTNKIT_CHECK(
+      !skip.active || !forced_q_pack || !*forced_q_pack,
+      "prefill: GQA packing does not combine with skip-softmax (a skip tile is one head's)");
   const PrefillTile tile = pick_tile(
       shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked, p.max_seqlen_kv,
       !skip.active &&
@@ -757,10 +767,9 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   // kernel's CTA tile. A skipping kernel adds its counts to the zeros written here; otherwise the
   // visited tiles are counted from the device lengths.
   if (stats != nullptr) {
-    write_skip_stats(prm, masked, /*count_tiles=*/!skip.active,
-                     tile == PrefillTile::kSm90 ? 64 : bm,
-                     prefill_block_n(tile, spec.head_dim, masked || skip.active), stats,
-                     as_cuda_stream(stream));
+    write_skip_stats(
+        prm, masked, /*count_tiles=*/!skip.active, tile == PrefillTile::kSm90 ? 64 : bm,
+        prefill_block_n(tile, spec.head_dim, masked || skip.active), stats, as_cuda_stream(stream));
   }
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));
@@ -858,9 +867,9 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
       skip ? sm90_skip_reason(call, spec, /*prefill_call=*/false) : sm90_unsupported(call);
   call.skip = skip;
   call.skip_log2_lambda = skip_plan.log2_lambda;
-  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
-                                     /*masked=*/false, p.seqlen_kv, /*packs=*/false, sm90_reason,
-                                     spec.fused_kernel);
+  const PrefillTile tile =
+      pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
+                /*masked=*/false, p.seqlen_kv, /*packs=*/false, sm90_reason, spec.fused_kernel);
   const int bm = prefill_block_m(tile, spec.head_dim);
   // The tiles the statistics count: the skip tile of the sm90 kernel is one consumer warpgroup's
   // 64 rows; the portable kernel's is its CTA tile.

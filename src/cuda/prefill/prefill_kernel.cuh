@@ -726,7 +726,7 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
                                                                 cudaStream_t);
 
 // The skip-softmax kernels of a tile (kSkipSoftmax): packed / dense 16-bit K/V, both masks.
-#define ATTNKIT_PREFILL_INSTANTIATE_SKIP_SOFTMAX(D, TILE, DT)                                     \
+#define ATTNKIT_PREFILL_INSTANTIATE_SKIP_SOFTMAX(D, TILE, DT)                                      \
   template void launch_prefill<D, TILE, DT, false, false, false, swizzle_default(D), false, false, \
                                false, true>(const PrefillParams&, cudaStream_t);                   \
   template void launch_prefill<D, TILE, DT, true, false, false, swizzle_default(D), false, false,  \

@@ -71,9 +71,8 @@ void vanilla_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   launch_vanilla_attention(params, as_cuda_stream(stream));
   // The vanilla kernel has no tiles: SkipStats of zeros.
   if (args.skip_stats.defined()) {
-    check_cuda(
-        cudaMemsetAsync(args.skip_stats.data, 0, sizeof(SkipStats), as_cuda_stream(stream)),
-        "prefill: zeroing skip_stats");
+    check_cuda(cudaMemsetAsync(args.skip_stats.data, 0, sizeof(SkipStats), as_cuda_stream(stream)),
+               "prefill: zeroing skip_stats");
   }
 }
 
