@@ -19,6 +19,7 @@
 #include <random>
 #include <vector>
 
+#include "attnkit/attention.h"
 #include "common/test_util.h"
 
 namespace attnkit::test {
@@ -96,6 +97,18 @@ struct PackedDiffusionLike {
   int32_t max_q = 0, max_kv = 0;
   HostTensor q, k, v;      // [total_q, Hq, D], [total_kv, Hkv, D]
   HostTensor cu_q, cu_kv;  // int32 [B + 1]
+
+  // The packed-mode PrefillArgs of these tensors, writing `out`.
+  PrefillArgs args(const TensorView& out) const {
+    PrefillArgs a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.cu_seqlens_q = cu_q;
+    a.cu_seqlens_kv = cu_kv;
+    a.out = out;
+    return a;
+  }
 };
 
 inline PackedDiffusionLike make_packed_diffusion_like(const std::vector<PackedSeq>& seqs,

@@ -66,13 +66,7 @@ Result run_prefill(const AttentionSpec& spec, const PackedInputs& in, int32_t bl
   r.lse.fill(NAN);
   HostTensor stats(DType::kInt64, {4});
   stats.fill(-1.f);
-  PrefillArgs args;
-  args.q = in.q;
-  args.k = in.k;
-  args.v = in.v;
-  args.cu_seqlens_q = in.cu_q;
-  args.cu_seqlens_kv = in.cu_kv;
-  args.out = r.out;
+  PrefillArgs args = in.args(r.out);
   args.lse = r.lse;
   args.timestep = timestep;
   args.block_m = block_m;
@@ -317,13 +311,7 @@ TEST(PrefillSkip, InvalidCallsRaiseAndWriteNothing) {
   out.fill(7.f);
   stats.fill(3.f);
   auto call = [&](AttentionSpec spec, auto&& edit) {
-    PrefillArgs args;
-    args.q = in.q;
-    args.k = in.k;
-    args.v = in.v;
-    args.cu_seqlens_q = in.cu_q;
-    args.cu_seqlens_kv = in.cu_kv;
-    args.out = out;
+    PrefillArgs args = in.args(out);
     args.skip_stats = stats;
     edit(spec, args);
     return [spec, args] { prefill(spec, args); };

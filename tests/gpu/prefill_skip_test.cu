@@ -59,6 +59,33 @@ Inputs make_inputs(const std::vector<Seq>& seqs, int32_t hq, int32_t hkv, int32_
   return in;
 }
 
+// Device copies of the packed inputs.
+struct DeviceInputs {
+  DeviceTensor q, k, v, cu_q, cu_kv;
+  int32_t max_q, max_kv;
+  explicit DeviceInputs(const Inputs& in)
+      : q(in.q),
+        k(in.k),
+        v(in.v),
+        cu_q(in.cu_q),
+        cu_kv(in.cu_kv),
+        max_q(in.max_q),
+        max_kv(in.max_kv) {}
+  // The packed-mode PrefillArgs on the device, writing `out`.
+  PrefillArgs args(const TensorView& out) const {
+    PrefillArgs a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.cu_seqlens_q = cu_q;
+    a.cu_seqlens_kv = cu_kv;
+    a.out = out;
+    a.max_seqlen_q = max_q;
+    a.max_seqlen_kv = max_kv;
+    return a;
+  }
+};
+
 SkipSoftmaxSpec threshold_skip(double lambda, double disabled_until = 0.0) {
   SkipSoftmaxSpec s;
   s.threshold = lambda;
@@ -95,18 +122,10 @@ Result run_gpu(const AttentionSpec& spec, const Inputs& in, std::optional<Prefil
   r.lse.fill(NAN);
   HostTensor stats(DType::kInt64, {4});
   stats.fill(-1.f);
-  DeviceTensor d_q(in.q), d_k(in.k), d_v(in.v), d_cu_q(in.cu_q), d_cu_kv(in.cu_kv), d_out(r.out),
-      d_lse(r.lse), d_stats(stats);
-  PrefillArgs args;
-  args.q = d_q;
-  args.k = d_k;
-  args.v = d_v;
-  args.cu_seqlens_q = d_cu_q;
-  args.cu_seqlens_kv = d_cu_kv;
-  args.out = d_out;
+  const DeviceInputs d_in(in);
+  DeviceTensor d_out(r.out), d_lse(r.lse), d_stats(stats);
+  PrefillArgs args = d_in.args(d_out);
   args.lse = d_lse;
-  args.max_seqlen_q = in.max_q;
-  args.max_seqlen_kv = in.max_kv;
   args.timestep = timestep;
   args.skip_stats = d_stats;
   if (tile) {
@@ -338,16 +357,9 @@ TEST(PrefillSkipGpu, UnservableAndInvalidCallsRaiseAndWriteNothing) {
   const Inputs in = make_inputs({{256, 256}}, 4, 2, 128, 81);
   HostTensor out(DType::kBF16, {256, 4, 128});
   out.fill(7.f);
-  DeviceTensor d_q(in.q), d_k(in.k), d_v(in.v), d_cu_q(in.cu_q), d_cu_kv(in.cu_kv), d_out(out);
-  PrefillArgs args;
-  args.q = d_q;
-  args.k = d_k;
-  args.v = d_v;
-  args.cu_seqlens_q = d_cu_q;
-  args.cu_seqlens_kv = d_cu_kv;
-  args.out = d_out;
-  args.max_seqlen_q = 256;
-  args.max_seqlen_kv = 256;
+  const DeviceInputs d_in(in);
+  DeviceTensor d_out(out);
+  const PrefillArgs args = d_in.args(d_out);
   auto expect_raise = [&](const AttentionSpec& spec, const PrefillArgs& a,
                           const std::string& what) {
     try {
