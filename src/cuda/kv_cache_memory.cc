@@ -23,7 +23,19 @@ class CudaKvMemory final : public KvMemory {
                void* stream)
       : device_(device), block_bytes_(block_bytes), stream_(static_cast<cudaStream_t>(stream)) {
     cuda::DeviceScope scope(device, "KvCacheManager: cudaSetDevice");
-    check_cuda(cudaMalloc(&pool_, static_cast<size_t>(num_blocks) * block_bytes), "cudaMalloc");
+    const size_t pool_bytes = static_cast<size_t>(num_blocks) * block_bytes;
+    check_cuda(cudaMalloc(&pool_, pool_bytes), "cudaMalloc");
+    // Zeros once, finished before the constructor returns (the caller's kernels may write the pool
+    // on any stream): a block's slots past its tokens are then defined when a copy-on-write or an
+    // offload moves the whole block (compute-sanitizer's initcheck stays clean), and a new pool
+    // never shows what an earlier allocation left there. One memset at creation (about 30 ms for
+    // 100 GiB).
+    cudaError_t zeroed = cudaMemsetAsync(pool_, 0, pool_bytes, stream_);
+    if (zeroed == cudaSuccess) zeroed = cudaStreamSynchronize(stream_);
+    if (zeroed != cudaSuccess) {
+      cudaFree(pool_);
+      check_cuda(zeroed, "cudaMemsetAsync (zeroing the pool)");
+    }
     if (host_slots > 0) {
       const cudaError_t status =
           cudaMallocHost(&host_, static_cast<size_t>(host_slots) * block_bytes);

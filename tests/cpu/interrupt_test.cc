@@ -63,16 +63,17 @@ HostTensor poisoned(const std::vector<int64_t>& shape) {
   return t;
 }
 
-// One call of each long reference op, on inputs big enough that it runs for many poll intervals
-// (a hundred milliseconds or more). `run` writes `out` (f32, NaN before the call).
+// One call of each long reference op; `scale` multiplies its rows (long_enough picks it). `run`
+// writes `out` (f32, NaN before the call).
 struct LongCall {
   const char* name;
   std::function<void(const HostTensor& out)> run;
   std::vector<int64_t> out_shape;
 };
 
-std::vector<LongCall> long_calls(std::mt19937_64& rng) {
-  constexpr int32_t kHq = 8, kHkv = 2, kDim = 64, kTokens = 256;
+std::vector<LongCall> long_calls(std::mt19937_64& rng, int32_t scale) {
+  constexpr int32_t kHq = 8, kHkv = 2, kDim = 64;
+  const int32_t kTokens = 256 * scale;
   std::vector<LongCall> calls;
 
   auto q = std::make_shared<HostTensor>(random_tensor(DType::kF32, {kTokens, kHq, kDim}, rng));
@@ -95,7 +96,8 @@ std::vector<LongCall> long_calls(std::mt19937_64& rng) {
                    {kTokens, kHq, kDim}});
 
   // Decode: every row reads the same 2048 cached tokens through its block table.
-  constexpr int32_t kRows = 16, kBlock = 64, kBlocks = 32;
+  constexpr int32_t kBlock = 64, kBlocks = 32;
+  const int32_t kRows = 16 * scale;
   auto cache_k =
       std::make_shared<HostTensor>(random_tensor(DType::kF16, {kBlocks, kHkv, kBlock, kDim}, rng));
   auto cache_v =
@@ -144,6 +146,28 @@ std::vector<LongCall> long_calls(std::mt19937_64& rng) {
   return calls;
 }
 
+constexpr size_t kLongCalls = 3;  // prefill, decode, dense
+
+// Call `index` of long_calls at the smallest scale whose plain run (no check installed) lasts at
+// least `intervals` poll intervals here, so that the tests observe polling on a machine of any
+// speed; `plain` is that run's output.
+struct TimedCall {
+  LongCall call;
+  HostTensor plain;
+};
+TimedCall long_enough(size_t index, std::mt19937_64& rng, int64_t intervals) {
+  for (int32_t scale = 1;; scale *= 2) {
+    LongCall call = long_calls(rng, scale).at(index);
+    HostTensor plain = poisoned(call.out_shape);
+    const auto start = std::chrono::steady_clock::now();
+    call.run(plain);
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    if (elapsed >= intervals * kInterruptPollInterval || scale >= 256) {
+      return {std::move(call), std::move(plain)};
+    }
+  }
+}
+
 int64_t count_nan(const HostTensor& t) {
   int64_t n = 0;
   for (int64_t i = 0; i < t.numel(); ++i) n += std::isnan(t.get(i)) ? 1 : 0;
@@ -152,11 +176,11 @@ int64_t count_nan(const HostTensor& t) {
 
 TEST_F(InterruptTest, ACheckThatSaysStopAbandonsTheLongReferenceCalls) {
   std::mt19937_64 rng(test::test_seed());
-  for (const LongCall& call : long_calls(rng)) {
+  for (size_t index = 0; index < kLongCalls; ++index) {
+    const TimedCall timed = long_enough(index, rng, 4);
+    const LongCall& call = timed.call;
     SCOPED_TRACE(call.name);
-    const HostTensor full = poisoned(call.out_shape);
-    call.run(full);  // no check installed: runs to the end
-    ASSERT_EQ(count_nan(full), 0);
+    ASSERT_EQ(count_nan(timed.plain), 0);  // no check installed: runs to the end
 
     set_interrupt_check(&counting_check);
     ASSERT_EQ(interrupt_check(), &counting_check);
@@ -179,10 +203,11 @@ TEST_F(InterruptTest, ACheckThatSaysStopAbandonsTheLongReferenceCalls) {
 
 TEST_F(InterruptTest, ACheckThatSaysGoOnIsPolledAtTheIntervalAndChangesNoBit) {
   std::mt19937_64 rng(test::test_seed());
-  for (const LongCall& call : long_calls(rng)) {
+  for (size_t index = 0; index < kLongCalls; ++index) {
+    const TimedCall timed = long_enough(index, rng, 4);
+    const LongCall& call = timed.call;
+    const HostTensor& plain = timed.plain;
     SCOPED_TRACE(call.name);
-    const HostTensor plain = poisoned(call.out_shape);
-    call.run(plain);
 
     set_interrupt_check(&counting_check);
     g_calls = 0;

@@ -45,12 +45,15 @@ Inputs make_inputs(const std::vector<Seq>& seqs, int32_t hq, int32_t hkv, int32_
                    uint64_t salt) {
   std::mt19937_64 rng(test_seed() + salt);
   Inputs in{make_packed_diffusion_like(seqs, hq, hkv, dim, DType::kBF16, rng)};
-  in.q32 = HostTensor(
-      DType::kF32, std::vector<int64_t>(in.q.view().shape.begin(), in.q.view().shape.begin() + 3));
-  in.k32 = HostTensor(
-      DType::kF32, std::vector<int64_t>(in.k.view().shape.begin(), in.k.view().shape.begin() + 3));
-  in.v32 = HostTensor(
-      DType::kF32, std::vector<int64_t>(in.k.view().shape.begin(), in.k.view().shape.begin() + 3));
+  // f32 tensors of the same [tokens, heads, D] shapes (one view each: two view() calls would
+  // give iterators into two different temporaries).
+  auto f32_like = [](const HostTensor& t) {
+    const TensorView v = t.view();
+    return HostTensor(DType::kF32, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+  };
+  in.q32 = f32_like(in.q);
+  in.k32 = f32_like(in.k);
+  in.v32 = f32_like(in.v);
   for (int64_t e = 0; e < in.q.numel(); ++e) in.q32.set(e, in.q.get(e));
   for (int64_t e = 0; e < in.k.numel(); ++e) {
     in.k32.set(e, in.k.get(e));

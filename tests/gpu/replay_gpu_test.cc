@@ -98,7 +98,9 @@ TEST(ReplayGpu, DeviceActivationsRejectAnUnsupportedWidth) {
 }
 
 // Llama-3-8B's heads (the fused kernels of every build serve D = 128 bf16), few layers and short
-// prompts; a pool small enough for evictions and host-tier traffic.
+// prompts; a pool small enough for evictions and host-tier traffic whatever the seed: 20 requests
+// of at least 160 + 100 prompt tokens fill more than 128 distinct full blocks of 16 tokens (the
+// 3 system prompts' 30 shared, at least 6 of each request's own), the pool holds 128.
 ReplayOptions gpu_options() {
   ReplayOptions o;
   o.layers = 3;
@@ -110,7 +112,7 @@ ReplayOptions gpu_options() {
   o.arrival_rate = 2.0;
   o.system_prompts = 3;
   o.system_prompt_len = 160;
-  o.min_user_len = 1;
+  o.min_user_len = 100;
   o.max_user_len = 300;
   o.min_output_len = 1;
   o.max_output_len = 20;
@@ -119,7 +121,7 @@ ReplayOptions gpu_options() {
   o.max_batch_tokens = 384;
   o.max_batch_requests = 10;
   o.tokens_per_block = 16;
-  o.cache_tokens = 4096;
+  o.cache_tokens = 2048;
   o.host_cache_mb = 8;
   o.device = Device::cuda(0);
   o.check_every = 1;
