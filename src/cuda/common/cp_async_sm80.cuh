@@ -28,12 +28,34 @@ __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const v
       "l"(src), "r"(static_cast<int>(!valid)));
 }
 
+// 16 bytes that are all valid (no zero fill), with an L2 cache policy (l2_policy_evict_first).
+// Only this form takes a hint: ptxas of CUDA 13.0 miscompiled the hinted zero-fill form
+// (docs/decode_design.md, "L2 evict_first").
+__device__ __forceinline__ void cp_async_16_l2_hint(uint32_t smem_addr, const void* src,
+                                                    uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
+               "l"(src), "l"(policy));
+}
+
+// An L2 policy that marks the lines a hinted access brings in as the first to evict: for streams
+// read once.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0;\n" : "=l"(policy));
+  return policy;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `kPending` committed groups are still in flight.
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Waits for every cp.async of this thread, committed or not.
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 }  // namespace attnkit::cuda

@@ -40,6 +40,16 @@ __device__ __forceinline__ uint32_t widen_fp8x2(uint32_t two) {
 #endif
 }
 
+// Four fp8 e4m3 values of a word -> two f16 pairs: bytes (0, 1) into lo, (2, 3) into hi. The cvt
+// reads each half of the word in place (no shift for the high pair). sm89+ only; the callers
+// guard it.
+__device__ __forceinline__ void widen_fp8x4_f16(uint32_t word, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(word));
+}
+
 // Four int8 values (low byte first) -> four 16-bit values of kDType, exact: b + 128 sits in the
 // mantissa of 1024.0 (f16) or 2^23 (f32), and subtracting 1152 or 2^23 + 128 leaves b.
 template <DType kDType>

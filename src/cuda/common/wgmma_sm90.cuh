@@ -88,6 +88,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
   else
     static_assert(kN == 64, "no wgmma_rs shape for this N (scripts/gen_wgmma_ops.py)");
 }
+
+// d[64 x kN] (+)= A (registers) * B (smem, K-major), 16-bit types (k16).
+template <int kN, class Tag>
+__device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[kN / 2], const uint32_t (&a)[4],
+                                                uint64_t desc_b, int scale_d) {
+  static_assert(kN == 64, "no wgmma_rs_kmajor shape for this N (scripts/gen_wgmma_ops.py)");
+  wgmma_rs_kmajor_m64n64k16(d, a, desc_b, scale_d, Tag{});
+}
 #endif
 
 // Four floats rounded (nearest even, saturating to +-448) to fp8 e4m3, x0 in the low byte: the

@@ -21,8 +21,11 @@
 
 #include "cuda/common/cp_async_sm80.cuh"
 #include "cuda/common/fast_math.cuh"
+#include "cuda/common/kv_widen.cuh"
 #include "cuda/common/ldmatrix_sm80.cuh"
+#include "cuda/common/memory_sm90.cuh"
 #include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/named_barrier.cuh"
 #include "cuda/decode/decode_params.h"
 #include "cuda/decode/split_weights.cuh"
 
@@ -56,10 +59,7 @@ struct KvFp8E4M3 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     // The e4m3x2 cvt is an sm_89+ instruction; older targets widen through the intrinsic below.
     if constexpr (std::is_same_v<Tag, F16Tag>) {
-      asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
-          "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-          : "=r"(lo), "=r"(hi)
-          : "r"(word));
+      widen_fp8x4_f16(word, lo, hi);
       return;
     }
 #endif
@@ -302,13 +302,6 @@ struct DecodeKeyRange {
   }
 };
 
-// cp.async of 16 bytes that are all valid (no zero fill), with an L2 eviction policy.
-__device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, const void* src,
-                                                        uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
-               "l"(src), "l"(policy));
-}
-
 // The L2 eviction policy of the K / V stream: evict_first. Each K / V byte is read once a call,
 // and at batch 1 x 32k the call streams 67-134 MB through the 50 MB L2: with the default policy
 // that stream pushes out what the call reads again at its end (the epilogue's and merge's code,
@@ -317,19 +310,7 @@ __device__ __forceinline__ void decode_cp_async_16_full(uint32_t smem_addr, cons
 // 1 x 32k +4.7%, fp8 1 x 32k +5.6%, int8 +3.3%, page 16 +3.1%, 1 x 8k +3.5%, 1 x 128k +0.8%, fp8
 // 256 x 1k +2.2%; 64 x 4k and MQA even. Only the linear copies take it (copy_tile): the
 // zero-fill form with a cache hint met the ptxas fault described at copy_tile.
-__device__ __forceinline__ uint64_t decode_kv_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0;\n" : "=l"(policy));
-  return policy;
-}
-
-// Transposes an 8x8 matrix of 16-bit elements held in the MMA accumulator layout (lane (g, t):
-// row g, columns 2t, 2t + 1), giving lane (g, t) row g of the transpose.
-__device__ __forceinline__ uint32_t decode_movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
+__device__ __forceinline__ uint64_t decode_kv_policy() { return l2_policy_evict_first(); }
 
 // The natural-log LSE of a softmax whose max is m2 (log2 units) and whose sum of exponentials
 // (relative to it) is l: -inf where no key counted (l = 0).
@@ -355,11 +336,7 @@ __device__ __forceinline__ bool decode_split_arrival_is_last(const DecodeParams&
     // __threadfence() in every thread before the count and after it (H200): bf16 1 x 32k +0.6%,
     // 2 x 32k +0.4%, 1 x 8k +1%, fp8 1 x 32k +1.1% (thread 0 alone fencing around a relaxed
     // atomicAdd: +0.3%).
-    int32_t arrived;
-    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n"
-                 : "=r"(arrived)
-                 : "l"(counter)
-                 : "memory");
+    const int32_t arrived = atom_add_one_acq_rel_gpu(counter);
     is_last = arrived == p.num_splits - 1;
     // Every split of this (row, KV head, head block) has counted: the counter is free again, so
     // the next call through the same workspace finds it at zero without a memset.
@@ -719,11 +696,8 @@ __device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& 
   const int32_t page = first_page + static_cast<int32_t>(threadIdx.x / 2);
   if (page > (want_end - 1) >> p.page_shift) return;
   const int32_t* table_row = p.kv.block_table + row * p.kv.block_table_row_stride;
-  int32_t seq_len, block;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(seq_len) : "l"(p.seq_lens + row));
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n"
-               : "=r"(block)
-               : "l"(table_row + min(page, p.table_cols - 1)));
+  const int32_t seq_len = ld_relaxed_gpu(p.seq_lens + row);
+  const int32_t block = ld_relaxed_gpu(table_row + min(page, p.table_cols - 1));
   const int32_t lo = max(begin, page << p.page_shift);
   const int32_t hi = min(min(want_end, seq_len), (page + 1) << p.page_shift);
   if (lo >= hi || block < 0 || block >= p.pool_blocks) return;
@@ -732,10 +706,7 @@ __device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& 
       base + static_cast<int64_t>(block) * p.kv.block_stride_bytes +
       (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + (lo & ((1 << p.page_shift) - 1))) *
           kTokenBytes;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n"
-               :
-               : "l"(src), "r"((hi - lo) * kTokenBytes)
-               : "memory");
+  prefetch_l2_bulk(src, (hi - lo) * kTokenBytes);
 #endif
 }
 
@@ -780,8 +751,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     if (p.prefetch_keys > 0) {
       decode_prefetch_before_wait<Traits::kChunksPerToken * 16>(p, blockIdx.z, blockIdx.y, split);
     }
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    griddep_wait();
+    griddep_launch_dependents();
   }
 #endif
   const int kv_head = blockIdx.y;
@@ -986,10 +957,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           }
           const bool run2 = kTwoRuns && base >= kChunks / 2;
           if (copy_k) {
-            decode_cp_async_16_full(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16, kv_policy);
+            cp_async_16_l2_hint(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16, kv_policy);
           }
           if (copy_v) {
-            decode_cp_async_16_full(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16, kv_policy);
+            cp_async_16_l2_hint(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16, kv_policy);
           }
         }
       }
@@ -1094,16 +1065,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       // Immediate ids (a register id makes ptxas reserve all 16 barriers).
       switch (key_warp) {
         case 0:
-          asm volatile("bar.sync 1, 64;\n" ::: "memory");
+          named_barrier_sync<1, 64>();
           break;
         case 1:
-          asm volatile("bar.sync 2, 64;\n" ::: "memory");
+          named_barrier_sync<2, 64>();
           break;
         case 2:
-          asm volatile("bar.sync 3, 64;\n" ::: "memory");
+          named_barrier_sync<3, 64>();
           break;
         default:
-          asm volatile("bar.sync 4, 64;\n" ::: "memory");
+          named_barrier_sync<4, 64>();
           break;
       }
     }
@@ -1265,8 +1236,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         for (int e = 0; e < 4; ++e) pr[e] = fast_exp2(s[b][e] - m_use[e & 1]);
         l_run[0] += pr[0] + pr[2];
         l_run[1] += pr[1] + pr[3];
-        pb[b][0] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1]));
-        pb[b][1] = decode_movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]));
+        pb[b][0] = movmatrix_trans(pack_pair<MmaTag>(pr[0], pr[1]));
+        pb[b][1] = movmatrix_trans(pack_pair<MmaTag>(pr[2], pr[3]));
       }
       if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
@@ -1655,10 +1626,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       if (ml.y == 0.0f) continue;
       const float scale = exp2f(ml.x) * ml.y;
 #if __CUDA_ARCH__ >= 900
-      asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + v),
-                   "f"(vec[j].x * scale), "f"(vec[j].y * scale), "f"(vec[j].z * scale),
-                   "f"(vec[j].w * scale)
-                   : "memory");
+      red_add_v4_f32(dst + v, vec[j].x * scale, vec[j].y * scale, vec[j].z * scale,
+                     vec[j].w * scale);
 #else
       // Vector reductions need sm_90; the rule takes this merge there only (tests force it).
       float* sum = reinterpret_cast<float*>(dst + v);

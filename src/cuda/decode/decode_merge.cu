@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/memory_sm90.cuh"
 #include "cuda/decode/decode_launch.h"
 #include "cuda/decode/split_weights.cuh"
 
@@ -40,8 +41,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
     decode_merge_splits_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.pdl) {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    griddep_wait();
+    griddep_launch_dependents();
   }
 #endif
   constexpr int kItemsPerCta = kMergeWarps / kWarpsPerItem;

@@ -34,9 +34,14 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "cuda/common/cp_async_sm80.cuh"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/fast_math.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/memory_sm90.cuh"
+#include "cuda/common/tma_sm90.cuh"
+#include "cuda/common/warpgroup_sm90.cuh"
+#include "cuda/common/wgmma_sm90.cuh"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_launch.h"
 
@@ -66,88 +71,6 @@ constexpr int wg_smem_bytes() {
 
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
 
-// Shared-memory matrix descriptor with 128-byte swizzling (PTX ISA, "matrix descriptor"): start
-// address, leading and stride byte offsets, all in 16-byte units; swizzle mode 1 in bits 62-63.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
-         (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wg_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// After wg_wait_all: the accumulators are read only from here on (the compiler sees the MMA's asm
-// as their writer and could otherwise move a read above the wait).
-template <int kN>
-__device__ __forceinline__ void wg_fence_operands(float (&d)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-#define ATTNKIT_WG_D8(b)                                                                      \
-  "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
-      "+f"(d[b + 6]), "+f"(d[b + 7])
-#define ATTNKIT_WG_D32 ATTNKIT_WG_D8(0), ATTNKIT_WG_D8(8), ATTNKIT_WG_D8(16), ATTNKIT_WG_D8(24)
-#define ATTNKIT_WG_D64 \
-  ATTNKIT_WG_D32, ATTNKIT_WG_D8(32), ATTNKIT_WG_D8(40), ATTNKIT_WG_D8(48), ATTNKIT_WG_D8(56)
-
-// d[64 x 64] (+)= a[64 x 16] (registers) * B[16 x 64] (K-major in shared memory): S = Q K^T.
-#define ATTNKIT_WG_S(TYPE)                                                                \
-  asm volatile(                                                                           \
-      "{\n"                                                                               \
-      ".reg .pred p;\n"                                                                   \
-      "setp.ne.b32 p, %37, 0;\n"                                                          \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                         \
-      " "                                                                                 \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"                                          \
-      "}\n"                                                                               \
-      : ATTNKIT_WG_D32                                                                    \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate))
-// d[64 x 128] += a[64 x 16] (registers) * B[16 x 128] (MN-major in shared memory): O += P V.
-#define ATTNKIT_WG_O(TYPE)                                                                \
-  asm volatile(                                                                           \
-      "{\n"                                                                               \
-      ".reg .pred p;\n"                                                                   \
-      "setp.ne.b32 p, %69, 0;\n"                                                          \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                        \
-      " "                                                                                 \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"                                          \
-      "}\n"                                                                               \
-      : ATTNKIT_WG_D64                                                                    \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate))
-
-template <typename QT>
-__device__ __forceinline__ void wg_mma_s(float (&d)[32], const uint32_t (&a)[4], uint64_t desc,
-                                         int accumulate) {
-  if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
-    ATTNKIT_WG_S("bf16");
-  } else {
-    ATTNKIT_WG_S("f16");
-  }
-}
-template <typename QT>
-__device__ __forceinline__ void wg_mma_o(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,
-                                         int accumulate) {
-  if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
-    ATTNKIT_WG_O("bf16");
-  } else {
-    ATTNKIT_WG_O("f16");
-  }
-}
-
 template <typename QT>
 __device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
   const uint16_t l = *reinterpret_cast<const uint16_t*>(&lo);
@@ -174,8 +97,8 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   const int split = blockIdx.x / p.head_blocks;
   if (p.pdl) {
     if (p.prefetch_keys > 0) decode_prefetch_before_wait<256>(p, blockIdx.z, blockIdx.y, split);
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    griddep_wait();
+    griddep_launch_dependents();
   }
   const int kv_head = blockIdx.y;
   const int row = blockIdx.z;
@@ -276,7 +199,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     // Units issued after the one needed next: kWgUnits - 2.
     cp_async_wait<kWgUnits - 2>();
     // cp.async writes through the generic proxy; the MMAs read through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    sm90::fence_proxy_async_smem();
     __syncthreads();
   };
 
@@ -308,16 +231,16 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     // Into V(t - 1)'s buffer, read by the last tile's MMAs.
     issue_unit(2 * t + kWgUnits - 1);
     const uint32_t k_unit = ring + ((2 * t) % kWgUnits) * kWgUnitBytes;
-    wg_fence();
+    sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kWgHeadDim / 16; ++kk) {
       const uint64_t desc =
-          wg_desc(k_unit + (kk / 4) * kWgColumnBlockBytes + (kk % 4) * 32, 16, 1024);
-      wg_mma_s<QT>(s, qa[kk], desc, kk > 0 ? 1 : 0);
+          sm90::smem_desc_sw128(k_unit + (kk / 4) * kWgColumnBlockBytes + (kk % 4) * 32, 16, 1024);
+      sm90::wgmma_rs_kmajor<kWgTileN, Tag>(s, qa[kk], desc, kk > 0 ? 1 : 0);
     }
-    wg_commit();
-    wg_wait_all();
-    wg_fence_operands(s);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(s);
 
     // Softmax in log2 units with the lazy reference max (decode_update_max). Accumulator element
     // 4 j + 2 i + e is row r0 + 8 i, key 8 j + qc + e of the tile.
@@ -365,17 +288,18 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     wait_unit();                   // V(t)
     issue_unit(2 * t + kWgUnits);  // into K(t)'s buffer, read by this tile's S MMAs
     const uint32_t v_unit = ring + ((2 * t + 1) % kWgUnits) * kWgUnitBytes;
-    wg_fence();
+    sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kWgTileN / 16; ++kk) {
-      wg_mma_o<QT>(o, pa[kk], wg_desc(v_unit + kk * 16 * 128, kWgColumnBlockBytes, 1024), 1);
+      sm90::wgmma_rs<kWgHeadDim, Tag>(
+          o, pa[kk], sm90::smem_desc_sw128(v_unit + kk * 16 * 128, kWgColumnBlockBytes, 1024), 1);
     }
-    wg_commit();
-    wg_wait_all();
-    wg_fence_operands(o);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
     if (tid < kWgTileN) key_offsets[(t % kWgOffsetSlots) * kWgTileN + tid] = ahead;
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  cp_async_wait_all();
   // A guard failed in any key of the CTA: nothing of what it read is kept.
   const bool row_fault = __syncthreads_or(fault_key >= 0) != 0;
   if (row_fault) {
