@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "attnkit/context_parallel.h"
+#include "attnkit/kv_cache_manager.h"
 #include "common/test_util.h"
+#include "core/numerics.h"
 
 namespace attnkit::test {
 
@@ -67,6 +69,26 @@ inline std::vector<int32_t> cu_seqlens_of(const std::vector<int32_t>& lengths) {
   std::vector<int32_t> cu{0};
   for (const int32_t n : lengths) cu.push_back(cu.back() + n);
   return cu;
+}
+
+// Writes K and V ([Hkv, D] each, float) of the token at `local` position of `seq` into a bf16
+// pool of one layer ([num_blocks, 1, 2, Hkv, T, D]) of `manager`, in host memory.
+inline void write_kv_bf16(const KvCacheManager& manager, SeqId seq, int64_t local, int32_t hkv,
+                          int32_t tokens_per_block, int32_t head_dim, const float* k,
+                          const float* v) {
+  const int32_t block = manager.blocks(seq)[local / tokens_per_block];
+  auto* pool = static_cast<uint16_t*>(manager.pool_data());
+  const int64_t block_elems = manager.block_bytes() / 2;
+  const int64_t slot = local % tokens_per_block;
+  for (int kv = 0; kv < 2; ++kv) {
+    for (int32_t h = 0; h < hkv; ++h) {
+      for (int32_t d = 0; d < head_dim; ++d) {
+        const int64_t at =
+            block * block_elems + ((int64_t{kv} * hkv + h) * tokens_per_block + slot) * head_dim + d;
+        pool[at] = numerics::float_to_bf16_bits((kv == 0 ? k : v)[h * head_dim + d]);
+      }
+    }
+  }
 }
 
 }  // namespace attnkit::test

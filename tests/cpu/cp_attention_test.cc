@@ -15,7 +15,6 @@
 #include "common/cp_test_util.h"
 #include "common/reference_oracle.h"
 #include "common/test_util.h"
-#include "core/numerics.h"
 
 namespace attnkit::test {
 namespace {
@@ -296,23 +295,6 @@ KvCacheManagerConfig decode_config(int32_t max_seq_len) {
   return c;
 }
 
-// Writes K and V of `position` of `seq` (its `local` position in `manager`).
-void write_kv(const KvCacheManager& manager, SeqId seq, int64_t local, const float* k,
-              const float* v) {
-  const int32_t block = manager.blocks(seq)[local / kT];
-  auto* pool = static_cast<uint16_t*>(manager.pool_data());
-  const int64_t block_elems = manager.block_bytes() / 2;
-  for (int kv = 0; kv < 2; ++kv) {
-    for (int32_t h = 0; h < kHkv; ++h) {
-      for (int32_t d = 0; d < kD; ++d) {
-        const int64_t at =
-            block * block_elems + ((int64_t{kv} * kHkv + h) * kT + local % kT) * kD + d;
-        pool[at] = numerics::float_to_bf16_bits((kv == 0 ? k : v)[h * kD + d]);
-      }
-    }
-  }
-}
-
 struct DecodeOut {
   HostTensor out, lse;
 };
@@ -369,9 +351,10 @@ TEST(CpShardedDecode, EqualsSingleRankDecode) {
         std::vector<float> k(kHkv * kD), v(kHkv * kD);
         for (float& x : k) x = value(rng);
         for (float& x : v) x = value(rng) / 2;
-        write_kv(global, seq, p, k.data(), v.data());
+        write_kv_bf16(global, seq, p, kHkv, kT, kD, k.data(), v.data());
         const int32_t owner = layout.rank_of_position(p);
-        write_kv(*managers[owner], seq, layout.local_position(p), k.data(), v.data());
+        write_kv_bf16(*managers[owner], seq, layout.local_position(p), kHkv, kT, kD, k.data(),
+                      v.data());
       }
     };
     for (size_t s = 0; s < seqs.size(); ++s) {
