@@ -248,7 +248,8 @@ class ShardedKvCache {
 // spec.alibi must be off (both read absolute positions); no beams (beam_width 1, no
 // cache_indirection). The local decode runs as decode() with args' split options and workspace;
 // (O, LSE) partials in the output dtype are all-gathered on `stream` and merged in rank order.
-// Scratch: R + 1 partials, cudaMallocAsync on `stream` (host memory on the CPU).
+// Scratch: R + 2 partials (this rank's, the gathered ones, the running merge), cudaMallocAsync
+// on `stream` (host memory on the CPU).
 void sharded_decode(const AttentionSpec& spec, const DecodeArgs& args, const Options& options,
                     Stream stream = nullptr);
 
