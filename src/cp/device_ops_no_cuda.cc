@@ -9,9 +9,10 @@ namespace attnkit::cp::detail::cuda_ops {
 namespace {
 
 [[noreturn]] void no_cuda(int device) {
-  attnkit::detail::fail("context parallelism: attnkit was built without the CUDA backend, so only cpu tensors and "
-       "communicators are accepted; got cuda:",
-       device);
+  attnkit::detail::fail(
+      "context parallelism: attnkit was built without the CUDA backend, so only cpu tensors and "
+      "communicators are accepted; got cuda:",
+      device);
 }
 
 }  // namespace

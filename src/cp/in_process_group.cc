@@ -50,7 +50,8 @@ class Rendezvous {
       completed_ = generation;
       cv_.notify_all();
     } else {
-      const bool done = cv_.wait_for(lock, timeout_, [&] { return completed_ >= generation || failed_; });
+      const bool done =
+          cv_.wait_for(lock, timeout_, [&] { return completed_ >= generation || failed_; });
       if (!done) {
         failed_ = true;
         failure_ = "rank " + std::to_string(rank) + " waited " +
@@ -102,14 +103,14 @@ class InProcessCommunicator final : public Communicator {
     for (int32_t q = 0; q < r; ++q) {
       const Post& from = posts[q];
       const Post& to = posts[(q + 1) % r];
-      ATTNKIT_CHECK(from.transfers.size() == to.transfers.size(),
-                    "ring_exchange: rank ", q, " sends ", from.transfers.size(),
-                    " buffers but rank ", (q + 1) % r, " receives ", to.transfers.size());
+      ATTNKIT_CHECK(from.transfers.size() == to.transfers.size(), "ring_exchange: rank ", q,
+                    " sends ", from.transfers.size(), " buffers but rank ", (q + 1) % r,
+                    " receives ", to.transfers.size());
       for (size_t i = 0; i < from.transfers.size(); ++i) {
         ATTNKIT_CHECK(from.transfers[i].send_bytes == to.transfers[i].recv_bytes,
                       "ring_exchange: transfer ", i, ": rank ", q, " sends ",
-                      from.transfers[i].send_bytes, " bytes but rank ", (q + 1) % r,
-                      " receives ", to.transfers[i].recv_bytes);
+                      from.transfers[i].send_bytes, " bytes but rank ", (q + 1) % r, " receives ",
+                      to.transfers[i].recv_bytes);
       }
     }
     const Post& source = posts[(rank_ + r - 1) % r];

@@ -9,10 +9,11 @@ namespace attnkit::cp {
 namespace {
 
 [[noreturn]] void no_nccl(const char* what) {
-  attnkit::detail::fail(what,
-               ": attnkit was built without NCCL (configure with the CUDA backend and "
-               "-DATTNKIT_WITH_NCCL=ON or AUTO where nccl.h is found: docs/building.md); use "
-               "make_in_process_group for ranks of one process");
+  attnkit::detail::fail(
+      what,
+      ": attnkit was built without NCCL (configure with the CUDA backend and "
+      "-DATTNKIT_WITH_NCCL=ON or AUTO where nccl.h is found: docs/building.md); use "
+      "make_in_process_group for ranks of one process");
 }
 
 }  // namespace

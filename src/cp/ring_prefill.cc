@@ -61,14 +61,14 @@ void check_args(const Validator& v, const AttentionSpec& spec, const ZigzagPlan&
   }
   const DType dtype = args.q.dtype;
   const Dim rows("plan.local_tokens(rank)", local);
-  v.expect_tensor(args.q, "q", {dtype}, {rows, Dim("Hq", hq), Dim("D", d)}, device,
-                  Access::kInput);
+  v.expect_tensor(args.q, "q", {dtype}, {rows, Dim("Hq", hq), Dim("D", d)}, device, Access::kInput);
   for (const auto& [t, name] : {std::pair{&args.k, "k"}, std::pair{&args.v, "v"}}) {
     v.expect_given(*t, name);
-    v.expect_tensor(*t, name, {dtype}, {rows, Dim("Hkv", hkv), Dim("D", d)}, device,
-                    Access::kInput, "the dtype of q");
-    v.check(t->is_contiguous(), name, "must be contiguous (the shard is sent as bytes), got strides [",
-            t->strides[0], ", ", t->strides[1], ", ", t->strides[2], "]");
+    v.expect_tensor(*t, name, {dtype}, {rows, Dim("Hkv", hkv), Dim("D", d)}, device, Access::kInput,
+                    "the dtype of q");
+    v.check(t->is_contiguous(), name,
+            "must be contiguous (the shard is sent as bytes), got strides [", t->strides[0], ", ",
+            t->strides[1], ", ", t->strides[2], "]");
   }
   v.expect_given(args.out, "out");
   v.expect_tensor(args.out, "out", {dtype}, {rows, Dim("Hq", hq), Dim("D", d)}, device,
@@ -88,7 +88,8 @@ void prevalidate(const Validator& v, const std::vector<Operation>& ops) {
       attnkit::detail::validate_merge_states(op.merge);
       continue;
     }
-    const attnkit::detail::PrefillProblem p = attnkit::detail::validate_prefill(*op.spec, op.prefill);
+    const attnkit::detail::PrefillProblem p =
+        attnkit::detail::validate_prefill(*op.spec, op.prefill);
     if (op.spec->backend != Backend::kFused) continue;
     v.check(p.device.is_cuda(), "spec.backend",
             "'fused' needs CUDA tensors; the tensors are on cpu (accepted on cpu: 'auto' or "
@@ -160,8 +161,8 @@ void ring_prefill(const AttentionSpec& spec, const ZigzagPlan& plan, const RingP
   }
   int32_t* cu_base = reinterpret_cast<int32_t*>(pieces.cu);
   const auto cu_view = [&](int32_t q, int32_t s) {
-    return TensorView(cu_base + (int64_t{q} * slots + s) * (batch + 1), DType::kInt32,
-                      {batch + 1}, device);
+    return TensorView(cu_base + (int64_t{q} * slots + s) * (batch + 1), DType::kInt32, {batch + 1},
+                      device);
   };
   const auto kv_in_hand = [&](int32_t step, const TensorView& user, uint8_t* const ring[2]) {
     const int32_t source = schedule[step].kv_rank;
@@ -171,8 +172,9 @@ void ring_prefill(const AttentionSpec& spec, const ZigzagPlan& plan, const RingP
 
   // The merge chain of each Q slot over the blocks that have work.
   const attnkit::cp::detail::State final_all{
-      args.out, args.lse.defined() ? args.lse
-                                   : attnkit::cp::detail::lse_view(pieces.own_lse, local, hq, device)};
+      args.out, args.lse.defined()
+                    ? args.lse
+                    : attnkit::cp::detail::lse_view(pieces.own_lse, local, hq, device)};
   const attnkit::cp::detail::State scratch_all{
       attnkit::cp::detail::contiguous_view(pieces.acc_out, dtype, local, hq, d, device),
       attnkit::cp::detail::lse_view(pieces.acc_lse, local, hq, device)};
@@ -259,7 +261,8 @@ void ring_prefill(const AttentionSpec& spec, const ZigzagPlan& plan, const RingP
       const int64_t recv_bytes = plan.local_tokens(next) * kv_row_bytes;
       const RingTransfer transfers[2] = {
           {kv_in_hand(t, args.k, pieces.ring_k).data, send_bytes, pieces.ring_k[t % 2], recv_bytes},
-          {kv_in_hand(t, args.v, pieces.ring_v).data, send_bytes, pieces.ring_v[t % 2], recv_bytes}};
+          {kv_in_hand(t, args.v, pieces.ring_v).data, send_bytes, pieces.ring_v[t % 2],
+           recv_bytes}};
       compute_ready.record(stream);
       compute_ready.make_wait(comm_stream, device);
       comm->ring_exchange(transfers, comm_stream);

@@ -75,8 +75,8 @@ void sharded_decode(const AttentionSpec& spec, const DecodeArgs& args, const Opt
   attnkit::detail::validate_decode(spec, local);
 
   const attnkit::cp::detail::MergeChain chain(
-      {args.out, args.lse.defined() ? args.lse
-                                    : attnkit::cp::detail::lse_view(own_lse, rows, hq, device)},
+      {args.out,
+       args.lse.defined() ? args.lse : attnkit::cp::detail::lse_view(own_lse, rows, hq, device)},
       {attnkit::cp::detail::contiguous_view(acc_out, p.dtype, rows, hq, d, device),
        attnkit::cp::detail::lse_view(acc_lse, rows, hq, device)},
       world);

@@ -20,13 +20,14 @@ void check_rank(const char* what, int32_t world_size, int32_t rank) {
 ZigzagPlan::ZigzagPlan(std::span<const int32_t> cu_seqlens, int32_t world_size)
     : world_size_(world_size), cu_seqlens_(cu_seqlens.begin(), cu_seqlens.end()) {
   ATTNKIT_CHECK(world_size >= 1, "ZigzagPlan: world_size must be >= 1, got ", world_size);
-  ATTNKIT_CHECK(!cu_seqlens_.empty() && cu_seqlens_[0] == 0,
-                "ZigzagPlan: cu_seqlens must have B + 1 >= 1 entries starting at 0, got ",
-                cu_seqlens_.empty() ? "none" : "a first entry of " + std::to_string(cu_seqlens_[0]));
+  ATTNKIT_CHECK(
+      !cu_seqlens_.empty() && cu_seqlens_[0] == 0,
+      "ZigzagPlan: cu_seqlens must have B + 1 >= 1 entries starting at 0, got ",
+      cu_seqlens_.empty() ? "none" : "a first entry of " + std::to_string(cu_seqlens_[0]));
   for (size_t i = 1; i < cu_seqlens_.size(); ++i) {
     ATTNKIT_CHECK(cu_seqlens_[i] >= cu_seqlens_[i - 1],
-                  "ZigzagPlan: cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ",
-                  cu_seqlens_[i], " after ", cu_seqlens_[i - 1]);
+                  "ZigzagPlan: cu_seqlens must be non-decreasing, got cu_seqlens[", i,
+                  "] = ", cu_seqlens_[i], " after ", cu_seqlens_[i - 1]);
   }
 }
 

@@ -83,8 +83,8 @@ inline void write_kv_bf16(const KvCacheManager& manager, SeqId seq, int64_t loca
   for (int kv = 0; kv < 2; ++kv) {
     for (int32_t h = 0; h < hkv; ++h) {
       for (int32_t d = 0; d < head_dim; ++d) {
-        const int64_t at =
-            block * block_elems + ((int64_t{kv} * hkv + h) * tokens_per_block + slot) * head_dim + d;
+        const int64_t at = block * block_elems +
+                           ((int64_t{kv} * hkv + h) * tokens_per_block + slot) * head_dim + d;
         pool[at] = numerics::float_to_bf16_bits((kv == 0 ? k : v)[h * head_dim + d]);
       }
     }

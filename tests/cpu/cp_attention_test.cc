@@ -145,9 +145,9 @@ TEST(CpRingPrefill, EqualsSingleRankPrefill) {
       const Batch batch = random_batch(spec, c.lengths, DType::kF32, rng);
       const PrefillRun want = single_rank_prefill(spec, batch);
       for (const int32_t world : {1, 2, 4, 8}) {
-        SCOPED_TRACE(::testing::Message() << "world " << world << " mask " << mask_name(mask)
-                                          << " Hq/Hkv " << c.hq << "/" << c.hkv << " B "
-                                          << c.lengths.size());
+        SCOPED_TRACE(::testing::Message()
+                     << "world " << world << " mask " << mask_name(mask) << " Hq/Hkv " << c.hq
+                     << "/" << c.hkv << " B " << c.lengths.size());
         const PrefillRun got = ring_prefill_ranks(spec, batch, world, /*with_lse=*/true);
         // Each merge rounds once to float32 (the reference accumulates in fp64).
         EXPECT_LE(max_diff(got.out, want.out), 2e-6);
@@ -194,8 +194,7 @@ TEST(CpRingPrefill, Bf16WithinOneRoundingPerBlockAndMerge) {
   for (const int32_t world : {2, 4}) {
     const PrefillRun got = ring_prefill_ranks(spec, batch, world, true);
     const double blocks = 2.0 * world;  // the most blocks a causal slot merges
-    EXPECT_LE(max_diff(got.out, want.out), 2 * blocks * std::ldexp(1.0, -9))
-        << "world " << world;
+    EXPECT_LE(max_diff(got.out, want.out), 2 * blocks * std::ldexp(1.0, -9)) << "world " << world;
     EXPECT_LE(max_diff(got.lse, want.lse), 1e-4);
   }
 }
@@ -226,8 +225,8 @@ TEST(CpRingPrefill, RejectsBadInputBeforeCommunicating) {
   // Rank 1 never calls: a check that lets a call through would wait, and time out.
   const auto group = cp::make_in_process_group(devices, 5.0);
 
-  const auto expect_rejected = [&](const char* needle, AttentionSpec spec,
-                                   const cp::ZigzagPlan& p, cp::RingPrefillArgs args) {
+  const auto expect_rejected = [&](const char* needle, AttentionSpec spec, const cp::ZigzagPlan& p,
+                                   cp::RingPrefillArgs args) {
     SCOPED_TRACE(needle);
     try {
       cp::ring_prefill(spec, p, args, {group[0].get()});

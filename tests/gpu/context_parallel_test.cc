@@ -11,6 +11,8 @@
 // The bound (docs/context_parallel.md): partials and merges are rounded to bf16, once per block
 // and once per merge, each by at most half an ulp of a value bounded by max |v| = 1:
 //   max |out - ref64| <= 2 * max |naive_same_precision - ref64| + 1e-3 + 4 R * 2^-9.
+#include "attnkit/context_parallel.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -20,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "attnkit/context_parallel.h"
 #include "common/cp_test_util.h"
 #include "common/reference_oracle.h"
 #include "gpu/gpu_case_util.h"
@@ -224,8 +225,8 @@ TEST(CpGpu, InProcessRingPrefillOnOneGpuMatchesOracle) {
       const std::vector<Device> devices(static_cast<size_t>(world), Device::cuda(0));
       const auto group = cp::make_in_process_group(devices, 120.0);
       const Result got = ring_prefill_on(spec, batch, group, std::vector<int>(world, 0));
-      expect_within_ring_bound(
-          "in-process R=" + std::to_string(world) + ", " + mask_name(mask), batch, got, world);
+      expect_within_ring_bound("in-process R=" + std::to_string(world) + ", " + mask_name(mask),
+                               batch, got, world);
     }
   }
 }
@@ -253,7 +254,8 @@ struct DeviceCache {
   KvCacheView view;
   DeviceCache(const KvCacheManager& manager, KvBlockTables tables, int device)
       : host_tables(std::move(tables)) {
-    const HostTensor pool_bytes(DType::kInt8, {int64_t{manager.num_blocks()} * manager.block_bytes()});
+    const HostTensor pool_bytes(DType::kInt8,
+                                {int64_t{manager.num_blocks()} * manager.block_bytes()});
     std::memcpy(pool_bytes.view().data, manager.pool_data(),
                 static_cast<size_t>(pool_bytes.numel()));
     pool = DeviceCopy(pool_bytes, device);
@@ -277,8 +279,8 @@ TEST(CpGpu, InProcessShardedDecodeOnOneGpuMatchesReference) {
   std::mt19937_64 rng(test_seed());
   const AttentionSpec spec = llama_like_spec(MaskKind::kCausal);
   const int32_t hq = spec.num_q_heads, hkv = spec.num_kv_heads, d = spec.head_dim;
-  const std::vector<int32_t> lengths = at_test_scale(std::vector<int32_t>{5, 3000, 200, 17},
-                                                     std::vector<int32_t>{5, 700, 200, 17});
+  const std::vector<int32_t> lengths =
+      at_test_scale(std::vector<int32_t>{5, 3000, 200, 17}, std::vector<int32_t>{5, 700, 200, 17});
   const std::vector<SeqId> seqs{1, 2, 3, 4};
   std::uniform_real_distribution<float> value(-1.0f, 1.0f);
   for (const int32_t world : {2, 4, 8}) {
@@ -301,8 +303,8 @@ TEST(CpGpu, InProcessShardedDecodeOnOneGpuMatchesReference) {
         for (float& x : k) x = value(rng);
         for (float& x : v) x = value(rng);
         write_kv_bf16(global, seqs[s], p, hkv, kT, d, k.data(), v.data());
-        write_kv_bf16(*managers[layout.rank_of_position(p)], seqs[s], layout.local_position(p),
-                      hkv, kT, d, k.data(), v.data());
+        write_kv_bf16(*managers[layout.rank_of_position(p)], seqs[s], layout.local_position(p), hkv,
+                      kT, d, k.data(), v.data());
       }
     }
     const int64_t rows = static_cast<int64_t>(seqs.size());
@@ -337,7 +339,8 @@ TEST(CpGpu, InProcessShardedDecodeOnOneGpuMatchesReference) {
     std::vector<std::unique_ptr<DeviceCache>> caches;
     std::vector<DeviceCopy> outs, lses;
     for (int32_t r = 0; r < world; ++r) {
-      caches.push_back(std::make_unique<DeviceCache>(*managers[r], shards[r].block_tables(seqs), 0));
+      caches.push_back(
+          std::make_unique<DeviceCache>(*managers[r], shards[r].block_tables(seqs), 0));
       outs.emplace_back(out_like, 0);
       lses.emplace_back(lse_like, 0);
     }
@@ -357,9 +360,9 @@ TEST(CpGpu, InProcessShardedDecodeOnOneGpuMatchesReference) {
     const double bound = 2 * single_error + 1e-3 + 2.0 * world * std::ldexp(1.0, -9);
     EXPECT_LE(max_abs_diff(out0.to_double(), ref.to_double()), bound);
     bool pattern = false;
-    EXPECT_LE(max_abs_diff_lse(lses[0].download(lse_like).to_double(), ref_lse.to_double(),
-                               &pattern),
-              1e-3);
+    EXPECT_LE(
+        max_abs_diff_lse(lses[0].download(lse_like).to_double(), ref_lse.to_double(), &pattern),
+        1e-3);
     EXPECT_TRUE(pattern);
     for (int32_t r = 1; r < world; ++r) {
       EXPECT_EQ(outs[r].download(out_like).bytes(), out0.bytes()) << "rank " << r;
@@ -369,9 +372,9 @@ TEST(CpGpu, InProcessShardedDecodeOnOneGpuMatchesReference) {
 
 // ---- NCCL -----------------------------------------------------------------------------------
 
-#define ATTNKIT_SKIP_WITHOUT_NCCL()                                                      \
-  do {                                                                                   \
-    if (!cp::nccl_available())                                                           \
+#define ATTNKIT_SKIP_WITHOUT_NCCL()                                                       \
+  do {                                                                                    \
+    if (!cp::nccl_available())                                                            \
       GTEST_SKIP() << "attnkit built without NCCL or libnccl.so.2 not loadable: skipped"; \
   } while (0)
 
@@ -424,8 +427,8 @@ TEST(CpGpu, NcclRingPrefillAcrossGpusMatchesOracle) {
     const AttentionSpec spec = llama_like_spec(mask);
     const Batch batch = random_batch(spec, uneven_lengths(), rng);
     const Result got = ring_prefill_on(spec, batch, group, devices);
-    expect_within_ring_bound("NCCL R=" + std::to_string(count) + ", " + mask_name(mask), batch,
-                             got, count);
+    expect_within_ring_bound("NCCL R=" + std::to_string(count) + ", " + mask_name(mask), batch, got,
+                             count);
   }
 }
 

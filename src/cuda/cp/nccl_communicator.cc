@@ -110,7 +110,8 @@ void check_nccl(const NcclApi& api, ncclResult_t status, const char* what, ncclC
 class NcclCommunicator final : public Communicator {
  public:
   // owned: destroy the communicator with this object.
-  NcclCommunicator(ncclComm_t comm, bool owned) : api_(loaded_api("NCCL communicator")), comm_(comm), owned_(owned) {
+  NcclCommunicator(ncclComm_t comm, bool owned)
+      : api_(loaded_api("NCCL communicator")), comm_(comm), owned_(owned) {
     int value = 0;
     check_nccl(api_, api_.comm_count(comm_, &value), "ncclCommCount", comm_);
     world_size_ = value;
@@ -210,8 +211,9 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
 }
 
 std::unique_ptr<Communicator> wrap_nccl_communicator(void* nccl_comm) {
-  ATTNKIT_CHECK(nccl_comm != nullptr, "wrap_nccl_communicator: nccl_comm must be an ncclComm_t, "
-                                      "got nullptr");
+  ATTNKIT_CHECK(nccl_comm != nullptr,
+                "wrap_nccl_communicator: nccl_comm must be an ncclComm_t, "
+                "got nullptr");
   return std::make_unique<NcclCommunicator>(static_cast<ncclComm_t>(nccl_comm), /*owned=*/false);
 }
 
