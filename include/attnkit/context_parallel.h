@@ -36,8 +36,9 @@ namespace attnkit::cp {
 // collective: every rank of the group calls it, in the same order, with matching sizes. The
 // transfers are enqueued on `stream` (cudaStream_t as void*, ignored for CPU ranks) and are
 // complete, on the host for CPU ranks and in stream order for CUDA ranks, when the call returns;
-// the buffers may be reused after that (in stream order). Sizes that do not match between the
-// ranks throw Error on every rank.
+// the buffers may be reused after that (in stream order). The in-process group checks that the
+// sizes match between the ranks and throws Error on every rank when they do not; NCCL does not
+// check (a mismatch is an NCCL usage error).
 struct RingTransfer {
   const void* send = nullptr;  // sent to rank (rank + 1) % R
   int64_t send_bytes = 0;
