@@ -7,7 +7,7 @@
 //   blocks it computes; fully masked blocks are skipped, the causal diagonal is masked.
 // - ring_prefill(): the prefill of a rank's shard, K/V travelling around the ring through a
 //   Communicator, partial (O, LSE) merged with merge_states().
-// - DecodeShardLayout / sharded_decode(): a KV cache sharded by sequence (block i of a sequence
+// - DecodeShardLayout / sharded_decode(): every sequence's KV cache sharded by blocks (block i
 //   on rank i mod R); each rank attends its shard, the partial (O, LSE) are all-gathered and
 //   merged in rank order, so every rank gets the same output bits.
 // - Communicator: the transport (send / receive to the ring neighbours, all-gather), over NCCL or
@@ -188,12 +188,12 @@ void ring_prefill(const AttentionSpec& spec, const ZigzagPlan& plan, const RingP
                   const Options& options, Stream stream = nullptr);
 
 // ---------------------------------------------------------------------------------------------
-// DecodeShardLayout: a KV cache sharded by sequence. Block i of a sequence's tokens (tokens
-// [i T, (i + 1) T)) lives on rank i mod R, so every rank holds within one block of L / R tokens of
-// a sequence of length L at any length, and a growing sequence fills the ranks in turn. On its
-// rank, position p is local position (p / T / R) T + p mod T: each rank's KvCacheManager holds a
-// local sequence made of its blocks in order (docs/context_parallel.md shows the add / append
-// calls).
+// DecodeShardLayout: every sequence's KV cache sharded by blocks. Block i of a sequence's tokens
+// (tokens [i T, (i + 1) T)) lives on rank i mod R, so every rank holds within one block of L / R
+// tokens of a sequence of length L at any length, and a growing sequence fills the ranks in turn.
+// On its rank, position p is local position (p / T / R) T + p mod T: each rank's KvCacheManager
+// holds a local sequence made of its blocks in order (docs/context_parallel.md shows the add /
+// append calls).
 struct DecodeShardLayout {
   int32_t world_size = 1;
   int32_t tokens_per_block = 16;

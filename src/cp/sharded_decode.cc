@@ -1,6 +1,7 @@
-// sharded_decode(): decode over a KV cache sharded by sequence (docs/context_parallel.md). Each
-// rank attends its own blocks, the (O, LSE) partials of every rank are all-gathered and merged in
-// rank order, the same order on every rank, so that every rank holds the same output bits.
+// sharded_decode(): decode over a KV cache sharded by blocks of each sequence
+// (docs/context_parallel.md). Each rank attends its own blocks, the (O, LSE) partials of every rank
+// are all-gathered and merged in rank order, the same order on every rank, so that every rank holds
+// the same output bits.
 #include <vector>
 
 #include "attnkit/context_parallel.h"
