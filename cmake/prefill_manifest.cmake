@@ -9,14 +9,16 @@
 #         m128w4n128 (prefill_traits.h says which exist per head_dim). Every sm80 entry compiles
 #         the packed, paged (16-bit and 8-bit caches) kernels of both masks, and by fixed rules the
 #         row-run paged kernels (head_dim 80, 96, 128), the dead-block-skip causal kernel (m128w4 at
-#         head_dim 64 and 128) and the split-warp kernel (head_dim 256, m64).
+#         head_dim 64 and 128) and the split-warp kernel (head_dim 256, m64); in a second file
+#         (_skip.cu) the skip-softmax kernels of the tile (packed 16-bit K/V, both masks).
 #   sm90: the Hopper warpgroup kernels (prefill_sm90_kernel.cuh), tile "ws": both masks, with and
 #         without logit modifiers, and (in a second file, _skip.cu) the skip-softmax kernels of
 #         the unmasked calls. dtype fp8 is the FP8 kernel (fp8 e4m3 q, k, v; head_dim 128 and
 #         256; no skip-softmax).
 #
 # ATTNKIT_KERNEL_SUBSET keeps head_dim 128 bf16 (sm80 m128 and sm90) and the head_dim 128 FP8
-# kernel, the set CI compiles on two cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a full build.
+# kernel, the set CI compiles on two cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a
+# full build.
 
 set(ATTNKIT_PREFILL_MANIFEST
   "sm80 64 bf16 m128" "sm80 64 bf16 m64" "sm80 64 bf16 m128w4" "sm80 64 bf16 m128w4n128"
@@ -102,6 +104,7 @@ function(attnkit_prefill_manifest out_var)
       if(dim EQUAL 256 AND tile STREQUAL "m64")
         string(APPEND body "ATTNKIT_PREFILL_INSTANTIATE_SPLIT(${dt})\n")
       endif()
+      set(skip_body "ATTNKIT_PREFILL_INSTANTIATE_SKIP_SOFTMAX(${dim}, ${tile_cpp}, ${dt})\n")
       set(header "cuda/prefill/prefill_kernel.cuh")
       string(APPEND table "ATTNKIT_PREFILL_KERNEL(false, ${dim}, ${dt}, ${tile_cpp})\n")
     else()
@@ -109,7 +112,6 @@ function(attnkit_prefill_manifest out_var)
         string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_FP8(${dim})\n")
       else()
         string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE(${dim}, ${dt})\n")
-        # The skip-softmax kernels in a file of their own: two cores compile both files at once.
         set(skip_body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(${dim}, ${dt})\n")
       endif()
       set(header "cuda/prefill/prefill_sm90_kernel.cuh")
@@ -117,6 +119,7 @@ function(attnkit_prefill_manifest out_var)
     endif()
     set(stem "${gen_dir}/prefill_inst_${path}_d${dim}_${dtype}_${tile}")
     _attnkit_write_instantiation("${stem}.cu" "${entry}" "${header}" "${body}")
+    # The skip-softmax kernels in a file of their own: two cores compile both files at once.
     list(APPEND sources "${stem}.cu")
     if(NOT skip_body STREQUAL "")
       _attnkit_write_instantiation("${stem}_skip.cu" "${entry}" "${header}" "${skip_body}")

@@ -14,11 +14,12 @@ inline void help_without_subcommand(CLI::App& app) {
   });
 }
 
-void register_info_command(CLI::App& app);    // info_cmd.cc
-void register_check_command(CLI::App& app);   // check_cmd.cc
-void register_config_command(CLI::App& app);  // config_cmd.cc
-void register_bench_command(CLI::App& app);   // bench_cmd.cc
-void register_replay_command(CLI::App& app);  // replay_cmd.cc
+void register_info_command(CLI::App& app);       // info_cmd.cc
+void register_check_command(CLI::App& app);      // check_cmd.cc
+void register_config_command(CLI::App& app);     // config_cmd.cc
+void register_bench_command(CLI::App& app);      // bench_cmd.cc
+void register_replay_command(CLI::App& app);     // replay_cmd.cc
+void register_calibrate_command(CLI::App& app);  // calibrate_cmd.cc
 
 // Benchmark subcommands under `attnkit bench` (CUDA builds measure; CPU-only builds explain).
 void register_bench_decode(CLI::App& bench);   // bench_decode.cc

@@ -1,4 +1,4 @@
-// The attnkit program: info, check, config validate, bench, replay.
+// The attnkit program: info, check, config validate, bench, replay, calibrate.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   attnkit::tools::register_config_command(app);
   attnkit::tools::register_bench_command(app);
   attnkit::tools::register_replay_command(app);
+  attnkit::tools::register_calibrate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

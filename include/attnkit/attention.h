@@ -21,6 +21,22 @@ namespace attnkit {
 using Stream = void*;
 
 // ---------------------------------------------------------------------------------------------
+// SkipStats: the skip-softmax statistics of one prefill() call (docs/diffusion.md), laid out as
+// PrefillArgs::skip_stats holds them on the device: int64 {tiles_total, tiles_skipped, block_m,
+// block_n}. The call overwrites the buffer in stream order and never synchronizes; copy its 32
+// bytes into a SkipStats once the stream has reached them (e.g. cudaMemcpyAsync + an event).
+struct SkipStats {
+  int64_t tiles_total = 0;    // (query tile, key tile) pairs visited, counted per query head
+  int64_t tiles_skipped = 0;  // of them, the pairs skip-softmax skipped
+  int64_t block_m = 0;        // the tile the counts refer to: block_m query rows x block_n keys
+  int64_t block_n = 0;        // (the kernel's own tile on the fused backend)
+  double skipped_fraction() const {
+    return tiles_total ? static_cast<double>(tiles_skipped) / tiles_total : 0.0;
+  }
+};
+static_assert(sizeof(SkipStats) == 4 * sizeof(int64_t), "SkipStats mirrors an int64 [4] buffer");
+
+// ---------------------------------------------------------------------------------------------
 // prefill: packed variable-length context attention.
 //
 // Queries of sequence i are the last n_i = cu_seqlens_q[i+1] - cu_seqlens_q[i] tokens of its
@@ -52,6 +68,17 @@ struct PrefillArgs {
   // cu_seqlens live on the device and are never read back; computed from the data on the CPU.
   int32_t max_seqlen_q = 0;
   int32_t max_seqlen_kv = 0;
+  // Skip-softmax (spec.skip_softmax, mask none or causal; docs/diffusion.md). `timestep`: the
+  // call's normalized diffusion timestep in [0, 1] for the disabled_until_timestep gate (LLM
+  // prefill leaves it 0: the gate is open). `block_m` x `block_n`: the tiles the reference and
+  // vanilla backends take the skip decisions on (16, 32, 64, 128 or 256; the fused kernels take
+  // their own and report them in skip_stats).
+  double timestep = 0.0;
+  int32_t block_m = 128;
+  int32_t block_n = 128;
+  // Optional int64 [4], contiguous, in the memory of q: overwritten in stream order with the
+  // call's SkipStats (also without skip_softmax: then tiles_skipped = 0). No host synchronization.
+  TensorView skip_stats;
   // Checked mode for this call (docs/safety.md; also on for every call with ATTNKIT_CHECKED=1):
   // a CUDA call synchronizes its stream after enqueueing its work and throws DeviceFaultError at
   // once for a fault the kernels recorded. No effect on CPU calls.

@@ -96,7 +96,7 @@ struct AttentionSpec {
   double logit_softcap = 0.0;       // > 0: logit = cap * tanh(logit / cap)
   Backend backend = Backend::kAuto;
   FusedKernel fused_kernel = FusedKernel::kAuto;  // context attention on the fused backend
-  std::optional<SkipSoftmaxSpec> skip_softmax;    // dense() only
+  std::optional<SkipSoftmaxSpec> skip_softmax;    // dense() and prefill() (none / causal mask)
   std::optional<SageQuantSpec> quant;             // dense() only
 
   double effective_scale() const;

@@ -384,8 +384,15 @@ def prefill(
     softmax_scale: Optional[float] = None,
     alibi: Any = False,
     softcap: float = 0.0,
-    backend: str = "auto",
+    config: Optional[AttentionConfig] = None,
+    role: str = "default",
+    backend: Optional[str] = None,
     kernel: str = "auto",
+    skip_softmax: Optional[dict] = None,
+    timestep: float = 0.0,
+    block_m: int = 128,
+    block_n: int = 128,
+    skip_stats: Any = None,
     out: Any = None,
     return_lse: bool = False,
     lse: Any = None,
@@ -406,7 +413,14 @@ def prefill(
     lse / return_lse: float32 [total_q, Hq] natural-log sum-exp (-inf for empty rows).
     kernel: the fused kernel on CUDA tensors: "auto" (the Hopper kernel on an H100 / H200 where
     it serves the call), "portable" (the mma.sync kernel of sm80+) or "hopper" (raises where the
-    Hopper kernel cannot serve the call).
+    Hopper kernel cannot serve the call). config / role: an AttentionConfig whose resolved
+    settings for ``role`` (backend, skip_softmax) apply; explicit ``backend`` / ``skip_softmax``
+    override them (a config's quant is a dense() option and raises here).
+    skip_softmax: dict as for dense(), with causal or no mask (docs/diffusion.md); timestep: the
+    normalized diffusion timestep of its gate; block_m / block_n: the tiles of the skip decisions
+    on the CPU reference (the fused kernels use their own). skip_stats: an int64 tensor [4] on q's
+    device, overwritten in stream order with (tiles_total, tiles_skipped, block_m, block_n),
+    without a synchronization.
     checked=True: synchronize after the call and raise a device fault at once (docs/safety.md).
     Returns out, or (out, lse) when return_lse or lse is given.
     """
@@ -427,8 +441,21 @@ def prefill(
         cu_seqlens_q = [0, total_q]
     cu_seqlens_q = _int32(cu_seqlens_q, q, "cu_seqlens_q")
     cu_seqlens_k = _int32(cu_seqlens_k, q, "cu_seqlens_k")
-    spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend, kernel)
+    resolved = (
+        config.resolve(role)
+        if config is not None
+        else {"backend": "auto", "skip_softmax": None, "quant": None}
+    )
+    spec = _spec(hq, hkv, d, softmax_scale, alibi, softcap, backend or resolved["backend"], kernel)
     spec.update(_mask(causal, window, sink_tokens))
+    skip_softmax = dict_arg(
+        skip_softmax,
+        "skip_softmax",
+        'a dict with "threshold" or "target_sparsity" and "calibration": {"a": a, "b": b}, '
+        'and "disabled_until_timestep"',
+    )
+    spec["skip_softmax"] = skip_softmax if skip_softmax is not None else resolved["skip_softmax"]
+    spec["quant"] = resolved["quant"]
     max_seqlen_q = opt_int_arg(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = opt_int_arg(max_seqlen_k, "max_seqlen_k")
     return_lse = bool_arg(return_lse, "return_lse")
@@ -460,6 +487,10 @@ def prefill(
         lse=lse,
         max_seqlen_q=max_seqlen_q or 0,
         max_seqlen_kv=max_seqlen_k or 0,
+        timestep=float_arg(timestep, "timestep"),
+        block_m=int_arg(block_m, "block_m"),
+        block_n=int_arg(block_n, "block_n"),
+        skip_stats=skip_stats,
         checked=checked,
         stream=stream,
     )

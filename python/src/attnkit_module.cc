@@ -537,7 +537,8 @@ Device parse_device_name(const std::string& name) {
 void py_prefill(const nb::dict& spec_dict, nb::handle q, nb::handle cu_seqlens_q, nb::handle out,
                 nb::handle k, nb::handle v, nb::handle cu_seqlens_kv,
                 const std::optional<nb::dict>& kv_cache, nb::handle lse, int32_t max_seqlen_q,
-                int32_t max_seqlen_kv, bool checked, uintptr_t stream) {
+                int32_t max_seqlen_kv, double timestep, int32_t block_m, int32_t block_n,
+                nb::handle skip_stats, bool checked, uintptr_t stream) {
   const PyFunction names = kv_cache ? PyFunction::kPrefillPaged : PyFunction::kPrefill;
   in_python_names(names, [&] {
     const AttentionSpec spec = spec_from_dict(spec_dict);
@@ -549,8 +550,12 @@ void py_prefill(const nb::dict& spec_dict, nb::handle q, nb::handle cu_seqlens_q
     args.v = opt_array_view(v, "v", Access::kInput);
     args.cu_seqlens_kv = opt_array_view(cu_seqlens_kv, "cu_seqlens_kv", Access::kInput);
     args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.skip_stats = opt_array_view(skip_stats, "skip_stats", Access::kOutput);
     args.max_seqlen_q = max_seqlen_q;
     args.max_seqlen_kv = max_seqlen_kv;
+    args.timestep = timestep;
+    args.block_m = block_m;
+    args.block_n = block_n;
     args.checked = checked;
     KvCacheView cache;
     if (kv_cache) {
@@ -1000,7 +1005,8 @@ NB_MODULE(_attnkit, m) {
   const auto none = nb::none();
   m.def("prefill", &py_prefill, "spec"_a, "q"_a, "cu_seqlens_q"_a, "out"_a, "k"_a = none,
         "v"_a = none, "cu_seqlens_kv"_a = none, "kv_cache"_a.none() = none, "lse"_a = none,
-        "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "checked"_a = false, "stream"_a = 0);
+        "max_seqlen_q"_a = 0, "max_seqlen_kv"_a = 0, "timestep"_a = 0.0, "block_m"_a = 128,
+        "block_n"_a = 128, "skip_stats"_a = none, "checked"_a = false, "stream"_a = 0);
   m.def("decode", &py_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a, "lse"_a = none,
         "beam_width"_a = 1, "cache_indirection"_a = none, "num_splits"_a = 0, "max_seq_len"_a = 0,
         "workspace"_a.none() = none, "deterministic"_a = true, "batch_invariant"_a = false,

@@ -233,6 +233,35 @@ def test_dense_with_config_role(rng):
         attnkit.dense(q, k, v, backend="fused")
 
 
+def test_prefill_skip_softmax_with_config_role(rng):
+    cfg = attnkit.AttentionConfig.from_json(
+        '{"per_role": {"self": {"skip_softmax": {"threshold": 1e9}},'
+        ' "self.gated": {"skip_softmax": {"threshold": 1e9, "disabled_until_timestep": 0.5}}}}'
+    )
+    q, k, v, cu_q, cu_k = _varlen(rng, [40, 9], [40, 30], 2, 2, 64, np.float32)
+    plain = attnkit.prefill(q, k, v, cu_q, cu_k)
+    stats = np.full(4, -1, dtype=np.int64)
+    # lambda = 1e9 keeps only the first (diagonal) key tile of each 16-row query tile.
+    skipped = attnkit.prefill(q, k, v, cu_q, cu_k, config=cfg, role="self", block_m=16,
+                              block_n=16, skip_stats=stats)
+    total, n_skipped, block_m, block_n = stats.tolist()
+    # Query tiles: sequence 0 rows 0-15 / 16-31 / 32-39 see 1 / 2 / 3 key tiles; sequence 1's one
+    # tile (positions 21-29) sees 2. Per head: 8 pairs, of which 3 + 1 are not the first.
+    assert (total, n_skipped, block_m, block_n) == (2 * 8, 2 * 4, 16, 16)
+    assert not np.array_equal(skipped, plain)
+    np.testing.assert_allclose(skipped[:16], plain[:16], atol=1e-6)  # one key tile: nothing lost
+    # A closed gate is the plain call bit for bit; the stats still count the tiles.
+    gated = attnkit.prefill(q, k, v, cu_q, cu_k, config=cfg, role="self.gated", timestep=0.8,
+                            block_m=16, block_n=16, skip_stats=stats)
+    assert np.array_equal(gated, plain)
+    assert stats.tolist() == [2 * 8, 0, 16, 16]
+    with pytest.raises(attnkit.Error, match="skip_stats"):
+        attnkit.prefill(q, k, v, cu_q, cu_k, config=cfg, role="self",
+                        skip_stats=np.zeros(2, dtype=np.int64))
+    with pytest.raises(attnkit.Error, match="skip_softmax"):
+        attnkit.prefill(q, k, v, cu_q, cu_k, window=8, skip_softmax={"threshold": 0.1})
+
+
 def test_info():
     info = attnkit.info()
     assert info["version"] == attnkit.__version__

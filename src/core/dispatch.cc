@@ -74,6 +74,10 @@ void prefill(const AttentionSpec& spec, const PrefillArgs& args, Stream stream) 
                 "'fused'), which ",
                 reason.empty() ? std::string("backend 'vanilla' does not select")
                                : "cannot serve this call: " + reason);
+  // auto does not take a skip-softmax call to the vanilla kernels, which do not skip.
+  ATTNKIT_CHECK(
+      route != Route::kCudaVanilla || !spec.skip_softmax || spec.backend == Backend::kVanilla,
+      "prefill: skip_softmax runs on the fused kernels, which cannot serve this call: ", reason);
   run_route(
       route, "prefill", args.checked, stream, [&] { reference::prefill(spec, args, p); },
       [&] { cuda::vanilla_prefill(spec, args, p, stream); },

@@ -31,7 +31,14 @@ void check_packed_lengths(const Validator& v, const AttentionSpec& spec, const P
 PrefillProblem validate_prefill(const AttentionSpec& spec, const PrefillArgs& args) {
   spec.validate();
   const Validator v("prefill");
-  check_no_dense_only_options(v, spec);
+  check_no_dense_only_options(v, spec, /*allow_skip=*/true);
+  // Skip-softmax walks the key tiles of a query tile from the diagonal back (docs/diffusion.md);
+  // a sliding window's walk (window, then sinks) has no skip rule defined.
+  v.check(!spec.skip_softmax || spec.mask.kind != MaskKind::kSlidingWindow, "spec.skip_softmax",
+          "prefill() skips tiles under mask none or causal, got mask ", mask_name(spec.mask.kind));
+  v.check(!args.skip_stats.defined() || spec.mask.kind != MaskKind::kSlidingWindow, "skip_stats",
+          "the skip-softmax statistics cover mask none or causal, got mask ",
+          mask_name(spec.mask.kind));
   const int32_t hq = spec.num_q_heads, hkv = spec.num_kv_heads, d = spec.head_dim;
 
   PrefillProblem p;
@@ -147,6 +154,7 @@ PrefillProblem validate_prefill(const AttentionSpec& spec, const PrefillArgs& ar
             t->strides[1], ")");
   }
 
+  check_skip_args(v, args.skip_stats, 4, p.device, args.timestep, args.block_m, args.block_n);
   // max_seqlen_*: required on cuda (device lengths are not read back), an upper bound if given.
   v.check(args.max_seqlen_q >= 0, "max_seqlen_q", "must be >= 0, got ", args.max_seqlen_q);
   v.check(args.max_seqlen_kv >= 0, "max_seqlen_kv", "must be >= 0, got ", args.max_seqlen_kv);

@@ -6,13 +6,6 @@
 #include "core/validate_util.h"
 
 namespace attnkit::detail {
-namespace {
-
-bool is_tile_size(int32_t size) {
-  return size == 16 || size == 32 || size == 64 || size == 128 || size == 256;
-}
-
-}  // namespace
 
 DenseProblem validate_dense(const AttentionSpec& spec, const DenseArgs& args) {
   spec.validate();
@@ -48,22 +41,11 @@ DenseProblem validate_dense(const AttentionSpec& spec, const DenseArgs& args) {
     v.expect_tensor(args.lse, "lse", {DType::kF32}, {b, Dim("Sq", seqlen_q), Dim("Hq", hq)},
                     p.device, Access::kSmallOutput);
   }
-  if (args.skip_stats.defined()) {
-    v.expect_tensor(args.skip_stats, "skip_stats", {DType::kInt64}, {2}, p.device,
-                    Access::kSmallOutput);
-    v.check(args.skip_stats.strides[0] == 1, "skip_stats", "must be contiguous, got stride ",
-            args.skip_stats.strides[0]);
-  }
+  check_skip_args(v, args.skip_stats, 2, p.device, args.timestep, args.block_m, args.block_n);
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   v.check(batch <= kMax && seqlen_q <= kMax, "q", "B and Sq must fit in int32, got shape ",
           args.q.shape_str());
   v.check(seqlen_kv <= kMax, "k", "Skv must fit in int32, got shape ", args.k.shape_str());
-  v.check(std::isfinite(args.timestep) && args.timestep >= 0.0 && args.timestep <= 1.0, "timestep",
-          "must be a normalized timestep in [0, 1], got ", args.timestep);
-  v.check(is_tile_size(args.block_m), "block_m", "expected 16, 32, 64, 128 or 256, got ",
-          args.block_m);
-  v.check(is_tile_size(args.block_n), "block_n", "expected 16, 32, 64, 128 or 256, got ",
-          args.block_n);
   p.batch = static_cast<int32_t>(batch);
   p.seqlen_q = static_cast<int32_t>(seqlen_q);
   p.seqlen_kv = static_cast<int32_t>(seqlen_kv);

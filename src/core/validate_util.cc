@@ -363,11 +363,28 @@ void check_no_beams_with_cyclic(const Validator& v, const KvCacheFacts& facts,
           beam_width, cache_indirection.defined() ? " and a cache_indirection" : "");
 }
 
-void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec) {
-  v.check(!spec.skip_softmax.has_value(), "spec.skip_softmax",
-          "skip-softmax is implemented by dense() only; unset it for ", v.op());
+void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec, bool allow_skip) {
+  v.check(allow_skip || !spec.skip_softmax.has_value(), "spec.skip_softmax",
+          "skip-softmax is implemented by dense() and prefill() only; unset it for ", v.op());
   v.check(!spec.quant.has_value(), "spec.quant",
           "SAGE quantization is implemented by dense() only; unset it for ", v.op());
+}
+
+void check_skip_args(const Validator& v, const TensorView& skip_stats, int64_t stats_len,
+                     const Device& device, double timestep, int32_t block_m, int32_t block_n) {
+  if (skip_stats.defined()) {
+    v.expect_tensor(skip_stats, "skip_stats", {DType::kInt64}, {stats_len}, device,
+                    Access::kSmallOutput);
+    v.check(skip_stats.strides[0] == 1, "skip_stats", "must be contiguous, got stride ",
+            skip_stats.strides[0]);
+  }
+  v.check(std::isfinite(timestep) && timestep >= 0.0 && timestep <= 1.0, "timestep",
+          "must be a normalized timestep in [0, 1], got ", timestep);
+  const auto tile = [](int32_t size) {
+    return size == 16 || size == 32 || size == 64 || size == 128 || size == 256;
+  };
+  v.check(tile(block_m), "block_m", "expected 16, 32, 64, 128 or 256, got ", block_m);
+  v.check(tile(block_n), "block_n", "expected 16, 32, 64, 128 or 256, got ", block_n);
 }
 
 void check_cyclic_chunk(const Validator& v, const KvCacheView& cache, const AttentionSpec& spec,

@@ -134,8 +134,15 @@ void check_indirection_values(const Validator& v, const TensorView& ind, const s
   }
 }
 
-// Spec features that only dense() implements.
-void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec);
+// Spec features that only dense() implements (prefill() takes skip_softmax too: `allow_skip`).
+void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec,
+                                 bool allow_skip = false);
+
+// The skip-softmax arguments of dense() and prefill(): skip_stats (optional, int64 [stats_len],
+// contiguous, on `device`), the normalized timestep in [0, 1], and the reference's tiles block_m /
+// block_n (16, 32, 64, 128 or 256).
+void check_skip_args(const Validator& v, const TensorView& skip_stats, int64_t stats_len,
+                     const Device& device, double timestep, int32_t block_m, int32_t block_n);
 
 // Cyclic caches hold window_slots positions after the sinks; a chunk of n new queries needs the
 // window of its first query still present: n + window - 1 <= window_slots.

@@ -64,6 +64,11 @@ SageColumns sage_quantize_v(const std::vector<float>& x, int64_t rows, int32_t d
   return result;
 }
 
+int64_t visited_key_tiles(const DenseTileRule& rule, int64_t m0, int64_t rows, int64_t skv) {
+  const int64_t key_end = rule.causal ? std::min(skv, rule.q_pos0 + m0 + rows) : skv;
+  return key_end > 0 ? (key_end + rule.block_n - 1) / rule.block_n : 0;
+}
+
 DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const double* k,
                                   const float* k_scale, const double* v, const float* v_scale,
                                   int64_t sq, int64_t skv, int32_t dim, const DenseTileRule& rule,
@@ -77,7 +82,7 @@ DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const d
     row_max.assign(rows, kNegInf);
     row_sum.assign(rows, 0.0);
     acc.assign(static_cast<size_t>(rows * dim), 0.0);
-    const int64_t num_tiles = (skv + rule.block_n - 1) / rule.block_n;
+    const int64_t num_tiles = visited_key_tiles(rule, m0, rows, skv);
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t n0 = (rule.last_tile_first ? num_tiles - 1 - t : t) * rule.block_n;
       const int64_t cols = std::min<int64_t>(rule.block_n, skv - n0);
@@ -88,21 +93,30 @@ DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const d
       tile_max.assign(rows, kNegInf);
       for (int64_t r = 0; r < rows; ++r) {
         const double* qr = q + (m0 + r) * dim;
+        const int64_t position = rule.q_pos0 + m0 + r;
         for (int64_t c = 0; c < cols; ++c) {
+          if (rule.causal && n0 + c > position) {
+            scores[r * cols + c] = kNegInf;
+            continue;
+          }
           const double* kc = k + (n0 + c) * dim;
           double dot = 0.0;
           for (int32_t d = 0; d < dim; ++d) dot += qr[d] * kc[d];
           double s = dot * q_scale[m0 + r] * k_scale[n0 + c] * rule.softmax_scale;
           if (rule.logit_softcap > 0.0) s = rule.logit_softcap * std::tanh(s / rule.logit_softcap);
+          if (rule.alibi_slope != 0.0) {
+            s += rule.alibi_slope * static_cast<double>(n0 + c - position);
+          }
           scores[r * cols + c] = s;
           tile_max[r] = std::max(tile_max[r], s);
         }
       }
       if (rule.skip) {
-        // The first tile never skips: row_max is -inf there, so the difference is +inf.
+        // The first tile never skips: row_max is -inf there, so the difference is +inf. A row
+        // without an attended key in the tile (tile_max -inf: the causal mask) does not vote.
         bool skip = true;
         for (int64_t r = 0; r < rows && skip; ++r) {
-          skip = tile_max[r] - row_max[r] < rule.log_lambda;
+          skip = tile_max[r] == kNegInf || tile_max[r] - row_max[r] < rule.log_lambda;
         }
         if (skip) {
           ++counts.skipped;
@@ -111,6 +125,7 @@ DenseTileCounts dense_attend_head(const double* q, const float* q_scale, const d
       }
       for (int64_t r = 0; r < rows; ++r) {
         const double new_max = std::max(row_max[r], tile_max[r]);
+        if (new_max == kNegInf) continue;  // no key of this row so far: nothing to add
         const double correction = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 at the start
         row_sum[r] *= correction;
         double* acc_r = acc.data() + r * dim;

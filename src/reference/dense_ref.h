@@ -33,7 +33,8 @@ struct SageColumns {
 };
 SageColumns sage_quantize_v(const std::vector<float>& x, int64_t rows, int32_t dim);
 
-// The tile-faithful online softmax of one head (docs/diffusion.md, "Algorithm").
+// The tile-faithful online softmax of one head (docs/diffusion.md, "Algorithm"), for dense() and
+// for prefill() with skip-softmax.
 struct DenseTileRule {
   int32_t block_m = 128;
   int32_t block_n = 128;
@@ -43,10 +44,20 @@ struct DenseTileRule {
   double log_lambda = 0.0;     // ln(lambda), used when skip
   bool quantize_p = false;     // SAGE: P*V uses fp8(p * 448)
   // The order the key tiles of a query tile are walked in (it decides which tiles skip): first to
-  // last (dense() on the reference), or last to first, the order of the sm90 kernel (its partial
-  // last tile, the one that needs a mask, comes first).
+  // last (dense() on the reference), or last to first, the order of the fused kernels (the
+  // partial last tile, or under a causal mask the diagonal, comes first).
   bool last_tile_first = false;
+  // prefill(): query row i sits at position q_pos0 + i (bottom-right aligned); `causal` masks the
+  // keys j > position, and a query tile visits the key tiles up to its last row's position;
+  // alibi_slope adds slope * (j - position) after the soft-cap. A row that attends no key of a
+  // tile does not vote on it.
+  bool causal = false;
+  int64_t q_pos0 = 0;
+  double alibi_slope = 0.0;
 };
+
+// The key tiles of block_n keys that query rows [m0, m0 + rows) visit under `rule` (skv keys).
+int64_t visited_key_tiles(const DenseTileRule& rule, int64_t m0, int64_t rows, int64_t skv);
 
 struct DenseTileCounts {
   int64_t total = 0;

@@ -13,11 +13,13 @@
 // those of keys half the sequence away.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
+#include "attnkit/attention.h"
 #include "common/test_util.h"
 
 namespace attnkit::test {
@@ -79,6 +81,78 @@ inline void fill_diffusion_like(HostTensor& q, HostTensor& k, HostTensor& v, std
       }
     }
   }
+}
+
+// One sequence of a packed prefill batch: its queries are the last q_len of its kv_len positions
+// (bottom-right aligned).
+struct PackedSeq {
+  int32_t q_len = 0, kv_len = 0;
+};
+
+// Packed prefill inputs of diffusion-like structure: each sequence's kv_len positions filled by
+// fill_diffusion_like (Sq = Skv), its queries the last q_len of them.
+struct PackedDiffusionLike {
+  std::vector<PackedSeq> seqs;
+  int32_t hq = 0, hkv = 0, dim = 0;
+  int32_t max_q = 0, max_kv = 0;
+  HostTensor q, k, v;      // [total_q, Hq, D], [total_kv, Hkv, D]
+  HostTensor cu_q, cu_kv;  // int32 [B + 1]
+
+  // The packed-mode PrefillArgs of these tensors, writing `out`.
+  PrefillArgs args(const TensorView& out) const {
+    PrefillArgs a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.cu_seqlens_q = cu_q;
+    a.cu_seqlens_kv = cu_kv;
+    a.out = out;
+    return a;
+  }
+};
+
+inline PackedDiffusionLike make_packed_diffusion_like(const std::vector<PackedSeq>& seqs,
+                                                      int32_t hq, int32_t hkv, int32_t dim,
+                                                      DType dtype, std::mt19937_64& rng) {
+  PackedDiffusionLike in;
+  in.seqs = seqs;
+  in.hq = hq;
+  in.hkv = hkv;
+  in.dim = dim;
+  int64_t total_q = 0, total_kv = 0;
+  for (const PackedSeq& s : seqs) {
+    total_q += s.q_len;
+    total_kv += s.kv_len;
+    in.max_q = std::max(in.max_q, s.q_len);
+    in.max_kv = std::max(in.max_kv, s.kv_len);
+  }
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  in.q = HostTensor(dtype, {total_q, hq, dim});
+  in.k = HostTensor(dtype, {total_kv, hkv, dim});
+  in.v = HostTensor(dtype, {total_kv, hkv, dim});
+  in.cu_q = HostTensor(DType::kInt32, {n + 1});
+  in.cu_kv = HostTensor(DType::kInt32, {n + 1});
+  int64_t q0 = 0, k0 = 0;
+  in.cu_q.data<int32_t>()[0] = in.cu_kv.data<int32_t>()[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const PackedSeq& s = seqs[i];
+    HostTensor q(dtype, {1, s.kv_len, hq, dim}), k(dtype, {1, s.kv_len, hkv, dim}),
+        v(dtype, {1, s.kv_len, hkv, dim});
+    fill_diffusion_like(q, k, v, rng);
+    const int64_t first = int64_t{s.kv_len - s.q_len} * hq * dim;
+    for (int64_t e = 0; e < int64_t{s.q_len} * hq * dim; ++e) {
+      in.q.set(q0 * hq * dim + e, q.get(first + e));
+    }
+    for (int64_t e = 0; e < int64_t{s.kv_len} * hkv * dim; ++e) {
+      in.k.set(k0 * hkv * dim + e, k.get(e));
+      in.v.set(k0 * hkv * dim + e, v.get(e));
+    }
+    q0 += s.q_len;
+    k0 += s.kv_len;
+    in.cu_q.data<int32_t>()[i + 1] = static_cast<int32_t>(q0);
+    in.cu_kv.data<int32_t>()[i + 1] = static_cast<int32_t>(k0);
+  }
+  return in;
 }
 
 }  // namespace attnkit::test

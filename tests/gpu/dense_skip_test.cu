@@ -1,8 +1,8 @@
-// Skip-softmax in the fused dense kernel (sm90) against the tile-faithful reference walked with
-// the kernel's own tiles and order (docs/diffusion.md): the same skip decisions (tile counts equal
-// up to the float32 slack at the boundary), the same outputs to rounding; threshold 0 and a closed
-// timestep gate are the plain call bit for bit; a large threshold changes the output; skip_stats
-// matches the host statistics; the calls it cannot run raise.
+// Skip-softmax in the fused dense kernels (sm90 and portable) against the tile-faithful reference
+// walked with the kernel's own tiles and order (docs/diffusion.md): the same skip decisions (tile
+// counts equal up to the float32 slack at the boundary), the same outputs to rounding; threshold 0
+// and a closed timestep gate are the plain call bit for bit; a large threshold changes the output;
+// skip_stats matches the host statistics; the calls they cannot run raise.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -38,11 +38,23 @@ bool has_sm90(int head_dim) {
   return false;
 }
 
+bool has_portable(int head_dim) {
+  for (PrefillTile t : cuda::prefill::runnable_tiles(head_dim, DType::kBF16, 0)) {
+    if (t != PrefillTile::kSm90) return true;
+  }
+  return false;
+}
+
+bool has_kernel(int head_dim, FusedKernel kernel) {
+  return kernel == FusedKernel::kHopper ? has_sm90(head_dim) : has_portable(head_dim);
+}
+
 struct DenseCase {
   int batch = 2, sq = 1000, skv = 1000, hq = 4, hkv = 2, dim = 128;
   double threshold = 0.0;
   double disabled_until = 0.0;
   double timestep = 0.0;
+  FusedKernel kernel = FusedKernel::kHopper;
 };
 
 struct DenseRun {
@@ -70,7 +82,7 @@ AttentionSpec spec_of(const DenseCase& c, bool skip) {
   spec.head_dim = c.dim;
   spec.mask.kind = MaskKind::kNone;
   spec.backend = Backend::kFused;
-  spec.fused_kernel = FusedKernel::kHopper;
+  spec.fused_kernel = c.kernel;
   if (skip) {
     SkipSoftmaxSpec s;
     s.threshold = c.threshold;
@@ -164,84 +176,107 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
 // most of the time); the other tests here keep two, the kernel's batch stride included.
 TEST(DenseSkipGpu, DecisionsAndOutputsMatchTheReference) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  for (int dim : {128, 64, 256}) {
-    if (!has_sm90(dim)) {
-      std::printf("[ SKIPPED  ] no sm90 kernel for head_dim %d on this GPU / build\n", dim);
-      continue;
-    }
-    for (double threshold : {1e-3, 3e-2}) {
-      DenseCase c;
-      c.batch = at_test_scale(2, 1);
-      c.dim = dim;
-      c.threshold = threshold;
-      SCOPED_TRACE(testing::Message() << "dim=" << dim << " threshold=" << threshold);
-      const DenseData data(c, 11 + dim);
-      const DenseRun got = run(c, data, /*skip=*/true);
-      EXPECT_EQ(got.stats.block_m, 64);
-      EXPECT_EQ(got.stats.block_n, cuda::prefill::prefill_block_n(PrefillTile::kSm90, dim, true));
-      std::vector<double> ref, ref_lse;
-      const reference::DenseTileCounts want = reference_run(c, data, got.stats, ref, ref_lse);
-      EXPECT_EQ(got.stats.tiles_total, want.total);
-      // Decisions agree except on tiles whose margin lies within float32 rounding of ln(lambda).
-      const int64_t slack = std::max<int64_t>(2, want.total / 500);
-      EXPECT_NEAR(static_cast<double>(got.stats.tiles_skipped), static_cast<double>(want.skipped),
-                  static_cast<double>(slack));
-      // The structured data must make the kernel skip, and not everything.
-      EXPECT_GT(got.stats.tiles_skipped, want.total / 10) << "nothing skipped: the test is void";
-      EXPECT_LT(got.stats.tiles_skipped, want.total * 9 / 10);
-      EXPECT_EQ(got.device_stats[0], got.stats.tiles_total);
-      EXPECT_EQ(got.device_stats[1], got.stats.tiles_skipped);
-      const std::vector<double> out = got.out.to_double();
-      ASSERT_FALSE(any_nan(out));
-      double naive = 0.0, err = 0.0;
-      for (size_t i = 0; i < out.size(); ++i) {
-        naive = std::max(naive, std::fabs(round_bf16(ref[i]) - ref[i]));
-        err = std::max(err, std::fabs(out[i] - ref[i]));
+  for (FusedKernel kernel : {FusedKernel::kHopper, FusedKernel::kPortable}) {
+    for (int dim : {128, 64, 256}) {
+      if (!has_kernel(dim, kernel)) {
+        std::printf("[ SKIPPED  ] no %s kernel for head_dim %d on this GPU / build\n",
+                    fused_kernel_name(kernel), dim);
+        continue;
       }
-      EXPECT_LE(err, 2 * naive + 1e-3) << "naive bf16 error " << naive;
-      const std::vector<double> lse = got.lse.to_double();
-      for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], ref_lse[i], 2e-3) << i;
+      for (double threshold : {1e-3, 3e-2}) {
+        DenseCase c;
+        c.batch = at_test_scale(2, 1);
+        c.dim = dim;
+        c.threshold = threshold;
+        c.kernel = kernel;
+        SCOPED_TRACE(testing::Message()
+                     << fused_kernel_name(kernel) << " dim=" << dim << " threshold=" << threshold);
+        const DenseData data(c, 11 + dim);
+        const DenseRun got = run(c, data, /*skip=*/true);
+        if (kernel == FusedKernel::kHopper) {
+          EXPECT_EQ(got.stats.block_m, 64);
+          EXPECT_EQ(got.stats.block_n,
+                    cuda::prefill::prefill_block_n(PrefillTile::kSm90, dim, true));
+        } else {
+          // The portable kernel's skip tile is its CTA tile: 64 or 128 rows x 64 or 128 keys.
+          EXPECT_TRUE(got.stats.block_m == 64 || got.stats.block_m == 128) << got.stats.block_m;
+          EXPECT_TRUE(got.stats.block_n == 64 || got.stats.block_n == 128) << got.stats.block_n;
+        }
+        std::vector<double> ref, ref_lse;
+        const reference::DenseTileCounts want = reference_run(c, data, got.stats, ref, ref_lse);
+        EXPECT_EQ(got.stats.tiles_total, want.total);
+        // Decisions agree except on tiles whose margin lies within float32 rounding of ln(lambda).
+        const int64_t slack = std::max<int64_t>(2, want.total / 500);
+        EXPECT_NEAR(static_cast<double>(got.stats.tiles_skipped), static_cast<double>(want.skipped),
+                    static_cast<double>(slack));
+        // The structured data must make the kernel skip, and not everything.
+        EXPECT_GT(got.stats.tiles_skipped, want.total / 10) << "nothing skipped: the test is void";
+        EXPECT_LT(got.stats.tiles_skipped, want.total * 9 / 10);
+        EXPECT_EQ(got.device_stats[0], got.stats.tiles_total);
+        EXPECT_EQ(got.device_stats[1], got.stats.tiles_skipped);
+        const std::vector<double> out = got.out.to_double();
+        ASSERT_FALSE(any_nan(out));
+        double naive = 0.0, err = 0.0;
+        for (size_t i = 0; i < out.size(); ++i) {
+          naive = std::max(naive, std::fabs(round_bf16(ref[i]) - ref[i]));
+          err = std::max(err, std::fabs(out[i] - ref[i]));
+        }
+        EXPECT_LE(err, 2 * naive + 1e-3) << "naive bf16 error " << naive;
+        const std::vector<double> lse = got.lse.to_double();
+        for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], ref_lse[i], 2e-3) << i;
+      }
     }
   }
 }
 
 TEST(DenseSkipGpu, ThresholdZeroAndAClosedGateAreThePlainCallBitForBit) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  if (!has_sm90(128)) GTEST_SKIP() << "no sm90 kernel for head_dim 128";
-  DenseCase c;
-  const DenseData data(c, 21);
-  const DenseRun plain = run(c, data, /*skip=*/false);
-  c.threshold = 0.0;
-  const DenseRun zero = run(c, data, /*skip=*/true);
-  EXPECT_TRUE(bitwise_equal(zero.out, plain.out));
-  EXPECT_TRUE(bitwise_equal(zero.lse, plain.lse));
-  EXPECT_EQ(zero.stats.tiles_skipped, 0);
-  EXPECT_EQ(zero.device_stats[1], 0);
-  EXPECT_EQ(zero.device_stats[0], zero.stats.tiles_total);
-  // Gate: active for timestep <= 0.5 only.
-  c.threshold = 3e-2;
-  c.disabled_until = 0.5;
-  c.timestep = 0.8;
-  const DenseRun closed = run(c, data, /*skip=*/true);
-  EXPECT_TRUE(bitwise_equal(closed.out, plain.out));
-  EXPECT_EQ(closed.stats.tiles_skipped, 0);
-  c.timestep = 0.5;
-  const DenseRun open = run(c, data, /*skip=*/true);
-  EXPECT_GT(open.stats.tiles_skipped, 0);
-  EXPECT_FALSE(bitwise_equal(open.out, plain.out));
+  for (FusedKernel kernel : {FusedKernel::kHopper, FusedKernel::kPortable}) {
+    if (!has_kernel(128, kernel)) {
+      std::printf("[ SKIPPED  ] no %s kernel for head_dim 128\n", fused_kernel_name(kernel));
+      continue;
+    }
+    SCOPED_TRACE(fused_kernel_name(kernel));
+    DenseCase c;
+    c.kernel = kernel;
+    const DenseData data(c, 21);
+    const DenseRun plain = run(c, data, /*skip=*/false);
+    c.threshold = 0.0;
+    const DenseRun zero = run(c, data, /*skip=*/true);
+    EXPECT_TRUE(bitwise_equal(zero.out, plain.out));
+    EXPECT_TRUE(bitwise_equal(zero.lse, plain.lse));
+    EXPECT_EQ(zero.stats.tiles_skipped, 0);
+    EXPECT_EQ(zero.device_stats[1], 0);
+    EXPECT_EQ(zero.device_stats[0], zero.stats.tiles_total);
+    // Gate: active for timestep <= 0.5 only.
+    c.threshold = 3e-2;
+    c.disabled_until = 0.5;
+    c.timestep = 0.8;
+    const DenseRun closed = run(c, data, /*skip=*/true);
+    EXPECT_TRUE(bitwise_equal(closed.out, plain.out));
+    EXPECT_EQ(closed.stats.tiles_skipped, 0);
+    c.timestep = 0.5;
+    const DenseRun open = run(c, data, /*skip=*/true);
+    EXPECT_GT(open.stats.tiles_skipped, 0);
+    EXPECT_FALSE(bitwise_equal(open.out, plain.out));
+  }
 }
 
 TEST(DenseSkipGpu, ALargeThresholdChangesTheOutput) {
   ATTNKIT_SKIP_WITHOUT_GPU();
-  if (!has_sm90(128)) GTEST_SKIP() << "no sm90 kernel for head_dim 128";
-  DenseCase c;
-  const DenseData data(c, 31);
-  const DenseRun plain = run(c, data, /*skip=*/false);
-  c.threshold = 0.9;  // skips tiles within ln(0.9) of the running maximum
-  const DenseRun skipped = run(c, data, /*skip=*/true);
-  EXPECT_GT(skipped.stats.tiles_skipped, skipped.stats.tiles_total / 4);
-  const std::vector<double> a = plain.out.to_double(), b = skipped.out.to_double();
-  EXPECT_GT(max_abs_diff(a, b), 0.05);
+  for (FusedKernel kernel : {FusedKernel::kHopper, FusedKernel::kPortable}) {
+    if (!has_kernel(128, kernel)) continue;
+    SCOPED_TRACE(fused_kernel_name(kernel));
+    DenseCase c;
+    c.kernel = kernel;
+    const DenseData data(c, 31);
+    const DenseRun plain = run(c, data, /*skip=*/false);
+    c.threshold = 0.9;  // skips tiles within ln(0.9) of the running maximum
+    const DenseRun skipped = run(c, data, /*skip=*/true);
+    EXPECT_GT(skipped.stats.tiles_skipped, skipped.stats.tiles_total / 4);
+    const std::vector<double> a = plain.out.to_double(), b = skipped.out.to_double();
+    EXPECT_GT(max_abs_diff(a, b), 0.05);
+  }
 }
 
 TEST(DenseSkipGpu, UnservableCallsRaiseAndWriteNothing) {
@@ -259,13 +294,14 @@ TEST(DenseSkipGpu, UnservableCallsRaiseAndWriteNothing) {
   args.v = d_v;
   args.out = d_out;
   AttentionSpec spec = spec_of(c, /*skip=*/true);
-  spec.fused_kernel = FusedKernel::kPortable;
+  spec.quant = SageQuantSpec{};
   try {
     dense(spec, args);
-    ADD_FAILURE() << "skip_softmax on the portable kernel ran";
+    ADD_FAILURE() << "skip_softmax with SAGE ran on the fused kernels";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("skip_softmax"), std::string::npos) << e.what();
   }
+  spec.quant.reset();
   // skip_stats must be an int64 [2] tensor.
   spec.fused_kernel = FusedKernel::kAuto;
   HostTensor bad(DType::kInt32, {2});

@@ -18,6 +18,7 @@
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_build_set.h"
 #include "cuda/prefill/prefill_launch.h"
+#include "cuda/prefill/prefill_skip_stats.h"
 #include "cuda/prefill/prefill_sm90.h"
 #include "cuda/prefill/prefill_sm90_traits.h"
 #include "cuda/prefill/prefill_traits.h"
@@ -47,9 +48,18 @@ using Launcher = void (*)(const PrefillParams&, cudaStream_t);
 constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
 
 template <int D, PrefillTile kTile, DType kDT>
-Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead,
-                      bool split) {
+Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool skip_dead, bool split,
+                      bool skip_softmax) {
   if constexpr (tile_compiled(D, kTile, kDT)) {
+    // skip_softmax: the kSkipSoftmax kernels (packed 16-bit K/V; prefill_unsupported).
+    if (skip_softmax) {
+      if (paged || quant_kv) return nullptr;
+      constexpr bool kSw = swizzle_default(D);
+      return masked ? &launch_prefill<D, kTile, kDT, true, false, false, kSw, false, false, false,
+                                      true>
+                    : &launch_prefill<D, kTile, kDT, false, false, false, kSw, false, false, false,
+                                      true>;
+    }
     // split: the packed unmasked head_dim 256 kM64 kernel with split warps (uses_split_warps).
     if constexpr (D == 256 && kTile == PrefillTile::kM64) {
       if (split && !masked && !paged && !quant_kv) {
@@ -91,20 +101,20 @@ Launcher launcher_for(bool masked, bool quant_kv, bool paged, bool runs, bool sk
 
 template <int D, DType kDT>
 Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, bool runs,
-                      bool skip_dead, bool split) {
+                      bool skip_dead, bool split, bool skip_softmax) {
   switch (tile) {
     case PrefillTile::kM128:
       return launcher_for<D, PrefillTile::kM128, kDT>(masked, quant_kv, paged, runs, skip_dead,
-                                                      split);
+                                                      split, skip_softmax);
     case PrefillTile::kM64:
       return launcher_for<D, PrefillTile::kM64, kDT>(masked, quant_kv, paged, runs, skip_dead,
-                                                     split);
+                                                     split, skip_softmax);
     case PrefillTile::kM128W4:
       return launcher_for<D, PrefillTile::kM128W4, kDT>(masked, quant_kv, paged, runs, skip_dead,
-                                                        split);
+                                                        split, skip_softmax);
     case PrefillTile::kM128W4N128:
       return launcher_for<D, PrefillTile::kM128W4N128, kDT>(masked, quant_kv, paged, runs,
-                                                            skip_dead, split);
+                                                            skip_dead, split, skip_softmax);
     case PrefillTile::kSm90:
       return nullptr;  // run_sm90
   }
@@ -113,18 +123,23 @@ Launcher launcher_for(PrefillTile tile, bool masked, bool quant_kv, bool paged, 
 
 template <DType kDT>
 Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv, bool paged,
-                      bool runs, bool skip_dead, bool split) {
+                      bool runs, bool skip_dead, bool split, bool skip_softmax) {
   switch (head_dim) {
     case 64:
-      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
+      return launcher_for<64, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                   skip_softmax);
     case 80:
-      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
+      return launcher_for<80, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                   skip_softmax);
     case 96:
-      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
+      return launcher_for<96, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                   skip_softmax);
     case 128:
-      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
+      return launcher_for<128, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                    skip_softmax);
     case 256:
-      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split);
+      return launcher_for<256, kDT>(tile, masked, quant_kv, paged, runs, skip_dead, split,
+                                    skip_softmax);
     default:
       return nullptr;
   }
@@ -133,16 +148,18 @@ Launcher launcher_for(int head_dim, PrefillTile tile, bool masked, bool quant_kv
 // The one place where runtime values become template arguments. runs: a paged cache with a block
 // table and no cyclic window (the kRunsOnly kernels). skip_dead: a packed causal call that takes
 // the dead-block-skip kernel (see skips_dead_blocks). split: a packed head_dim 256 call that takes
-// the split-warp kernel (see uses_split_warps).
+// the split-warp kernel (see uses_split_warps). skip_softmax: the skip-softmax kernel (it takes
+// precedence over skip_dead and split, which it does not combine with).
 Launcher find_launcher(int head_dim, PrefillTile tile, DType dtype, bool masked, bool quant_kv,
-                       bool paged, bool runs = false, bool skip_dead = false, bool split = false) {
+                       bool paged, bool runs = false, bool skip_dead = false, bool split = false,
+                       bool skip_softmax = false) {
   if (dtype == DType::kBF16) {
     return launcher_for<DType::kBF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead,
-                                      split);
+                                      split, skip_softmax);
   }
   if (dtype == DType::kF16) {
     return launcher_for<DType::kF16>(head_dim, tile, masked, quant_kv, paged, runs, skip_dead,
-                                     split);
+                                     split, skip_softmax);
   }
   return nullptr;
 }
@@ -489,6 +506,54 @@ Sm90Call sm90_call(const CallShape& c, const AttentionSpec& spec, bool masked, i
   return call;
 }
 
+// Skip-softmax of one call (docs/diffusion.md): active when the spec sets it, its gate is open at
+// the call's timestep and lambda > 0; otherwise the call is the plain one, on the kernel the plain
+// call picks, bit for bit.
+struct SkipPolicy {
+  bool active = false;
+  float log2_lambda = 0.f;  // log2(lambda); with per_kv_len, log2(lambda x kv_len)
+  // prefill() with target_sparsity: lambda = a exp(b s) / kv_len of each sequence, which the
+  // kernels derive from the sequence's length (the host does not read the device lengths).
+  bool per_kv_len = false;
+};
+
+// dense_kv_len: dense() (every sequence has these keys), or nullopt for prefill().
+SkipPolicy skip_policy(const AttentionSpec& spec, double timestep,
+                       std::optional<int64_t> dense_kv_len) {
+  SkipPolicy policy;
+  if (!spec.skip_softmax || !spec.skip_softmax->active_at(timestep)) return policy;
+  const SkipSoftmaxSpec& s = *spec.skip_softmax;
+  if (!dense_kv_len && s.target_sparsity) {
+    policy.active = true;
+    policy.per_kv_len = true;
+    policy.log2_lambda = static_cast<float>(
+        std::log2(*s.calibration_a) + *s.calibration_b * *s.target_sparsity * 1.4426950408889634);
+    return policy;
+  }
+  const double lambda = s.lambda(dense_kv_len.value_or(0));
+  // lambda 0 never skips (ln 0 = -inf): the plain call. A dense call without keys visits no tile.
+  policy.active = lambda > 0.0 && dense_kv_len.value_or(1) > 0;
+  if (policy.active) policy.log2_lambda = static_cast<float>(std::log2(lambda));
+  return policy;
+}
+
+// Why the sm90 kernel cannot serve a skip-softmax call of `spec` ("" when it can).
+std::string sm90_skip_reason(Sm90Call call, const AttentionSpec& spec, bool prefill_call) {
+  call.skip = true;
+  std::string why = sm90_unsupported(call);
+  if (why.empty() && prefill_call && spec.skip_softmax && spec.skip_softmax->target_sparsity) {
+    why =
+        "skip_softmax target_sparsity in prefill(): lambda = a exp(b s) / kv_len differs between "
+        "sequences, and the sm90 kernel takes one lambda a call";
+  }
+  return why;
+}
+
+// The skip_stats buffer of a prefill() call: int64 [4] (SkipStats), or nullptr.
+int64_t* skip_stats_of(const PrefillArgs& args) {
+  return args.skip_stats.defined() ? static_cast<int64_t*>(args.skip_stats.data) : nullptr;
+}
+
 }  // namespace
 
 int prefill_block_m(PrefillTile tile, int head_dim) {
@@ -546,10 +611,25 @@ std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device) {
 }
 
 std::string prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p) {
-  if (spec.skip_softmax || spec.quant) {
-    return "skip_softmax and quant are dense() options; the fused prefill serves neither";
-  }
+  if (spec.quant) return "quant (SAGE) is a dense() option; the fused prefill does not quantize";
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
+  if (spec.skip_softmax) {
+    if (p.paged) {
+      return "skip_softmax over a KV cache: the fused prefill skips tiles of packed k / v only";
+    }
+    if (p.dtype == DType::kFp8E4M3) {
+      return "skip_softmax with fp8_e4m3 q: the FP8 kernel does not skip tiles";
+    }
+    if (spec.fused_kernel == FusedKernel::kHopper) {
+      const std::string why =
+          sm90_skip_reason(sm90_call(shape, spec, spec.mask.kind != MaskKind::kNone, 0), spec,
+                           /*prefill_call=*/true);
+      if (!why.empty()) {
+        return "skip_softmax with fused_kernel 'hopper': " + why +
+               " (fused_kernel 'auto' or 'portable' runs it on the portable kernel)";
+      }
+    }
+  }
   const std::string why = unsupported(spec, shape);
   if (!why.empty() || p.dtype != DType::kFp8E4M3) return why;
   // fp8 q: the FP8 kernel's device and build needs (the tensors' strides are run_prefill's).
@@ -558,16 +638,14 @@ std::string prefill_unsupported(const AttentionSpec& spec, const detail::Prefill
 
 std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
   if (spec.skip_softmax) {
-    if (spec.fused_kernel == FusedKernel::kPortable) {
-      return "skip_softmax: the portable kernel does not skip tiles (the sm90 kernel does: "
-             "fused_kernel 'auto' or 'hopper' on an sm90 GPU)";
-    }
     if (spec.quant) return "skip_softmax with quant (SAGE): the fused kernels do not quantize";
-    Sm90Call call = sm90_call({p.device.index, spec.head_dim, p.dtype, p.dtype, false}, spec,
-                              /*masked=*/false, 0);
-    call.skip = true;
-    const std::string why = sm90_unsupported(call);
-    if (!why.empty()) return "skip_softmax runs on the sm90 kernel, which cannot serve it: " + why;
+    if (spec.fused_kernel == FusedKernel::kHopper) {
+      const std::string why =
+          sm90_skip_reason(sm90_call({p.device.index, spec.head_dim, p.dtype, p.dtype, false}, spec,
+                                     /*masked=*/false, 0),
+                           spec, /*prefill_call=*/false);
+      if (!why.empty()) return "skip_softmax with fused_kernel 'hopper': " + why;
+    }
   }
   if (spec.quant) {
     return "quant (SAGE): the plain fused dense kernel (prefill family) does not quantize";
@@ -577,15 +655,20 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
 }
 
 namespace {
-// `packable`: a prefill call (dense calls do not pack GQA groups).
+// `prefill_call`: a prefill call (dense calls do not pack GQA groups). A spec with skip_softmax
+// is taken as skipping (its gate open).
 std::string choice_name(const AttentionSpec& spec, const CallShape& shape, bool masked,
-                        int32_t seqlen, bool packable) {
+                        int32_t seqlen, bool prefill_call) {
   try {
     const Sm90Call call = sm90_call(shape, spec, masked, 0);
+    const bool skip = spec.skip_softmax.has_value();
     const bool packs =
-        packable && sm90_packs(spec.group_size(), spec.alibi, sm90_block_m(spec.head_dim), seqlen);
+        prefill_call && !skip &&
+        sm90_packs(spec.group_size(), spec.alibi, sm90_block_m(spec.head_dim), seqlen);
+    const std::string sm90_reason =
+        skip ? sm90_skip_reason(call, spec, prefill_call) : sm90_unsupported(call);
     return prefill_tile_name(pick_tile(shape, std::nullopt, 1, seqlen, spec.num_q_heads, masked,
-                                       seqlen, packs, sm90_unsupported(call), spec.fused_kernel));
+                                       seqlen, packs, sm90_reason, spec.fused_kernel));
   } catch (const Error&) {
     return "";
   }
@@ -596,14 +679,14 @@ std::string prefill_kernel_choice(const AttentionSpec& spec, const detail::Prefi
                                   int32_t seqlen) {
   if (!prefill_unsupported(spec, p).empty()) return "";
   return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged},
-                     spec.mask.kind != MaskKind::kNone, seqlen, /*packable=*/true);
+                     spec.mask.kind != MaskKind::kNone, seqlen, /*prefill_call=*/true);
 }
 
 std::string dense_kernel_choice(const AttentionSpec& spec, const detail::DenseProblem& p,
                                 int32_t seqlen) {
   if (!dense_unsupported(spec, p).empty()) return "";
   return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, false, seqlen,
-                     /*packable=*/false);
+                     /*prefill_call=*/false);
 }
 
 void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
@@ -611,10 +694,17 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                  std::optional<PrefillTile> forced_tile, int forced_section_pairs, int forced_ctas,
                  std::optional<bool> forced_q_pack) {
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
-  const std::string why = unsupported(spec, shape);
-  ATTNKIT_CHECK(why.empty() && !spec.skip_softmax && !spec.quant,
-                "prefill: backend 'fused' cannot serve this call: ", why);
-  if (p.batch == 0 || p.total_q == 0 || p.max_seqlen_q == 0) return;
+  const std::string why = prefill_unsupported(spec, p);
+  ATTNKIT_CHECK(why.empty(), "prefill: backend 'fused' cannot serve this call: ", why);
+  int64_t* const stats = skip_stats_of(args);
+  if (p.batch == 0 || p.total_q == 0 || p.max_seqlen_q == 0) {
+    // No query, no tile: SkipStats of zeros.
+    if (stats != nullptr) {
+      check_cuda(cudaMemsetAsync(stats, 0, sizeof(SkipStats), as_cuda_stream(stream)),
+                 "prefill: zeroing skip_stats");
+    }
+    return;
+  }
 
   PrefillParams prm;
   check_rows_16b(args.q, "q");
@@ -695,19 +785,46 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     call.k = &args.k;
     call.v = &args.v;
   }
+  // Skip-softmax: the sm90 kernel skips unmasked calls of one lambda; causal calls and per-sequence
+  // lambdas take the portable kernel (auto and portable; a forced hopper raised above). The skip
+  // tile holds one head's rows: no GQA packing.
+  const SkipPolicy skip = skip_policy(spec, args.timestep, std::nullopt);
+  const std::string sm90_reason =
+      skip.active ? sm90_skip_reason(call, spec, /*prefill_call=*/true) : sm90_unsupported(call);
+  call.skip = skip.active;
+  call.skip_log2_lambda = skip.log2_lambda;
+  ATTNKIT_CHECK(
+      !skip.active || !forced_q_pack || !*forced_q_pack,
+      "prefill: GQA packing does not combine with skip-softmax (a skip tile is one head's)");
   const PrefillTile tile = pick_tile(
       shape, forced_tile, p.batch, p.max_seqlen_q, prm.num_q_heads, masked, p.max_seqlen_kv,
-      sm90_packs(prm.group_size, prm.alibi, sm90_block_m(spec.head_dim), p.max_seqlen_q),
-      sm90_unsupported(call), spec.fused_kernel);
+      !skip.active &&
+          sm90_packs(prm.group_size, prm.alibi, sm90_block_m(spec.head_dim), p.max_seqlen_q),
+      sm90_reason, spec.fused_kernel);
   const int bm = prefill_block_m(tile, spec.head_dim);
   ATTNKIT_CHECK(!forced_q_pack || !*forced_q_pack || tile == PrefillTile::kSm90,
                 "prefill: GQA packing is a mode of the sm90 kernel");
   if (tile == PrefillTile::kSm90) {
-    prm.q_pack_log2 = q_pack_log2(prm, bm, p.max_seqlen_q, forced_q_pack);
+    prm.q_pack_log2 =
+        q_pack_log2(prm, bm, p.max_seqlen_q, skip.active ? std::optional(false) : forced_q_pack);
   }
   prm.num_m_blocks = static_cast<int32_t>(
       ((static_cast<int64_t>(p.max_seqlen_q) << prm.q_pack_log2) + bm - 1) / bm);
   set_schedule(prm, shape, tile, masked, quant_kv, forced_section_pairs);
+  if (skip.active) {
+    prm.skip_log2_lambda = skip.log2_lambda;
+    prm.skip_per_kv_len = skip.per_kv_len;
+    prm.skip_counts = reinterpret_cast<unsigned long long*>(stats);
+    call.skip_counts = prm.skip_counts;
+  }
+  // The statistics' tile: one consumer warpgroup's 64 rows of the sm90 kernel, the portable
+  // kernel's CTA tile. A skipping kernel adds its counts to the zeros written here; otherwise the
+  // visited tiles are counted from the device lengths.
+  if (stats != nullptr) {
+    write_skip_stats(
+        prm, masked, /*count_tiles=*/!skip.active, tile == PrefillTile::kSm90 ? 64 : bm,
+        prefill_block_n(tile, spec.head_dim, masked || skip.active), stats, as_cuda_stream(stream));
+  }
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));
     return;
@@ -721,7 +838,7 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   const bool split = uses_split_warps(spec.head_dim, tile, masked, p.paged,
                                       device_limits(p.device.index).smem_optin);
   const Launcher launch = find_launcher(spec.head_dim, tile, p.dtype, masked, quant_kv, p.paged,
-                                        runs, skip_dead, split);
+                                        runs, skip_dead, split, skip.active);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
 }
@@ -797,22 +914,16 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   call.q = &args.q;
   call.k = &args.k;
   call.v = &args.v;
-  // Skip-softmax is active when the gate is open and lambda > 0; otherwise the call is the plain
-  // one (the same kernel as without skip_softmax, bit for bit).
-  const double lambda = spec.skip_softmax ? spec.skip_softmax->lambda(p.seqlen_kv) : 0.0;
-  const bool skip = spec.skip_softmax && spec.skip_softmax->active_at(args.timestep) &&
-                    lambda > 0.0 && p.seqlen_kv > 0;
+  // Skip-softmax runs on the sm90 kernel where it serves the call, else on the portable one.
+  const SkipPolicy skip_plan = skip_policy(spec, args.timestep, p.seqlen_kv);
+  const bool skip = skip_plan.active;
+  const std::string sm90_reason =
+      skip ? sm90_skip_reason(call, spec, /*prefill_call=*/false) : sm90_unsupported(call);
   call.skip = skip;
-  if (skip) {
-    ATTNKIT_CHECK(!forced_tile || *forced_tile == PrefillTile::kSm90,
-                  "dense: skip_softmax runs on the sm90 kernel only, not on tile ",
-                  prefill_tile_name(*forced_tile));
-    forced_tile = PrefillTile::kSm90;
-    call.skip_log2_lambda = static_cast<float>(std::log2(lambda));
-  }
-  const PrefillTile tile = pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
-                                     /*masked=*/false, p.seqlen_kv, /*packs=*/false,
-                                     sm90_unsupported(call), spec.fused_kernel);
+  call.skip_log2_lambda = skip_plan.log2_lambda;
+  const PrefillTile tile =
+      pick_tile(shape, forced_tile, p.batch, p.seqlen_q, spec.num_q_heads,
+                /*masked=*/false, p.seqlen_kv, /*packs=*/false, sm90_reason, spec.fused_kernel);
   const int bm = prefill_block_m(tile, spec.head_dim);
   // The tiles the statistics count: the skip tile of the sm90 kernel is one consumer warpgroup's
   // 64 rows; the portable kernel's is its CTA tile.
@@ -872,12 +983,14 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
     counts.finish(stats_bm, stats_bn);
     return;
   }
+  prm.skip_log2_lambda = skip_plan.log2_lambda;
+  prm.skip_counts = counts.device_counts();
   ATTNKIT_CHECK(prm.num_m_blocks <= 65535, "q: the fused dense kernel takes at most ", 65535 * bm,
                 " queries per sequence, got ", p.seqlen_q);
-  const bool split =
-      uses_split_warps(spec.head_dim, tile, false, false, device_limits(p.device.index).smem_optin);
+  const bool split = !skip && uses_split_warps(spec.head_dim, tile, false, false,
+                                               device_limits(p.device.index).smem_optin);
   const Launcher launch =
-      find_launcher(spec.head_dim, tile, p.dtype, false, false, false, false, false, split);
+      find_launcher(spec.head_dim, tile, p.dtype, false, false, false, false, false, split, skip);
   ATTNKIT_CHECK(launch != nullptr, "dense: no fused kernel for head_dim ", spec.head_dim);
   launch(prm, as_cuda_stream(stream));
   counts.finish(stats_bm, stats_bn);

@@ -272,7 +272,7 @@ __device__ __forceinline__ void load_rows_paged(
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kSplitWarps>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kSplitWarps, bool kSkipSoftmax>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThreads,
                                   PrefillTraits<kHeadDim, kTile, kSwizzle>::kMinBlocksPerSm)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -312,6 +312,14 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   // of P through smem (s_split) at the cost of one 64-thread barrier per tile.
   static_assert(!kSplitWarps || (T::kHeadDim == 256 && T::kWarps == 4 && kOverlap && !kPaged),
                 "split warps: packed head_dim 256, 16 rows per warp in the plain layout");
+  // kSkipSoftmax (prefill_tile_skip.inc): the skip-softmax policy of docs/diffusion.md on the
+  // CTA's kBlockM x kBlockN tile. After S = Q K^T the CTA votes (one bar.red.and) whether every
+  // row that attends a key of the tile has its tile maximum below its running maximum by more
+  // than ln(lambda); a skipped tile loads no V and takes no exponentials and no P V. K streams
+  // ahead as usual; V is loaded after the vote, under the softmax. Packed / dense 16-bit K/V in the
+  // plain row layout; every CTA adds its tile counts to p.skip_counts.
+  static_assert(!kSkipSoftmax || (!kPaged && !kSkipDeadBlocks && !kSplitWarps),
+                "skip-softmax: packed K/V, the plain row layout");
   constexpr int kPRowBytes = T::kPRowBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_q = smem;
@@ -481,7 +489,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
   // next tile to load (K's, in the overlapped pipeline; V reuses them as `entry_v`).
   Entry entry = lookup(0);
   Entry entry_v{};
-  if constexpr (kRing) {
+  if constexpr (kSkipSoftmax) {
+    // K of the first kKvBufs tiles, as the groups K(0), {}, K(1), ..., {}, K(kKvBufs - 1) that
+    // prefill_tile_skip.inc counts on; V waits for the vote of its tile.
+#pragma unroll
+    for (int s = 0; s < kKvBufs; ++s) {
+      if (s > 0) cp_async_commit();
+      if (s < num_tiles) load_k(s, entry, s);
+      cp_async_commit();
+    }
+  } else if constexpr (kRing) {
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
       if (s < num_tiles) load_kv(s, entry, s);
@@ -537,6 +554,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     row_max[a][0] = row_max[a][1] = -INFINITY;
     row_sum[a][0] = row_sum[a][1] = 0.f;
   }
+  // kSkipSoftmax: the row maxima of the tile's vote (scaled logits, not yet in log2 units), which
+  // the softmax of a kept tile reuses, and the tiles the CTA skipped.
+  [[maybe_unused]] float tile_mx[kA][2];
+  [[maybe_unused]] int32_t tiles_skipped = 0;
+  [[maybe_unused]] const float log2_lambda =
+      p.skip_per_kv_len ? p.skip_log2_lambda - log2f(static_cast<float>(seq.kv_len))
+                        : p.skip_log2_lambda;
 
   // ldmatrix lane offsets at chunk step 0 (Q from s_q, K and V from their tile).
   const uint32_t s_q_addr = smem_u32(s_q);
@@ -574,6 +598,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
     }
   }
   cp_async_wait<0>();
+  if constexpr (kSkipSoftmax) {
+    if (tid == 0 && p.skip_counts != nullptr) {
+      atomicAdd(p.skip_counts, static_cast<unsigned long long>(num_tiles));
+      atomicAdd(p.skip_counts + 1, static_cast<unsigned long long>(tiles_skipped));
+    }
+  }
   // A bad block id read by any thread of the CTA (paged kernels): every row of this query block is
   // written as zeros with LSE -inf (docs/safety.md). The rows that attend a page are those of the
   // query blocks whose key range holds it; the others of the sequence are computed as usual.
@@ -647,13 +677,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kTile, kSwizzle>::kThr
 }
 
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
-          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kSplitWarps>
+          bool kSwizzle, bool kRunsOnly, bool kSkipDeadBlocks, bool kSplitWarps, bool kSkipSoftmax>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   using T = PrefillTraits<kHeadDim, kTile, kSwizzle>;
   static_assert(tile_exists(kHeadDim, kTile), "no such prefill tile for this head_dim");
   constexpr int kSmem = kSplitWarps ? T::kSplitSmemBytes : T::smem_bytes(kQuantKv);
   auto kernel = prefill_kernel<kHeadDim, kTile, kDType, kMasked, kQuantKv, kPaged, kSwizzle,
-                               kRunsOnly, kSkipDeadBlocks, kSplitWarps>;
+                               kRunsOnly, kSkipDeadBlocks, kSplitWarps, kSkipSoftmax>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "prefill: cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<LongestFirstScheduler::grid(params), T::kThreads, kSmem, stream>>>(params);
@@ -694,6 +724,13 @@ void launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   template void launch_prefill<D, PrefillTile::kM128W4, DT, true, false, false,       \
                                swizzle_default(D), false, true>(const PrefillParams&, \
                                                                 cudaStream_t);
+
+// The skip-softmax kernels of a tile (kSkipSoftmax): packed / dense 16-bit K/V, both masks.
+#define ATTNKIT_PREFILL_INSTANTIATE_SKIP_SOFTMAX(D, TILE, DT)                                      \
+  template void launch_prefill<D, TILE, DT, false, false, false, swizzle_default(D), false, false, \
+                               false, true>(const PrefillParams&, cudaStream_t);                   \
+  template void launch_prefill<D, TILE, DT, true, false, false, swizzle_default(D), false, false,  \
+                               false, true>(const PrefillParams&, cudaStream_t);
 
 // The packed head_dim 256 kM64 kernel without a mask, with split warps.
 #define ATTNKIT_PREFILL_INSTANTIATE_SPLIT(DT)                                                \

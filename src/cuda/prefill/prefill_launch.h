@@ -24,10 +24,11 @@ namespace attnkit::cuda::prefill {
 // window; the kernel holds only the row-run copy. Else a paged kernel also holds the per-chunk slot
 // copy (contiguous and cyclic caches) and picks one at run time. kSplitWarps (packed unmasked
 // head_dim 256 kM64 only): warp pairs share 32 query rows, S split by key halves and O by dim
-// halves (prefill_tile_split.inc).
+// halves (prefill_tile_split.inc). kSkipSoftmax (packed 16-bit K/V, plain layout): the
+// skip-softmax policy (prefill_tile_skip.inc), with PrefillParams::skip_log2_lambda.
 template <int kHeadDim, PrefillTile kTile, DType kDType, bool kMasked, bool kQuantKv, bool kPaged,
           bool kSwizzle = swizzle_default(kHeadDim), bool kRunsOnly = false,
-          bool kSkipDeadBlocks = false, bool kSplitWarps = false>
+          bool kSkipDeadBlocks = false, bool kSplitWarps = false, bool kSkipSoftmax = false>
 void launch_prefill(const PrefillParams& params, cudaStream_t stream);
 
 // Dynamic shared memory of one CTA, for the support check against the device limit.

@@ -108,6 +108,15 @@ struct PrefillParams {
   bool alibi = false;
   float alibi_slopes[kMaxAlibiHeads] = {};
 
+  // Skip-softmax (the portable kernels' kSkipSoftmax instantiations; the sm90 kernel reads its
+  // own copy in Sm90PrefillParams): log2(lambda) in log2 units of the scaled logits, and the
+  // device counters {tiles visited, tiles skipped} that every CTA adds its counts to (nullptr: not
+  // counted).
+  float skip_log2_lambda = 0.f;
+  // prefill() with target_sparsity: lambda = a exp(b s) / kv_len of each sequence;
+  // skip_log2_lambda then holds log2(a exp(b s)) and the kernel subtracts log2(kv_len).
+  bool skip_per_kv_len = false;
+  unsigned long long* skip_counts = nullptr;
   // FP8 kernels (q, k and v fp8 e4m3): the logits are (q . k) x q_descale x k_descale x
   // softmax_scale, the output P V x v_descale (out in bf16 / f16). A paged call takes k / v
   // descales from the cache's scales. (Last, so that the 16-bit kernels' parameter offsets do not

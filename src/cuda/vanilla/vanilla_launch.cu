@@ -36,6 +36,9 @@ void fill_lse(const TensorView& lse, int token_dim, VanillaAttentionParams& para
 
 void vanilla_prefill(const AttentionSpec& spec, const PrefillArgs& args,
                      const detail::PrefillProblem& p, Stream stream) {
+  ATTNKIT_CHECK(!spec.skip_softmax,
+                "prefill: backend 'vanilla' on CUDA does not skip tiles; skip_softmax runs on the "
+                "fused kernels (backend 'fused' or 'auto') and on the CPU reference");
   VanillaAttentionParams params{};
   fill_vanilla_spec_fields(spec, params);
   params.fault = fault_site(Op::kPrefill);
@@ -66,6 +69,11 @@ void vanilla_prefill(const AttentionSpec& spec, const PrefillArgs& args,
     params.total_kv = p.total_kv;
   }
   launch_vanilla_attention(params, as_cuda_stream(stream));
+  // The vanilla kernel has no tiles: SkipStats of zeros.
+  if (args.skip_stats.defined()) {
+    check_cuda(cudaMemsetAsync(args.skip_stats.data, 0, sizeof(SkipStats), as_cuda_stream(stream)),
+               "prefill: zeroing skip_stats");
+  }
 }
 
 void vanilla_decode(const AttentionSpec& spec, const DecodeArgs& args,
