@@ -252,6 +252,10 @@ TEST(CpRingPrefill, RejectsBadInputBeforeCommunicating) {
   AttentionSpec alibi = good_spec;
   alibi.alibi = true;
   expect_rejected("spec.alibi", alibi, plan, good);
+  AttentionSpec skip = good_spec;
+  skip.skip_softmax = SkipSoftmaxSpec{};
+  skip.skip_softmax->threshold = 0.5;
+  expect_rejected("spec.skip_softmax", skip, plan, good);
   AttentionSpec fused = good_spec;
   fused.backend = Backend::kFused;
   expect_rejected("spec.backend", fused, plan, good);
