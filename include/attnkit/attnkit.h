@@ -3,6 +3,7 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/config.h"
+#include "attnkit/context_parallel.h"
 #include "attnkit/device_errors.h"
 #include "attnkit/info.h"
 #include "attnkit/interrupt.h"
