@@ -643,9 +643,9 @@ DOCS_RESULTS = "perf-results.json"  # in the docs folder: one run per suite, wha
 DOCS_PAGE = "performance.md"
 DOCS_PLOTS = "perf-plots"  # <suite>.png beside the page
 
-SUITE_TITLES = {"prefill": "Prefill", "dense": "Dense (diffusion)", "decode": "Decode",
-                "append": "append_kv"}
-DOCS_ORDER = ("prefill", "dense", "decode", "append")
+SUITE_TITLES = {"prefill": "Prefill", "fp8": "FP8 prefill", "dense": "Dense (diffusion)",
+                "decode": "Decode", "append": "append_kv"}
+DOCS_ORDER = ("prefill", "fp8", "dense", "decode", "append")
 PEER_NAMES = {"sdpa-cudnn": "cuDNN", "sdpa-flash": "FA2", "sdpa-efficient": "SDPA efficient",
               "flex": "FlexAttention", "flashinfer": "FlashInfer", "torch-copy": "copy"}
 

@@ -178,6 +178,16 @@ TensorView to_view(const Array& a, const std::string& name, std::optional<DType>
 // buffer protocol), writable for outputs. Anything else raises naming the argument.
 TensorView array_view(nb::handle value, const std::string& name, Access access,
                       std::optional<DType> raw_as = {}) {
+  // attnkit computes no gradients: with autograd recording, a tensor that requires grad is
+  // refused (whatever the framework's DLPack export allows; torch 2.11 exports one) rather than
+  // silently cut from the graph. Under torch.no_grad() (inference, and inside torch custom ops)
+  // it is read as any other tensor.
+  if (nb::hasattr(value, "requires_grad") && nb::bool_(value.attr("requires_grad")) &&
+      nb::bool_(nb::module_::import_("torch").attr("is_grad_enabled")())) {
+    fail(name +
+         ": a tensor that requires grad while autograd records; attnkit computes no gradients: "
+         "pass tensor.detach(), or call under torch.no_grad()");
+  }
   nb::ndarray<> writable;
   if (access == Access::kOutput && nb::try_cast(value, writable, /*convert=*/false)) {
     return to_view(writable, name, raw_as);
@@ -191,14 +201,10 @@ TensorView array_view(nb::handle value, const std::string& name, Access access,
     }
     return to_view(readable, name, raw_as);
   }
-  std::string why;
-  if (nb::hasattr(value, "requires_grad") && nb::bool_(value.attr("requires_grad"))) {
-    why = " (a tensor that requires grad exports no DLPack view: pass tensor.detach())";
-  }
   fail(name +
        ": expected an array (a DLPack or buffer-protocol tensor: torch, numpy, cupy, "
        "jax, ...), got " +
-       describe(value) + why);
+       describe(value));
 }
 
 // An optional array argument: None gives the undefined view.
