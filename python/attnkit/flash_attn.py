@@ -505,12 +505,17 @@ def _put(dst: Any, index: tuple, values: Any, valid: Any) -> None:
     Dropping invalid tokens from the index arrays would need their count (a synchronization on
     CUDA), so an invalid token repeats the write of the first valid one (the same value to the
     same place: the result does not depend on the order of the writes), or rewrites element 0
-    with its own value when no token is valid.
+    with its own value when no token is valid. ``first`` stays a [1] device array used as an
+    index array and broadcast: a 0-d torch index would be read to the host (``.item()``), which
+    synchronizes and fails inside CUDA-graph capture.
     """
     if int(valid.shape[0]) == 0:
         return
     any_valid = valid.any()
-    first = valid.int().argmax() if _is_torch(valid) else int(np.argmax(valid))
+    if _is_torch(valid):
+        first = valid.int().argmax().reshape(1)
+    else:
+        first = np.array([np.argmax(valid)])
 
     def fix(i: Any) -> Any:
         if isinstance(i, slice):
@@ -519,8 +524,8 @@ def _put(dst: Any, index: tuple, values: Any, valid: Any) -> None:
 
     fixed = tuple(fix(i) for i in index)
     zero = tuple(i if isinstance(i, slice) else _index(i[:1] * 0) for i in index)
-    own = dst[zero][0]
-    fill = _where(any_valid, values[first], own)
+    own = dst[zero]  # [1, ...]: element 0's current value
+    fill = _where(any_valid, values[first], own)  # [1, ...], broadcast over the tokens
     mask = valid.reshape((-1,) + (1,) * (values.ndim - 1))
     dst[fixed] = _where(mask, values, fill)
 
@@ -731,7 +736,8 @@ def flash_attn_with_kvcache_impl(
     if cache_seqlens is None:
         if k is not None:
             raise Error("cache_seqlens: required with new k / v (it says where they go)")
-        cache_seqlens = np.full((b,), capacity)
+        # Made next to q (no host-to-device copy, which a captured graph cannot hold).
+        cache_seqlens = _arange(b, q) * 0 + capacity
     lens = _int32_array(cache_seqlens, q, "cache_seqlens")
     if tuple(lens.shape) != (b,):
         raise Error(

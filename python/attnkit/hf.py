@@ -4,7 +4,9 @@ Importing this module registers :func:`attention_forward` under the name ``"attn
 transformers' ``AttentionInterface``, and transformers' SDPA mask builder (``sdpa_mask``) under
 the same name with its ``AttentionMaskInterface``, so that a model built with
 ``attn_implementation="attnkit"`` (``from_pretrained``, ``from_config``, or
-``model.set_attn_implementation("attnkit")``) runs its attention through attnkit::
+``model.set_attn_implementation("attnkit")``, which does not reach the encoder and decoder
+stacks of T5-family models: choose the name when building those) runs its attention through
+attnkit::
 
     import attnkit.hf
     model = AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")

@@ -515,6 +515,73 @@ def test_torch_compile_kvcache_mutates(rng):
     assert torch.equal(k_cache[1, 17], k[1, 0]) and torch.equal(v_cache[0, 3], v[0, 0])
 
 
+@needs_torch
+@pytest.mark.parametrize("paged,sq,append", [(True, 1, True), (False, 1, True), (True, 3, True),
+                                             (True, 1, False)])
+def test_torch_kvcache_device_path_reads_nothing_back(rng, monkeypatch, paged, sq, append):
+    """The path flash_attn_with_kvcache takes for CUDA tensors (lengths and table on the device)
+    must read nothing back to the host, or CUDA-graph capture fails. It runs here on CPU tensors
+    with the host-side checks of CPU inputs switched off (they read the lengths by design); a
+    TorchFunctionMode records every tensor operation that reads values on the host (.item(),
+    bool(), int(), a 0-d or boolean index, nonzero, ...). Output and appends must equal those of
+    the ordinary CPU call."""
+    from torch.overrides import TorchFunctionMode
+
+    from attnkit import flash_attn as fa
+
+    host_reads = {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "__bool__",
+                  "__int__", "__index__", "__float__"}
+
+    class Probe(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in host_reads:
+                self.reads.append(name)
+            elif name in ("__getitem__", "__setitem__"):
+                index = args[1] if isinstance(args[1], tuple) else (args[1],)
+                self.reads += [f"{name} with a {i.dim()}-d {i.dtype} index" for i in index
+                               if isinstance(i, torch.Tensor)
+                               and (i.dim() == 0 or i.dtype == torch.bool)]
+            return func(*args, **(kwargs or {}))
+
+    b, hq, hkv, d, page, width = 4, 4, 2, 32, 16, 4
+    lens = [40, 3, 17, 60]  # + sq <= width * page; without appends every row is full
+    k_pool, v_pool = (rand(rng, (b * width + 3, page, hkv, d), np.float16) for _ in range(2))
+    table = rng.permutation(b * width + 3)[:b * width].reshape(b, width).astype(np.int32)
+    if not paged:  # contiguous rows [B, S_cache, Hkv, D]
+        k_pool, v_pool = (x[table].reshape(b, -1, hkv, d) for x in (k_pool, v_pool))
+    k_cache, v_cache = torch.from_numpy(k_pool), torch.from_numpy(v_pool)
+    table = torch.from_numpy(table) if paged else None
+    q = torch.from_numpy(rand(rng, (b, sq, hq, d), np.float16))
+    k, v = (torch.from_numpy(rand(rng, (b, sq, hkv, d), np.float16)) if append else None
+            for _ in range(2))
+    rows = int(k_cache.shape[1]) * (int(table.shape[1]) if paged else 1)
+    cos, sin = (torch.from_numpy(t) if append else None for t in _tables(rng, rows, d))
+    seqlens = torch.tensor(lens, dtype=torch.int32) if append else None
+
+    def call(kc, vc):
+        return fa.flash_attn_with_kvcache_impl(q, kc, vc, k, v, cos, sin, seqlens, table, None,
+                                               True, (-1, -1), 0.0, False, None, 0, True)
+
+    before = k_cache.clone()
+    kc, vc = k_cache.clone(), v_cache.clone()
+    expected = call(kc, vc)
+    monkeypatch.setattr(fa, "_on_host", lambda x: False)
+    probe = Probe()
+    with probe:
+        got = call(k_cache, v_cache)
+    assert probe.reads == []
+    for x, y in zip(got, expected):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    if append:  # the appends happened (the comparison above is not of two untouched caches)
+        assert not torch.equal(k_cache, before)
+
+
 # ---- CUDA (the lead's H200 run) ---------------------------------------------------------------
 
 

@@ -24,11 +24,15 @@ LOG2E = 1.0 / math.log(2.0)
 class Pages:
     """A random paged cache in FlashInfer's form: pages of each request shuffled over a pool
     bigger than needed, K/V [pages, 2, page_size, Hkv, D] (NHD) or [pages, 2, Hkv, page_size, D]
-    (HND), and each request's K/V gathered back as [len, Hkv, D] float64 for the oracle."""
+    (HND), and each request's K/V gathered back as [len, Hkv, D] float64 for the oracle.
+    pool_pages: the pool's size (default: three pages more than the requests use), so that
+    page tables of different steps can address one pool."""
 
-    def __init__(self, rng, lens, hkv, d, page_size, layout, dtype, device="cpu"):
+    def __init__(self, rng, lens, hkv, d, page_size, layout, dtype, device="cpu",
+                 pool_pages=None):
         counts = [-(-n // page_size) for n in lens]
-        self.total = sum(counts) + 3
+        self.total = sum(counts) + 3 if pool_pages is None else pool_pages
+        assert self.total >= sum(counts), "pool_pages: fewer pages than the requests use"
         perm = rng.permutation(self.total)
         self.indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         self.indices = perm[: sum(counts)].astype(np.int32)
@@ -217,8 +221,12 @@ def test_rejections_name_the_argument(rng):
         dec.run(q.float(), pages.cache, out=out)
     with pytest.raises(attnkit.Error, match="^paged_kv_cache: "):
         dec.run(q, pages.cache[:, :, :8], out=out)
-    with pytest.raises(attnkit.Error, match="^paged_kv_cache: got 4 pages"):
-        dec.run(q, pages.cache[:4], out=out)
+    # A pool that ends at the plan's largest page id: that page is missing (the pool holds
+    # three pages more than the plan uses, shuffled, so a fixed cut could still hold them all).
+    short = int(pages.indices.max())
+    with pytest.raises(attnkit.Error, match=f"^paged_kv_cache: got {short} pages; accepted: more "
+                       f"than the largest page id of the plan \\({short}\\)"):
+        dec.run(q, pages.cache[:short], out=out)
     with pytest.raises(attnkit.Error, match="^q: "):
         dec.run(q[:1], pages.cache, out=out[:1])
     assert torch.isnan(out).all()  # nothing written by a rejected call
@@ -249,7 +257,11 @@ def test_cuda_decode_graph_replay_after_replan(rng, layout):
         paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=dev),
         max_pages_per_request=16)
     steps = [[3, 100, 17, 250], [250, 1, 64, 33]]
-    pages = [Pages(rng, lens, hkv, d, page, layout, torch.bfloat16, dev) for lens in steps]
+    # One pool size for both steps: the captured run() reads the one pool tensor it was
+    # captured with, which each step's cache is copied into.
+    pool_pages = max(sum(-(-n // page) for n in lens) for lens in steps) + 3
+    pages = [Pages(rng, lens, hkv, d, page, layout, torch.bfloat16, dev, pool_pages=pool_pages)
+             for lens in steps]
     pool = pages[0].cache.clone()
     q = torch.zeros(batch, hq, d, dtype=torch.bfloat16, device=dev)
     out = torch.zeros_like(q)

@@ -216,13 +216,19 @@ def test_rejects_what_it_cannot_serve(rng):
 
 
 def test_t5_position_bias_is_rejected(rng):
+    """T5 adds a learned relative position bias to the logits (the position_bias argument of the
+    attention function), which attnkit does not compute. T5's encoder and decoder stacks hold
+    copies of the model's config, which model.set_attn_implementation() leaves as they were, so
+    attnkit is chosen at construction, and the test checks that the stacks took it."""
     seed(rng)
     config = transformers.T5Config(vocab_size=101, d_model=64, d_kv=16, d_ff=128, num_layers=1,
                                    num_heads=4, dropout_rate=0.0)
-    model = transformers.T5Model(config).eval()
-    model.set_attn_implementation("attnkit")
+    model = transformers.AutoModel.from_config(config, attn_implementation="attnkit").eval()
+    for part in (model, model.encoder, model.decoder):
+        assert part.config._attn_implementation == "attnkit", type(part).__name__
     ids = _ids(rng, (1, 7))
-    with torch.no_grad(), pytest.raises(attnkit.Error, match="position_bias"):
+    rejected = pytest.raises(attnkit.Error, match="^position_bias: given by T5Attention")
+    with torch.no_grad(), rejected:
         model(input_ids=ids, decoder_input_ids=ids)
 
 
