@@ -102,11 +102,7 @@ struct Sm90Consumer {
 
   // Announces a buffer free once this warp's share of the MMAs that read it has completed: one
   // arrival a consumer warp (the "empty" barriers count kConsumerWarps).
-  // Lane 0 arrives for its warp; the __syncwarp orders the other lanes' reads of the stage (the
-  // K stage's fault word is read with plain ld.shared) before that arrive releases it to the
-  // producer, which rewrites the word with the stage's next fill.
   __device__ void release(uint32_t empty_bar) const {
-    __syncwarp();
     if (wtid % 32 == 0) mbarrier_arrive(empty_bar);
   }
 
