@@ -26,6 +26,7 @@
 #include "cuda/common/memory_sm90.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/named_barrier.cuh"
+#include "cuda/decode/decode_epilogue.cuh"
 #include "cuda/decode/decode_params.h"
 #include "cuda/decode/split_weights.cuh"
 
@@ -1523,48 +1524,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
           row_fault ? decode_faulted_lse() : lse;
     }
   }
-  // A thread's output items are unrolled, computed with unguarded shared loads (rows of padding
-  // heads exist and are finite) so that their loads issue together, then stored: one item after
-  // another's stores took ~700 cycles of the split epilogue. The count is a quarter, half or all
-  // of the kernel's most (kM heads), the least that covers the heads this CTA has, so that small
-  // groups (MHA: one head of kM = 8) do not compute 8 items for 1.
+  // A thread's output items are unrolled (decode_store_output). The count is a quarter, half or
+  // all of the kernel's most (kM heads), the least that covers the heads this CTA has, so that
+  // small groups (MHA: one head of kM = 8) do not compute 8 items for 1.
   const int out_items = heads_here * kD;
-  auto write_items = [&](auto items) {
-    constexpr int kItems = decltype(items)::value;
-    float value[kItems];
-#pragma unroll
-    for (int j = 0; j < kItems; ++j) {
-      const int i = min(static_cast<int>(threadIdx.x) + j * Traits::kThreads, kM * kD - 1);
-      const int r = i / kD, d = i % kD;
-      const int w0 = (r / kMB) * Traits::kKeyWarps, rr = r % kMB;
-      const float4 w = merge_w[r];
-      const float* o_w = merge_o + (w0 * kMB + rr) * kMergeStride + d;
-      value[j] = w.x * o_w[0] + w.y * o_w[kMB * kMergeStride] + w.z * o_w[2 * kMB * kMergeStride] +
-                 w.w * o_w[3 * kMB * kMergeStride];
-    }
-    if (p.num_splits == 1) {
-      QT* out = static_cast<QT*>(p.out) + row * p.out_row_stride + first_head * p.out_head_stride;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const int i = threadIdx.x + j * Traits::kThreads;
-        if (i < out_items) out[(i / kD) * p.out_head_stride + i % kD] = QT(value[j]);
-      }
-    } else {
-      // The split's output stays f32: rounding it to the query's type (as FlashInfer's tmp_v in
-      // the output type) halved the bytes the merge reads (bf16 1 x 32k +1.4%) but rounded every
-      // output twice, and that extra rounding, relative to the split's mean (larger than the
-      // row's where the splits' means cancel), broke the error bound of docs/testing.md on fresh
-      // data (`DecodeSplit.PartialsKeepTheRangeOfTheOutputType`: 388.7 against a bound of 366.9).
-      float* out =
-          p.partial_out +
-          ((static_cast<int64_t>(split) * p.num_rows + row) * p.num_q_heads + first_head) * kD;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const int i = threadIdx.x + j * Traits::kThreads;
-        if (i < out_items) out[i] = value[j];
-      }
-    }
-  };
   constexpr int kOutItems = (kM * kD + Traits::kThreads - 1) / Traits::kThreads;
   constexpr int kHalfItems = kOutItems / 2 > 0 ? kOutItems / 2 : 1;
   constexpr int kQuarterItems = kOutItems / 4 > 0 ? kOutItems / 4 : 1;
@@ -1638,11 +1601,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 #endif
     }
   } else if (out_items <= kQuarterItems * Traits::kThreads) {
-    write_items(std::integral_constant<int, kQuarterItems>());
+    decode_store_output<Traits, QT, kQuarterItems>(p, merge_w, merge_o, row, split, first_head,
+                                                   out_items);
   } else if (out_items <= kHalfItems * Traits::kThreads) {
-    write_items(std::integral_constant<int, kHalfItems>());
+    decode_store_output<Traits, QT, kHalfItems>(p, merge_w, merge_o, row, split, first_head,
+                                                out_items);
   } else {
-    write_items(std::integral_constant<int, kOutItems>());
+    decode_store_output<Traits, QT, kOutItems>(p, merge_w, merge_o, row, split, first_head,
+                                               out_items);
   }
   if (accumulate) {
     // Each head's 2^lse joins the denominators, or an outlier's LSEs go where the merge reads them
