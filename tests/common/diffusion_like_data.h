@@ -91,6 +91,24 @@ struct PackedSeq {
 
 // Packed prefill inputs of diffusion-like structure: each sequence's kv_len positions filled by
 // fill_diffusion_like (Sq = Skv), its queries the last q_len of them.
+// The packed-mode PrefillArgs over q, k, v and their cu_seqlens (host or device views), with the
+// longest lengths as bounds, writing `out`.
+inline PrefillArgs packed_prefill_args(const TensorView& q, const TensorView& k,
+                                       const TensorView& v, const TensorView& cu_q,
+                                       const TensorView& cu_kv, int32_t max_q, int32_t max_kv,
+                                       const TensorView& out) {
+  PrefillArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.cu_seqlens_q = cu_q;
+  a.cu_seqlens_kv = cu_kv;
+  a.out = out;
+  a.max_seqlen_q = max_q;
+  a.max_seqlen_kv = max_kv;
+  return a;
+}
+
 struct PackedDiffusionLike {
   std::vector<PackedSeq> seqs;
   int32_t hq = 0, hkv = 0, dim = 0;
@@ -100,14 +118,7 @@ struct PackedDiffusionLike {
 
   // The packed-mode PrefillArgs of these tensors, writing `out`.
   PrefillArgs args(const TensorView& out) const {
-    PrefillArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.cu_seqlens_q = cu_q;
-    a.cu_seqlens_kv = cu_kv;
-    a.out = out;
-    return a;
+    return packed_prefill_args(q, k, v, cu_q, cu_kv, max_q, max_kv, out);
   }
 };
 

@@ -76,16 +76,7 @@ struct DeviceInputs {
         max_kv(in.max_kv) {}
   // The packed-mode PrefillArgs on the device, writing `out`.
   PrefillArgs args(const TensorView& out) const {
-    PrefillArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.cu_seqlens_q = cu_q;
-    a.cu_seqlens_kv = cu_kv;
-    a.out = out;
-    a.max_seqlen_q = max_q;
-    a.max_seqlen_kv = max_kv;
-    return a;
+    return packed_prefill_args(q, k, v, cu_q, cu_kv, max_q, max_kv, out);
   }
 };
 

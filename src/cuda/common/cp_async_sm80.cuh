@@ -29,8 +29,8 @@ __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const v
 }
 
 // 16 bytes that are all valid (no zero fill), with an L2 cache policy (l2_policy_evict_first).
-// Only this form takes a hint: ptxas of CUDA 13.0 miscompiled the hinted zero-fill form
-// (docs/decode_design.md, "L2 evict_first").
+// Only this form takes a hint: for the hinted zero-fill form ptxas of CUDA 13.0 emitted LDGSTS
+// naming a descriptor register that nothing writes, an illegal instruction at run time.
 __device__ __forceinline__ void cp_async_16_l2_hint(uint32_t smem_addr, const void* src,
                                                     uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
