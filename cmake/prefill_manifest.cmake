@@ -14,10 +14,12 @@
 #   sm90: the Hopper warpgroup kernels (prefill_sm90_kernel.cuh), tile "ws": both masks, with and
 #         without logit modifiers, and (in a second file, _skip.cu) the skip-softmax kernels of
 #         the unmasked calls. dtype fp8 is the FP8 kernel (fp8 e4m3 q, k, v; head_dim 128 and
-#         256; no skip-softmax).
+#         256; no skip-softmax). dtype sage is the SAGE kernels (int8 and fp8 e4m3 Q K^T codes of
+#         the quantize pass, fp8 P V; unmasked, with and without logit modifiers), listed in the
+#         support table with dtype int8.
 #
 # ATTNKIT_KERNEL_SUBSET keeps head_dim 128 bf16 (sm80 m128 and sm90) and the head_dim 128 FP8
-# kernel, the set CI compiles on two cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a
+# and SAGE kernels, the set CI compiles on two cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a
 # full build.
 
 set(ATTNKIT_PREFILL_MANIFEST
@@ -31,7 +33,8 @@ set(ATTNKIT_PREFILL_MANIFEST
   "sm90 64 bf16 ws" "sm90 64 f16 ws"
   "sm90 128 bf16 ws" "sm90 128 f16 ws"
   "sm90 256 bf16 ws" "sm90 256 f16 ws"
-  "sm90 128 fp8 ws" "sm90 256 fp8 ws")
+  "sm90 128 fp8 ws" "sm90 256 fp8 ws"
+  "sm90 128 sage ws" "sm90 256 sage ws")
 
 set(ATTNKIT_PREFILL_HEAD_DIMS "64;80;96;128;256" CACHE STRING
     "Head dims whose prefill kernels a full build compiles")
@@ -72,7 +75,8 @@ function(attnkit_prefill_manifest out_var)
     list(GET fields 2 dtype)
     list(GET fields 3 tile)
     if(ATTNKIT_KERNEL_SUBSET)
-      if(NOT (dim EQUAL 128 AND (dtype STREQUAL "bf16" OR dtype STREQUAL "fp8") AND
+      if(NOT (dim EQUAL 128 AND (dtype STREQUAL "bf16" OR dtype STREQUAL "fp8" OR
+                                 dtype STREQUAL "sage") AND
               (tile STREQUAL "m128" OR tile STREQUAL "ws")))
         continue()
       endif()
@@ -86,6 +90,8 @@ function(attnkit_prefill_manifest out_var)
       set(dt "DType::kBF16")
     elseif(dtype STREQUAL "fp8")
       set(dt "DType::kFp8E4M3")
+    elseif(dtype STREQUAL "sage")
+      set(dt "DType::kInt8")
     else()
       set(dt "DType::kF16")
     endif()
@@ -110,6 +116,8 @@ function(attnkit_prefill_manifest out_var)
     else()
       if(dtype STREQUAL "fp8")
         string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_FP8(${dim})\n")
+      elseif(dtype STREQUAL "sage")
+        string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(${dim})\n")
       else()
         string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE(${dim}, ${dt})\n")
         set(skip_body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(${dim}, ${dt})\n")

@@ -97,7 +97,11 @@ void Validator::expect_layout(const TensorView& t, const std::string& name, Acce
         TensorView::kMaxDims, "], got ", t.ndim);
   if (t.ndim == 0) return;
   const int last = t.ndim - 1;
-  check(t.strides[last] == 1 || t.shape[last] <= 1, name,
+  // An empty tensor has no element to lay out: any non-negative strides describe it (a
+  // row-major view of an extent 0 has strides 0, as numpy gives them).
+  bool empty = false;
+  for (int d = 0; d < t.ndim; ++d) empty = empty || t.shape[d] == 0;
+  check(empty || t.strides[last] == 1 || t.shape[last] <= 1, name,
         "the last dimension must be contiguous (stride 1), got strides ", strides_str(t),
         " for shape ", t.shape_str());
   const int64_t elt = static_cast<int64_t>(dtype_size(t.dtype));
@@ -105,7 +109,7 @@ void Validator::expect_layout(const TensorView& t, const std::string& name, Acce
   int64_t last_byte = elt;
   for (int d = 0; d < t.ndim; ++d) {
     check(t.strides[d] >= 0, name, "strides must be >= 0, got strides ", strides_str(t));
-    if (output && t.shape[d] > 1) {
+    if (output && !empty && t.shape[d] > 1) {
       check(t.strides[d] > 0, name,
             "an output may not broadcast (stride 0 over an extent > 1), got strides ",
             strides_str(t), " for shape ", t.shape_str());

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/prefill/prefill_sm90_fp8_layout.h"
+#include "cuda/sage/sage_quant_params.h"
 
 namespace attnkit::test {
 namespace {
@@ -92,6 +93,41 @@ TEST(PrefillFp8Layout, VtKeyIsAPermutationOfEachStep) {
   }
   for (int q = 0; q < 32; ++q) {
     for (int j = 0; j < 4; ++j) EXPECT_EQ(L::quad_key(q, j), L::vt_key(4 * q + j));
+  }
+}
+
+// The SAGE pass and the fp8 transposes write V^T in the column order the kernel's V^T ring holds:
+// column vt_column_of_key(k) of a step holds key k, so a TMA box of 128 columns is the ring tile.
+TEST(PrefillFp8Layout, VtColumnOfKeyInvertsVtKey) {
+  for (int k = 0; k < L::kVtKeys; ++k) {
+    EXPECT_EQ(L::vt_key(L::vt_column_of_key(k)), k);
+    EXPECT_EQ(L::vt_column_of_key(L::vt_key(k)), k);
+  }
+}
+
+// Sequences of random lengths map their tokens to distinct V^T columns inside the row stride, a
+// tile's keys at the tile's own 128 columns (the kernel's box starts at the sequence's column plus
+// the tile's first key).
+TEST(PrefillFp8Layout, VtColumnsOfSequencesNeverCollide) {
+  namespace S = cuda::sage;
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int seqs = 1 + static_cast<int>(rng() % 6);
+    std::vector<int64_t> start(seqs + 1, 0);
+    for (int b = 0; b < seqs; ++b) start[b + 1] = start[b] + static_cast<int64_t>(rng() % 300);
+    const int64_t stride = S::vt_row_stride(start[seqs], seqs);
+    std::vector<int> owner(static_cast<size_t>(stride), -1);
+    for (int b = 0; b < seqs; ++b) {
+      for (int64_t t = 0; t < start[b + 1] - start[b]; ++t) {
+        const int64_t col = S::vt_column(start[b], b, t);
+        ASSERT_LT(col, stride);
+        EXPECT_EQ(owner[col], -1) << "two tokens in column " << col;
+        owner[col] = b;
+        const int64_t tile0 = S::vt_seq_column(start[b], b) + t / 128 * 128;
+        EXPECT_EQ(S::vt_column(start[b], b, t) - tile0,
+                  L::vt_column_of_key(static_cast<int>(t % 128)));
+      }
+    }
   }
 }
 

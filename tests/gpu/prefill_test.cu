@@ -26,6 +26,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_launch.h"
+#include "cuda/prefill/prefill_sm90.h"
 #include "gpu/gpu_case_util.h"
 #include "gpu/gpu_util.h"
 
@@ -1162,8 +1163,19 @@ TEST(PrefillSupport, UnsupportedReasons) {
     spec.fused_kernel = FusedKernel::kAuto;
   }
   spec.skip_softmax.reset();
+  // SAGE: the sm90 SAGE kernels at head_dim 128 where compiled; never the portable kernel, never
+  // head_dim 64.
   spec.quant = SageQuantSpec{};
-  EXPECT_NE(cuda::fused_dense_unsupported(spec, dp).find("quant"), std::string::npos);
+  if (cuda::prefill::sm90_sage_compiled(128) && has_sm90(128, DType::kBF16)) {
+    EXPECT_EQ(cuda::fused_dense_unsupported(spec, dp), "");
+  } else {
+    EXPECT_NE(cuda::fused_dense_unsupported(spec, dp).find("quant"), std::string::npos);
+  }
+  spec.fused_kernel = FusedKernel::kPortable;
+  EXPECT_NE(cuda::fused_dense_unsupported(spec, dp).find("quant (SAGE)"), std::string::npos);
+  spec.fused_kernel = FusedKernel::kAuto;
+  spec.head_dim = 64;
+  EXPECT_NE(cuda::fused_dense_unsupported(spec, dp).find("quant (SAGE)"), std::string::npos);
 }
 
 }  // namespace

@@ -329,7 +329,7 @@ void expect_matches_reference(const Case& c, const Inputs& in, const GpuResult& 
       }
       continue;
     }
-    for (int64_t col = kv_start; col < kv_start + kv_len; ++col) vt_column_used[col] = true;
+    for (int64_t t = 0; t < kv_len; ++t) vt_column_used[sq::vt_column(kv_start, b, t)] = true;
     for (int32_t h = 0; h < c.hkv; ++h) {
       std::vector<float> k = in.rows(1, b, kv_len, h, c.dim);
       const std::vector<float> mean = reference::sage_channel_mean(k, kv_len, c.dim);
@@ -349,7 +349,8 @@ void expect_matches_reference(const Case& c, const Inputs& in, const GpuResult& 
         m.add("v_scale", bits_of(r.f32(L.v_scale, channel0 + d)) == bits_of(v_ref.channel_scale[d]),
               where(b, h, 0, d));
         for (int64_t t = 0; t < kv_len; ++t) {
-          const uint8_t gpu = r.at(L.v_t)[(h * c.dim + d) * vt_stride + kv_start + t];
+          const uint8_t gpu =
+              r.at(L.v_t)[(h * c.dim + d) * vt_stride + sq::vt_column(kv_start, b, t)];
           m.add("v_t code", gpu == code_of(DType::kFp8E4M3, v_ref.values[t * c.dim + d]),
                 where(b, h, t, d));
         }
@@ -604,6 +605,24 @@ std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t n) {
   return out;
 }
 
+// The (sequence, token) that each V^T column holds ({-1, -1}: none) for sequences starting at
+// packed tokens starts[b] with lens[b] tokens.
+struct VtOwner {
+  int64_t seq = -1, token = -1;
+};
+std::vector<VtOwner> vt_owners(int64_t stride, const std::vector<int64_t>& starts,
+                               const std::vector<int64_t>& lens) {
+  std::vector<VtOwner> owners(static_cast<size_t>(stride));
+  for (size_t b = 0; b < lens.size(); ++b) {
+    for (int64_t t = 0; t < lens[b]; ++t) {
+      VtOwner& o = owners.at(static_cast<size_t>(sq::vt_column(starts[b], b, t)));
+      EXPECT_EQ(o.seq, -1) << "two tokens in one V^T column";
+      o = {static_cast<int64_t>(b), t};
+    }
+  }
+  return owners;
+}
+
 // V^T [Hkv][D][stride] of the columns the expected function names (others zero).
 template <typename Expected>
 void expect_vt(const std::vector<uint8_t>& vt, int32_t hkv, int32_t dim, int64_t stride,
@@ -653,8 +672,8 @@ TEST(SageTransposeGpu, Fp8VMatchesAHostTranspose) {
       return (v.packed ? (start[b] + t) * token_stride : b * batch_stride + t * token_stride) +
              int64_t{h} * v.dim + d;
     };
-    const int64_t stride = sq::vt_row_stride(total);
-    const size_t vt_bytes = sq::fp8_vt_bytes(v.hkv, v.dim, total);
+    const int64_t stride = sq::vt_row_stride(total, batch);
+    const size_t vt_bytes = sq::fp8_vt_bytes(v.hkv, v.dim, total, batch);
     GuardedDeviceBuffer dsrc(src, 256), dvt(std::vector<uint8_t>(vt_bytes, kUnwritten), 4096);
     GuardedDeviceBuffer dcu(bytes_of(cu_of(start)), 256);
     sq::Fp8TransposeArgs args;
@@ -670,11 +689,10 @@ TEST(SageTransposeGpu, Fp8VMatchesAHostTranspose) {
     ASSERT_NO_THROW(sq::launch_fp8_transpose_v(args, nullptr));
     ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
     const std::vector<uint8_t> vt = dvt.download_checking_guards("v_t");
+    const std::vector<VtOwner> owners = vt_owners(stride, start, v.lens);
     expect_vt(vt, v.hkv, v.dim, stride, [&](int32_t h, int32_t d, int64_t col) -> uint8_t {
-      for (int64_t b = 0; b < batch; ++b) {
-        if (col >= start[b] && col < start[b + 1]) return src[src_index(b, col - start[b], h, d)];
-      }
-      return 0;
+      const VtOwner& o = owners[static_cast<size_t>(col)];
+      return o.seq < 0 ? 0 : src[src_index(o.seq, o.token, h, d)];
     });
   }
 }
@@ -722,7 +740,7 @@ PagedOutcome run_paged(const PagedCase& c, int64_t columns, bool paged = true) {
   drain_device_faults();
   GuardedDeviceBuffer pool(c.pool, 64 << 10);
   GuardedDeviceBuffer table(bytes_of(c.table), 256), lens(bytes_of(c.lens), 256);
-  const size_t vt_bytes = sq::fp8_vt_bytes(c.hkv, c.dim, columns);
+  const size_t vt_bytes = sq::fp8_vt_bytes(c.hkv, c.dim, columns, c.rows());
   GuardedDeviceBuffer vt(std::vector<uint8_t>(vt_bytes, kUnwritten), 4096);
   GuardedDeviceBuffer offsets(std::vector<uint8_t>((c.rows() + 1) * 4, kUnwritten), 256);
   sq::PagedFp8TransposeArgs args;
@@ -766,19 +784,20 @@ void expect_paged_vt(const PagedCase& c, const PagedOutcome& out, int64_t column
   std::vector<int32_t> offsets(lens.size() + 1, 0);
   for (size_t r = 0; r < lens.size(); ++r) offsets[r + 1] = offsets[r] + lens[r];
   EXPECT_EQ(out.offsets, offsets);
-  expect_vt(out.vt, c.hkv, c.dim, sq::vt_row_stride(columns),
-            [&](int32_t h, int32_t d, int64_t col) -> uint8_t {
-              for (size_t r = 0; r < lens.size(); ++r) {
-                if (col < offsets[r] || col >= offsets[r + 1]) continue;
-                const auto t = static_cast<int32_t>(col - offsets[r]);
-                const int32_t page = t / c.page;
-                if (bad_page(static_cast<int64_t>(r), page)) return 0;
-                const int32_t block =
-                    paged ? c.table[r * c.table_cols + page] : static_cast<int32_t>(r);
-                return c.pool[c.v_byte(block, h, t % c.page, d)];
-              }
-              return 0;
-            });
+  const int64_t stride = sq::vt_row_stride(columns, c.rows());
+  const std::vector<VtOwner> owners =
+      vt_owners(stride, std::vector<int64_t>(offsets.begin(), offsets.end() - 1),
+                std::vector<int64_t>(lens.begin(), lens.end()));
+  expect_vt(out.vt, c.hkv, c.dim, stride, [&](int32_t h, int32_t d, int64_t col) -> uint8_t {
+    const VtOwner& o = owners[static_cast<size_t>(col)];
+    if (o.seq < 0) return 0;
+    const auto t = static_cast<int32_t>(o.token);
+    const int32_t page = t / c.page;
+    if (bad_page(o.seq, page)) return 0;
+    const int32_t block =
+        paged ? c.table[o.seq * c.table_cols + page] : static_cast<int32_t>(o.seq);
+    return c.pool[c.v_byte(block, h, t % c.page, d)];
+  });
 }
 
 TEST(SageTransposeGpu, PagedFp8VIsGatheredThroughTheBlockTable) {
@@ -864,7 +883,7 @@ TEST(SageTransposeGpu, BadArgumentsAreRejected) {
   good.cache.block_table.shape[1] = c.table_cols;
   good.v_t_columns = 30;
   good.v_t = vt.data();
-  good.v_t_bytes = sq::fp8_vt_bytes(c.hkv, c.dim, 30);
+  good.v_t_bytes = sq::fp8_vt_bytes(c.hkv, c.dim, 30, 2);
   good.kv_offsets = reinterpret_cast<int32_t*>(vt.data());
   auto paged = [&](const std::string& field, auto change) {
     sq::PagedFp8TransposeArgs a = good;
@@ -887,7 +906,7 @@ TEST(SageTransposeGpu, BadArgumentsAreRejected) {
   dense.total_kv = 10;
   dense.seqlen_kv = 10;
   dense.v_t = vt.data();
-  dense.v_t_bytes = sq::fp8_vt_bytes(2, 64, 10);
+  dense.v_t_bytes = sq::fp8_vt_bytes(2, 64, 10, 1);
   auto packed = [&](const std::string& field, auto change) {
     sq::Fp8TransposeArgs a = dense;
     change(a);

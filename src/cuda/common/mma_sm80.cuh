@@ -26,6 +26,10 @@ struct F16Tag {
 struct Fp8Tag {
   using Storage = uint8_t;
 };
+// int8 codes (the SAGE kernels' Q K^T: s8 x s8 -> s32 wgmma).
+struct Int8Tag {
+  using Storage = int8_t;
+};
 
 template <typename Tag>
 __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4],

@@ -50,5 +50,10 @@ __device__ __forceinline__ void fence_operands(uint32_t (&d)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
+template <int kN>
+__device__ __forceinline__ void fence_operands(int32_t (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
 
 }  // namespace attnkit::cuda::sm90

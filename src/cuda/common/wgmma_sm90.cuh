@@ -20,9 +20,10 @@
 
 namespace attnkit::cuda::sm90 {
 
-// K of one MMA step: 16 for the 16-bit element tags, 32 for Fp8Tag (mma_sm80.cuh).
+// K of one MMA step: 16 for the 16-bit element tags, 32 for the 8-bit Fp8Tag and Int8Tag
+// (mma_sm80.cuh).
 template <class Tag>
-constexpr int kMmaK = std::is_same_v<Tag, Fp8Tag> ? 32 : 16;
+constexpr int kMmaK = std::is_same_v<Tag, Fp8Tag> || std::is_same_v<Tag, Int8Tag> ? 32 : 16;
 
 // Matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63.
@@ -63,6 +64,15 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
     wgmma_ss_m64n192k16(d, desc_a, desc_b, scale_d, Tag{});
   else
     static_assert(kN == 64, "no wgmma_ss shape for this N (scripts/gen_wgmma_ops.py)");
+}
+
+// d[64 x kN] (+)= A (smem) * B (smem) in int32, both int8 and K-major; one k32 step.
+template <int kN, class Tag>
+__device__ __forceinline__ void wgmma_ss(int32_t (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d) {
+  static_assert(std::is_same_v<Tag, Int8Tag> && kN == 128,
+                "no int8 wgmma_ss shape for this N (scripts/gen_wgmma_ops.py)");
+  wgmma_ss_m64n128k32(d, desc_a, desc_b, scale_d, Tag{});
 }
 
 // d[64 x kN] (+)= A (registers) * B (smem): MN-major for 16-bit types (k16), K-major for

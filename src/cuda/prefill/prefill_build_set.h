@@ -40,6 +40,12 @@ constexpr bool sm90_compiled(int head_dim, DType dtype) {
   return manifest_has(head_dim, PrefillTile::kSm90, dtype);
 }
 
+// Whether the SAGE kernels of head_dim are compiled (the manifest's "sage" entries, listed with
+// dtype int8).
+constexpr bool sage_compiled(int head_dim) {
+  return manifest_has(head_dim, PrefillTile::kSm90, DType::kInt8);
+}
+
 // Whether head_dim also has the row-run paged kernels (kRunsOnly: a block table without a cyclic
 // window, no per-chunk slot copy compiled in). They won 2-6% at head_dim 80, 96 and 128 (causal
 // and non-causal, 16-bit and fp8 caches) and lost 1-2% at 64 and 256, which keep the general

@@ -22,6 +22,7 @@
 #include "cuda/prefill/prefill_sm90.h"
 #include "cuda/prefill/prefill_sm90_traits.h"
 #include "cuda/prefill/prefill_traits.h"
+#include "cuda/sage/sage_quant_launch.h"
 
 namespace attnkit::cuda::prefill {
 
@@ -636,9 +637,148 @@ std::string prefill_unsupported(const AttentionSpec& spec, const detail::Prefill
   return sm90_unsupported(sm90_call(shape, spec, spec.mask.kind != MaskKind::kNone, 0));
 }
 
+namespace {
+
+// The sm90 call of a SAGE dense call: the Q K^T codes' dtype, the SAGE kernels.
+Sm90Call sage_call(const AttentionSpec& spec, int device, int forced_ctas) {
+  Sm90Call call =
+      sm90_call({device, spec.head_dim, spec.quant->dtype_qk, spec.quant->dtype_qk, false}, spec,
+                /*masked=*/false, forced_ctas);
+  call.sage = true;
+  return call;
+}
+
+std::string sage_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
+  using detail::concat;
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return concat("quant (SAGE) with ", dtype_name(p.dtype),
+                  " inputs: the quantize pass reads bf16 or f16");
+  }
+  if (spec.fused_kernel == FusedKernel::kPortable) {
+    return "quant (SAGE) with fused_kernel 'portable': the SAGE kernels are sm90 (Hopper) kernels";
+  }
+  const DeviceLimits dev = device_limits(p.device.index);
+  if (!dev.ok) return concat("no CUDA device ", p.device.index, " visible");
+  const std::string why = sm90_unsupported(sage_call(spec, p.device.index, 0));
+  return why.empty() ? "" : "quant (SAGE): " + why;
+}
+
+// RAII for a stream-ordered scratch allocation (cudaMallocAsync / cudaFreeAsync).
+class StreamScratch {
+ public:
+  StreamScratch(size_t bytes, cudaStream_t stream, const char* what) : stream_(stream) {
+    check_cuda(cudaMallocAsync(&ptr_, bytes, stream), what);
+  }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  ~StreamScratch() {
+    if (ptr_ != nullptr) cudaFreeAsync(ptr_, stream_);
+  }
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+int32_t log2_of(int32_t pow2) {
+  int32_t shift = 0;
+  while ((1 << shift) < pow2) ++shift;
+  return shift;
+}
+
+// dense() with quant: the quantize pass (sage_quant.cu) into a per-call workspace, then the SAGE
+// kernel over its codes, scales and V^T (docs/diffusion.md).
+void run_dense_sage(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+                    void* stream, int forced_section_pairs, int forced_ctas) {
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  const cudaStream_t cuda_stream = as_cuda_stream(stream);
+  const SageQuantSpec& quant = *spec.quant;
+  const int64_t dim = spec.head_dim;
+  check_rows_16b(args.out, "out");
+  sage::SageQuantShape shape;
+  shape.batch = p.batch;
+  shape.total_q = int64_t{p.batch} * p.seqlen_q;
+  shape.total_kv = int64_t{p.batch} * p.seqlen_kv;
+  shape.num_q_heads = spec.num_q_heads;
+  shape.num_kv_heads = spec.num_kv_heads;
+  shape.head_dim = spec.head_dim;
+  shape.quant = quant;
+  const size_t bytes = sage::sage_workspace_bytes(shape);
+  StreamScratch workspace(bytes, cuda_stream, "dense: cudaMallocAsync of the SAGE workspace");
+  sage::SageQuantArgs qa;
+  qa.shape = shape;
+  qa.input_dtype = p.dtype;
+  auto input = [](const TensorView& t) {
+    return sage::SageInput{t.data, t.strides[0], t.strides[1], t.strides[2]};
+  };
+  qa.q = input(args.q);
+  qa.k = input(args.k);
+  qa.v = input(args.v);
+  qa.seqlen_q = p.seqlen_q;
+  qa.seqlen_kv = p.seqlen_kv;
+  qa.workspace = workspace.get();
+  qa.workspace_bytes = bytes;
+  qa.op = Op::kDense;
+  const sage::SageQuantized codes = sage::launch_sage_quantize(qa, cuda_stream);
+
+  // The codes are dense [B, S, H, D] tensors of one byte an element.
+  const DType qk = quant.dtype_qk;
+  const TensorView q_codes(codes.q, qk, {p.batch, p.seqlen_q, spec.num_q_heads, dim});
+  const TensorView k_codes(codes.k, qk, {p.batch, p.seqlen_kv, spec.num_kv_heads, dim});
+  PrefillParams prm;
+  prm.q = codes.q;
+  prm.q_batch_stride = q_codes.strides[0];
+  prm.q_tok_stride = q_codes.strides[1];
+  prm.q_head_stride = q_codes.strides[2];
+  prm.k = codes.k;
+  prm.k_batch_stride = k_codes.strides[0];
+  prm.k_tok_stride = k_codes.strides[1];
+  prm.k_head_stride = k_codes.strides[2];
+  prm.v = codes.v_t;  // not read: the kernel loads V^T through its map
+  prm.out = args.out.data;
+  prm.o_batch_stride = args.out.strides[0];
+  prm.o_tok_stride = args.out.strides[1];
+  prm.o_head_stride = args.out.strides[2];
+  prm.out_f16 = p.dtype == DType::kF16;
+  if (args.lse.defined()) {
+    prm.lse = static_cast<float*>(args.lse.data);
+    prm.lse_batch_stride = args.lse.strides[0];
+    prm.lse_tok_stride = args.lse.strides[1];
+    prm.lse_head_stride = args.lse.strides[2];
+  }
+  prm.seqlen_q = p.seqlen_q;
+  prm.seqlen_kv = p.seqlen_kv;
+  prm.batch = p.batch;
+  prm.num_q_heads = spec.num_q_heads;
+  prm.num_kv_heads = spec.num_kv_heads;
+  prm.group_size = spec.group_size();
+  fill_mods(spec, prm);
+  const int bm = sm90_block_m(spec.head_dim);
+  prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
+  set_schedule(prm, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, PrefillTile::kSm90,
+               false, false, forced_section_pairs);
+
+  Sm90Call call = sage_call(spec, p.device.index, forced_ctas);
+  call.q = &q_codes;
+  call.k = &k_codes;
+  call.v_t = codes.v_t;
+  call.v_t_stride = codes.v_t_stride;
+  call.sage_scales.q_scale = codes.q_scale;
+  call.sage_scales.k_scale = codes.k_scale;
+  call.sage_scales.v_scale = codes.v_scale;
+  call.sage_scales.q_scale_stride = codes.q_scale_stride;
+  call.sage_scales.k_scale_stride = codes.k_scale_stride;
+  call.sage_scales.q_block_shift = log2_of(quant.q_block_size);
+  call.sage_scales.k_block_shift = log2_of(quant.k_block_size);
+  run_sm90(prm, call, cuda_stream);
+}
+
+}  // namespace
+
 std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
   if (spec.skip_softmax) {
-    if (spec.quant) return "skip_softmax with quant (SAGE): the fused kernels do not quantize";
+    if (spec.quant) return "skip_softmax with quant (SAGE): the SAGE kernels do not skip tiles";
     if (spec.fused_kernel == FusedKernel::kHopper) {
       const std::string why =
           sm90_skip_reason(sm90_call({p.device.index, spec.head_dim, p.dtype, p.dtype, false}, spec,
@@ -647,10 +787,8 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
       if (!why.empty()) return "skip_softmax with fused_kernel 'hopper': " + why;
     }
   }
-  if (spec.quant) {
-    return "quant (SAGE): the plain fused dense kernel (prefill family) does not quantize";
-  }
   if (spec.alibi) return "alibi: the fused dense kernel has no position encoding";
+  if (spec.quant) return sage_unsupported(spec, p);
   return unsupported(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false});
 }
 
@@ -685,6 +823,7 @@ std::string prefill_kernel_choice(const AttentionSpec& spec, const detail::Prefi
 std::string dense_kernel_choice(const AttentionSpec& spec, const detail::DenseProblem& p,
                                 int32_t seqlen) {
   if (!dense_unsupported(spec, p).empty()) return "";
+  if (spec.quant) return spec.quant->dtype_qk == DType::kInt8 ? "sm90 sage int8" : "sm90 sage fp8";
   return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, false, seqlen,
                      /*prefill_call=*/false);
 }
@@ -909,6 +1048,24 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
                int forced_ctas) {
   const std::string why = dense_unsupported(spec, p);
   ATTNKIT_CHECK(why.empty(), "dense: backend 'fused' cannot serve this call: ", why);
+  // SAGE: the quantize pass and a SAGE kernel. Without keys there is nothing to quantize: the
+  // plain kernel writes the zeros and -inf LSE of rows that attend no key.
+  if (spec.quant && p.seqlen_kv > 0) {
+    ATTNKIT_CHECK(!forced_tile || *forced_tile == PrefillTile::kSm90,
+                  "dense: quant (SAGE) runs on the sm90 kernel only");
+    // No tile is skipped: the host statistics count every sm90 tile of the call.
+    if (args.stats != nullptr || args.skip_stats.defined()) {
+      const int bn = sm90_block_n(spec.head_dim, false, true);
+      const int64_t tiles = static_cast<int64_t>(p.batch) * spec.num_q_heads *
+                            ((p.seqlen_q + 63) / 64) * ((p.seqlen_kv + bn - 1) / bn);
+      DenseSkipCounts counts(args, stream, tiles, false);
+      run_dense_sage(spec, args, p, stream, forced_section_pairs, forced_ctas);
+      counts.finish(64, bn);
+      return;
+    }
+    run_dense_sage(spec, args, p, stream, forced_section_pairs, forced_ctas);
+    return;
+  }
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.dtype, false};
   Sm90Call call = sm90_call(shape, spec, /*masked=*/false, forced_ctas);
   call.q = &args.q;

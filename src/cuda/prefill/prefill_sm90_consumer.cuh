@@ -47,15 +47,28 @@ struct RowStats {
 // kFp8 (T::kFp8, kDType fp8 e4m3): S = Q K^T and O += P V run on fp8 wgmma (k32 steps); P is
 // rounded to e4m3 as 256 x exp2(logit - max) (the factor 2^8 moves P's range [0, 1] away from
 // e4m3's subnormals and cancels in O / l), V comes transposed (Sm90Producer::transpose_v).
+//
+// kSage (T::kSage, kDType int8 or fp8 e4m3: the Q K^T codes of the quantize pass): S is
+// dequantized in registers, each column by its K block's scale (loaded while Q K^T runs) and each
+// row by its Q block's scale (folded into the exponent's factor); P is rounded as fp8(448 p), the
+// scale docs/diffusion.md fixes; O is multiplied by V's per-channel scales in the epilogue. An int8
+// Q K^T accumulates exactly in int32 and is converted to float once.
 template <class T, DType kDType, bool kMods, bool kSkip = false>
 struct Sm90Consumer {
   using Tag = typename TagOf<kDType>::Type;
-  static constexpr int kMmaK = sm90::kMmaK<Tag>;
+  using QkTag = Tag;
+  using PvTag = std::conditional_t<T::kFp8, Fp8Tag, Tag>;
+  // The S = Q K^T accumulator: int32 for int8 codes.
+  using QkAcc = std::conditional_t<T::kInt8Qk, int32_t, float>;
+  static constexpr int kMmaK = sm90::kMmaK<QkTag>;
   static constexpr int kSRegs = T::kBlockN / 2;
   static constexpr int kORegs = T::kHeadDim / 2;
-  static constexpr int kPSteps = T::kBlockN / kMmaK;  // k steps of P V
-  // log2 of P's scale before its rounding to fp8 (kFp8), 0 for 16-bit P.
-  static constexpr float kPLog2Scale = T::kFp8 ? 8.f : 0.f;
+  static constexpr int kPSteps = T::kBlockN / sm90::kMmaK<PvTag>;  // k steps of P V
+  // log2 of P's scale before its rounding to fp8 (kFp8), 0 for 16-bit P: 2^8 for the FP8
+  // kernels, 448 (log2 448 = 8.807...) for SAGE.
+  static constexpr float kPLog2Scale = T::kSage ? 8.807354922057604f : T::kFp8 ? 8.f : 0.f;
+  // SAGE: the K scales a thread multiplies its S columns by (column 8 i + 2 t + e: ks[2 i + e]).
+  static constexpr int kKScales = T::kBlockN / 4;
 
   const Sm90PrefillParams& sp;
   Sm90Smem<T> smem;
@@ -67,7 +80,7 @@ struct Sm90Consumer {
   }
 
   // ---- MMAs -----------------------------------------------------------------------------------
-  __device__ void issue_qk(float (&s)[kSRegs], int stage) const {
+  __device__ void issue_qk(QkAcc (&s)[kSRegs], int stage) const {
     const uint32_t q = smem.q() + wg * 64 * 128;
     const uint32_t k = smem.k(stage);
     fence_operands(s);
@@ -78,7 +91,7 @@ struct Sm90Consumer {
       const uint32_t in_block = (kk % 4) * 32;
       const uint64_t da = smem_desc_sw128(q + (kk / 4) * T::kQColBlockBytes + in_block, 16, 1024);
       const uint64_t db = smem_desc_sw128(k + (kk / 4) * T::kKvColBlockBytes + in_block, 16, 1024);
-      wgmma_ss<T::kBlockN, Tag>(s, da, db, kk > 0 ? 1 : 0);
+      wgmma_ss<T::kBlockN, QkTag>(s, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
     fence_operands(s);
@@ -94,7 +107,7 @@ struct Sm90Consumer {
       // its 128-byte rows) a step.
       const uint64_t db = T::kFp8 ? smem_desc_sw128(v + kk * 32, 16, 1024)
                                   : smem_desc_sw128(v + kk * 16 * 128, T::kKvColBlockBytes, 1024);
-      wgmma_rs<T::kHeadDim, Tag>(o, pa[kk], db, 1);
+      wgmma_rs<T::kHeadDim, PvTag>(o, pa[kk], db, 1);
     }
     wgmma_commit();
     fence_operands(o);
@@ -125,15 +138,72 @@ struct Sm90Consumer {
     named_barrier_sync(kConsumerBarrier0 + wg, 128);
   }
 
+  // The array S = Q K^T accumulates into: the int32 one for int8 codes, else S itself.
+  template <class IntAcc>
+  __device__ static auto& qk_accumulator(IntAcc& s_int, float (&s)[kSRegs]) {
+    if constexpr (T::kInt8Qk) {
+      return s_int;
+    } else {
+      return s;
+    }
+  }
+
+  // ---- SAGE scales -----------------------------------------------------------------------------
+  // The first scale slot of sequence b in a scale row (sage_quant_params.h scale_slot, minus the
+  // token's own block): (s_b >> shift) + b.
+  __device__ static int64_t first_slot(int64_t seq_start, int32_t batch, int32_t shift) {
+    return (seq_start >> shift) + batch;
+  }
+
+  // The K scales of this thread's columns of the tile at key0 (keys past the sequence read the
+  // zeroed tail of the scale row, sage_quant_params.h: their logits are masked).
+  __device__ void load_k_scales(float (&ks)[kKScales], const float* row, int32_t key0) const {
+    const int32_t shift = sp.sage.k_block_shift;
+    const int32_t col0 = key0 + 2 * (wtid % 4);
+    if (shift == 0) {
+#pragma unroll
+      for (int i = 0; i < kKScales / 2; ++i) {
+        ks[2 * i] = __ldg(row + col0 + 8 * i);
+        ks[2 * i + 1] = __ldg(row + col0 + 8 * i + 1);
+      }
+    } else {
+      // Columns 2 t and 2 t + 1 share a block of 4 or 16 keys.
+#pragma unroll
+      for (int i = 0; i < kKScales / 2; ++i) {
+        ks[2 * i] = ks[2 * i + 1] = __ldg(row + ((col0 + 8 * i) >> shift));
+      }
+    }
+  }
+
+  // S in float from the Q K^T accumulator: times the K scale of each column (SAGE), and with
+  // logit modifiers also times the Q scale of each row (qs), whose logits they take dequantized.
+  __device__ static void dequantize_s(const QkAcc (&acc)[kSRegs], float (&s)[kSRegs],
+                                      const float (&ks)[kKScales], const float (&qs)[2]) {
+#pragma unroll
+    for (int i = 0; i < T::kBlockN / 8; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 4 * i + 2 * r + e;
+          const float scale = kMods ? ks[2 * i + e] * qs[r] : ks[2 * i + e];
+          s[j] = static_cast<float>(acc[j]) * scale;
+        }
+      }
+    }
+  }
+
   // ---- softmax --------------------------------------------------------------------------------
   // Mask and modifiers on the raw S of the tile at key0, then the online softmax: s becomes
   // exp2(logit - max) (fp32), stats absorb the tile, corr[r] is the factor O must be multiplied
   // by before this tile's P V is added. With kSkip, returns true (with st as it was, corr = 1 and
   // s not exponentiated) when the warpgroup skips the tile; row_valid[r] says whether row r votes.
+  // exp_scale[r]: the factor of row r's logits in the exponent (log2 e, times the softmax scale on
+  // the plain path, times the Q block's scale on the SAGE path).
   template <bool kMaskTile>
   __device__ bool softmax(float (&s)[kSRegs], RowStats& st, float (&corr)[2], int32_t key0,
                           const int32_t (&pos)[2], const bool (&row_valid)[2], int32_t kv_len,
-                          const LogitMods& mods, float exp_scale) const {
+                          const LogitMods& mods, const float (&exp_scale)[2]) const {
     const int t4 = wtid % 4;
     const PrefillParams& p = sp.base;
 #pragma unroll
@@ -160,7 +230,7 @@ struct Sm90Consumer {
         mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      tile_max[r] = mx * exp_scale;
+      tile_max[r] = mx * exp_scale[r];
     }
     if constexpr (kSkip) {
       const bool mine = (!row_valid[0] || skips_row(tile_max[0], st.max[0], sp.skip_log2_lambda)) &&
@@ -185,8 +255,8 @@ struct Sm90Consumer {
       const float offset = T::kFp8 ? kPLog2Scale - m_use : -m_use;
 #pragma unroll
       for (int i = 0; i < T::kBlockN / 8; ++i) {
-        s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], exp_scale, offset));
-        s[4 * i + 2 * r + 1] = fast_exp2(fmaf(s[4 * i + 2 * r + 1], exp_scale, offset));
+        s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], exp_scale[r], offset));
+        s[4 * i + 2 * r + 1] = fast_exp2(fmaf(s[4 * i + 2 * r + 1], exp_scale[r], offset));
         sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
       }
       st.sum[r] = st.sum[r] * corr[r] + sum;
@@ -239,14 +309,22 @@ struct Sm90Consumer {
   // O / l (times the cache's V scale) to out, the LSE (natural log) to lse; rows past the sequence
   // are not written. A row without any key writes zeros and -inf. Row r of the block is query
   // token r >> q_pack_log2 of head q_head0 + (r & (group - 1)) (PrefillParams::q_pack_log2).
-  // OutTag: the output's element (the q dtype; bf16 or f16 for the FP8 kernels).
+  // OutTag: the output's element (the q dtype; bf16 or f16 for the FP8 and SAGE kernels). SAGE:
+  // channel c is multiplied by V's scale of (sequence, KV head, c).
   template <class OutTag>
   __device__ void store(const float (&o)[kORegs], const RowStats& st, const SequenceInfo& seq,
-                        int32_t m0, int32_t q_head0, float v_scale) const {
+                        int32_t m0, int32_t q_head0, float v_scale, int32_t batch) const {
     using Elem = uint16_t;
     const PrefillParams& p = sp.base;
     const int warp = wtid / 32, lane = wtid % 32;
     const int g = lane / 4, t4 = lane % 4;
+    const float* channel_scale = nullptr;
+    if constexpr (T::kSage) {
+      channel_scale =
+          sp.sage.v_scale +
+          (static_cast<int64_t>(batch) * p.num_kv_heads + q_head0 / p.group_size) * T::kHeadDim +
+          2 * t4;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float sum = st.sum[r];
@@ -261,8 +339,14 @@ struct Sm90Consumer {
                   static_cast<int64_t>(head) * p.o_head_stride;
 #pragma unroll
       for (int i = 0; i < T::kHeadDim / 8; ++i) {
+        float scale0 = inv, scale1 = inv;
+        if constexpr (T::kSage) {
+          const float2 c = __ldg(reinterpret_cast<const float2*>(channel_scale + 8 * i));
+          scale0 *= c.x;
+          scale1 *= c.y;
+        }
         *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t4) =
-            pack_pair<OutTag>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+            pack_pair<OutTag>(o[4 * i + 2 * r] * scale0, o[4 * i + 2 * r + 1] * scale1);
       }
       if (p.lse != nullptr && t4 == 0) {
         p.lse[seq.lse_offset + token * p.lse_tok_stride +
@@ -273,15 +357,15 @@ struct Sm90Consumer {
   }
 
   __device__ void store(const float (&o)[kORegs], const RowStats& st, const SequenceInfo& seq,
-                        int32_t m0, int32_t q_head0, float v_scale) const {
+                        int32_t m0, int32_t q_head0, float v_scale, int32_t batch) const {
     if constexpr (T::kFp8) {
       if (sp.base.out_f16) {
-        store<F16Tag>(o, st, seq, m0, q_head0, v_scale);
+        store<F16Tag>(o, st, seq, m0, q_head0, v_scale, batch);
       } else {
-        store<Bf16Tag>(o, st, seq, m0, q_head0, v_scale);
+        store<Bf16Tag>(o, st, seq, m0, q_head0, v_scale, batch);
       }
     } else {
-      store<Tag>(o, st, seq, m0, q_head0, v_scale);
+      store<Tag>(o, st, seq, m0, q_head0, v_scale, batch);
     }
   }
 
@@ -317,7 +401,9 @@ struct Sm90Consumer {
       const int32_t q_head0 = work.head << pack;  // the item's first query head
       const int32_t kv_head = q_head0 / p.group_size;
       float k_scale, v_scale;
-      if constexpr (T::kFp8) {
+      if constexpr (T::kSage) {
+        k_scale = v_scale = 1.f;  // per block and channel (sp.sage)
+      } else if constexpr (T::kFp8) {
         k_scale =
             descale(p.q_descale, work.batch, kv_head) * descale(p.k_descale, work.batch, kv_head);
         v_scale = descale(p.v_descale, work.batch, kv_head);
@@ -334,6 +420,29 @@ struct Sm90Consumer {
       const int32_t tok[2] = {row0 >> pack, (row0 + 8) >> pack};
       const int32_t pos[2] = {q_pos0 + tok[0], q_pos0 + tok[1]};
       const bool row_valid[2] = {tok[0] < seq.q_len, tok[1] < seq.q_len};
+      // SAGE: the Q scales of the thread's rows (rows past the sequence read the scale row's
+      // zeroed tail) and the start of the K scales of the sequence's KV head.
+      float qs[2] = {1.f, 1.f};
+      const float* k_scale_row = nullptr;
+      if constexpr (T::kSage) {
+        const Sm90SageParams& sg = sp.sage;
+        const int64_t q_first =
+            first_slot(p.cu_seqlens_q ? seq.q_start : int64_t{work.batch} * p.seqlen_q, work.batch,
+                       sg.q_block_shift);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int32_t head = q_head0 + ((row0 + 8 * r) & ((1 << pack) - 1));
+          qs[r] =
+              __ldg(sg.q_scale + head * sg.q_scale_stride + q_first + (tok[r] >> sg.q_block_shift));
+        }
+        k_scale_row = sg.k_scale + kv_head * sg.k_scale_stride +
+                      first_slot(p.cu_seqlens_kv ? seq.k_start : int64_t{work.batch} * p.seqlen_kv,
+                                 work.batch, sg.k_block_shift);
+      }
+      // The exponent's factor of each row: the Q scale folds in unless the modifiers take the
+      // logits dequantized (dequantize_s).
+      const float row_exp_scale[2] = {kMods || !T::kSage ? exp_scale : exp_scale * qs[0],
+                                      kMods || !T::kSage ? exp_scale : exp_scale * qs[1]};
       // A warpgroup whose rows all lie past the sequence still runs the loop (its turns pair with
       // the other's) but counts no tiles.
       const bool counts_tiles = ((m0 + wg * 64) >> pack) < seq.q_len;
@@ -346,11 +455,15 @@ struct Sm90Consumer {
       st.max[0] = st.max[1] = -INFINITY;
       st.sum[0] = st.sum[1] = 0.f;
       if (num_tiles == 0) {
-        store(o, st, seq, m0, q_head0, v_scale);
+        store(o, st, seq, m0, q_head0, v_scale, work.batch);
         continue;
       }
 
       float s[kSRegs];
+      // The Q K^T accumulator: s itself, except for int8 codes (an int32 accumulator).
+      int32_t s_int[T::kInt8Qk ? kSRegs : 1];
+      auto& acc = qk_accumulator(s_int, s);
+      float ks[kKScales];  // SAGE: the K scales of the tile's columns
       uint32_t pa[kPSteps][4];
       float corr[2];
       // Nonzero once a K tile of this work item was marked faulted by the producer (a block-table
@@ -371,17 +484,19 @@ struct Sm90Consumer {
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
         faulted |= ld_shared_u32(smem.kv_fault(k_read.index));
         turn_begin();
-        issue_qk(s, k_read.index);
+        issue_qk(acc, k_read.index);
         turn_end();
+        if constexpr (T::kSage) load_k_scales(ks, k_scale_row, key0);
         wgmma_wait<0>();
-        fence_operands(s);
+        fence_operands(acc);
         release(smem.k_empty(k_read.index));
         k_read.advance();
         if (num_tiles == 1) release(smem.q_empty());
+        if constexpr (T::kSage) dequantize_s(acc, s, ks, qs);
         if (tile_needs_mask<T::kMasked>(p, key0, T::kBlockN, seq.kv_len, p_lo, p_hi)) {
-          softmax<true>(s, st, corr, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
+          softmax<true>(s, st, corr, key0, pos, row_valid, seq.kv_len, mods, row_exp_scale);
         } else {
-          softmax<false>(s, st, corr, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
+          softmax<false>(s, st, corr, key0, pos, row_valid, seq.kv_len, mods, row_exp_scale);
         }
         to_p(s, pa);
       }
@@ -401,24 +516,27 @@ struct Sm90Consumer {
         mbarrier_wait(smem.k_full(k_read.index), k_read.phase);
         faulted |= ld_shared_u32(smem.kv_fault(k_read.index));
         turn_begin();
-        issue_qk(s, k_read.index);
+        issue_qk(acc, k_read.index);
         // The previous tile's V stage: consumed by its P V, or (skipped tile) released unused,
         // but only once full (its TMA must have landed before the stage is refilled).
         mbarrier_wait(smem.v_full(v_read.index), v_read.phase);
         if constexpr (kWithPv) issue_pv(o, pa, v_read.index);
         turn_end();
+        if constexpr (T::kSage) load_k_scales(ks, k_scale_row, key0);
         wgmma_wait<kWithPv ? 1 : 0>();  // S(j) done; P V may still be in flight
-        fence_operands(s);
+        fence_operands(acc);
         release(smem.k_empty(k_read.index));
         k_read.advance();
         if (it == num_tiles - 1) release(smem.q_empty());
+        if constexpr (T::kSage) dequantize_s(acc, s, ks, qs);
         float corr_next[2];
         bool skip;
         if (tile_needs_mask<T::kMasked>(p, key0, T::kBlockN, seq.kv_len, p_lo, p_hi)) {
-          skip = softmax<true>(s, st, corr_next, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
+          skip = softmax<true>(s, st, corr_next, key0, pos, row_valid, seq.kv_len, mods,
+                               row_exp_scale);
         } else {
-          skip =
-              softmax<false>(s, st, corr_next, key0, pos, row_valid, seq.kv_len, mods, exp_scale);
+          skip = softmax<false>(s, st, corr_next, key0, pos, row_valid, seq.kv_len, mods,
+                                row_exp_scale);
         }
         if constexpr (kWithPv) {
           wgmma_wait<0>();  // P(j-1) V(j-1) done: O and the P registers are free
@@ -466,7 +584,7 @@ struct Sm90Consumer {
         for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
         st.sum[0] = st.sum[1] = 0.f;
       }
-      store(o, st, seq, m0, q_head0, v_scale);
+      store(o, st, seq, m0, q_head0, v_scale, work.batch);
     }
     if (kSkip && wtid == 0 && sp.skip_counts != nullptr) {
       atomicAdd(sp.skip_counts, tiles_visited);

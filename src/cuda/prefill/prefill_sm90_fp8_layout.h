@@ -22,6 +22,11 @@ ATTNKIT_HD int vt_key(int k) {
   return (k & ~31) | (k & 16) | (((k >> 1) & 1) << 3) | (((k >> 2) & 3) << 1) | (k & 1);
 }
 
+// The inverse of vt_key: the column (of its 32-key step) that holds key k.
+ATTNKIT_HD int vt_column_of_key(int k) {
+  return (k & ~31) | (k & 16) | (((k >> 3) & 1) << 1) | (((k >> 1) & 3) << 2) | (k & 1);
+}
+
 // P registers: byte j of A-operand register r (0..3) of a k32 step is the step's accumulator
 // element p_source(r, j) (of 16: element 4 i + 2 rr + e is n8 block i, row half rr, column
 // 2 t + e). Register r covers row half r % 2, k = 16 (r / 2) + 4 t + j.

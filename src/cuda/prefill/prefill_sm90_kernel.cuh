@@ -28,15 +28,18 @@
 
 namespace attnkit::cuda::prefill {
 
-// The traits of a (head_dim, q dtype, mask, skip) kernel: fp8 e4m3 q takes the FP8 kernel.
-template <int kHeadDim, DType kDType, bool kMasked, bool kSkip>
-using Sm90TraitsOf = Sm90PrefillTraits<kHeadDim, kMasked, kSkip, kDType == DType::kFp8E4M3>;
+// The traits of a (head_dim, q dtype, mask, skip, SAGE) kernel: fp8 e4m3 q takes the FP8 kernel;
+// kSage the SAGE kernels, whose q dtype (int8 or fp8 e4m3) is that of the Q K^T codes.
+template <int kHeadDim, DType kDType, bool kMasked, bool kSkip, bool kSage = false>
+using Sm90TraitsOf = Sm90PrefillTraits<kHeadDim, kMasked, kSkip, kDType == DType::kFp8E4M3, kSage,
+                                       kDType == DType::kInt8>;
 
-template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
-__global__ void __launch_bounds__(Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>::kThreads, 1)
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip, bool kSage>
+__global__ void __launch_bounds__(Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip, kSage>::kThreads,
+                                  1)
     prefill_sm90_kernel(const __grid_constant__ Sm90PrefillParams sp) {
 #if defined(ATTNKIT_PREFILL_SM90_DEVICE)
-  using T = Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>;
+  using T = Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip, kSage>;
   using namespace sm90_detail;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Sm90Smem<T> smem{(smem_u32(smem_raw) + 1023u) & ~1023u};
@@ -49,9 +52,9 @@ __global__ void __launch_bounds__(Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>
       sm90::mbarrier_init(smem.k_full(s), 1);
       sm90::mbarrier_init(smem.k_empty(s), kConsumerWarps);
       // The FP8 kernels' V tiles are transposed by the 128 producer threads, which arrive each.
-      sm90::mbarrier_init(smem.v_full(s), T::kFp8 ? 128 : 1);
+      sm90::mbarrier_init(smem.v_full(s), T::kTransposesV ? 128 : 1);
       sm90::mbarrier_init(smem.v_empty(s), kConsumerWarps);
-      if constexpr (T::kFp8) {
+      if constexpr (T::kTransposesV) {
         sm90::mbarrier_init(smem.vs_full(s), 1);
         sm90::mbarrier_init(smem.vs_empty(s), 128);
       }
@@ -74,10 +77,10 @@ __global__ void __launch_bounds__(Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>
 #endif
 }
 
-template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip, bool kSage>
 void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream) {
-  using T = Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip>;
-  constexpr auto kernel = prefill_sm90_kernel<kHeadDim, kDType, kMasked, kMods, kSkip>;
+  using T = Sm90TraitsOf<kHeadDim, kDType, kMasked, kSkip, kSage>;
+  constexpr auto kernel = prefill_sm90_kernel<kHeadDim, kDType, kMasked, kMods, kSkip, kSage>;
   opt_in_dynamic_smem_once<kernel>(
       T::kSmemBytes, "prefill (sm90): cudaFuncSetAttribute(max dynamic shared memory)");
   kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(sp);
@@ -88,9 +91,11 @@ void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t str
 
 // The six kernels of one head_dim and dtype: mask x logit modifiers, and the skip-softmax
 // kernels of the unmasked (dense) calls.
-#define ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, MASKED, MODS, SKIP)                              \
-  template void launch_prefill_sm90<D, DT, MASKED, MODS, SKIP>(const Sm90PrefillParams&, int, \
-                                                               cudaStream_t);
+#define ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DT, MASKED, MODS, SKIP, SAGE)                      \
+  template void launch_prefill_sm90<D, DT, MASKED, MODS, SKIP, SAGE>(const Sm90PrefillParams&, \
+                                                                     int, cudaStream_t);
+#define ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, MASKED, MODS, SKIP) \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DT, MASKED, MODS, SKIP, false)
 #define ATTNKIT_PREFILL_SM90_INSTANTIATE(D, DT)             \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, false) \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, false)  \
@@ -101,3 +106,10 @@ void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t str
 #define ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(D, DT)       \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, true) \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, true)
+// The SAGE kernels of one head_dim (unmasked: dense() calls): int8 and fp8 e4m3 Q K^T, with and
+// without logit modifiers.
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(D)                                  \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kInt8, false, false, false, true)    \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kInt8, false, true, false, true)     \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kFp8E4M3, false, false, false, true) \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kFp8E4M3, false, true, false, true)

@@ -42,8 +42,8 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// A 4-d map of 16-bit (or fp8) elements with 128-byte swizzled boxes of 64 (fp8: 128) x box1 x
-// box2 x 1 elements. strides[i]: bytes between consecutive indices of dim i + 1.
+// A 4-d map of 16-bit (or 8-bit) elements with 128-byte swizzled boxes of 64 (8-bit: 128) x box1
+// x box2 x 1 elements. strides[i]: bytes between consecutive indices of dim i + 1.
 CUtensorMap make_map(DType dtype, const void* base, const uint64_t (&dims)[4],
                      const uint64_t (&strides)[3], uint32_t box1, uint32_t box2, const char* what) {
   const EncodeTiled encode = encode_tiled();
@@ -52,10 +52,10 @@ CUtensorMap make_map(DType dtype, const void* base, const uint64_t (&dims)[4],
   std::memset(&map, 0, sizeof(map));
   const cuuint64_t gdim[4] = {dims[0], dims[1], dims[2], dims[3]};
   const cuuint64_t gstride[3] = {strides[0], strides[1], strides[2]};
-  const bool fp8 = dtype == DType::kFp8E4M3;
-  const cuuint32_t box[4] = {fp8 ? 128u : 64u, box1, box2, 1};
+  const bool one_byte = dtype == DType::kFp8E4M3 || dtype == DType::kInt8;
+  const cuuint32_t box[4] = {one_byte ? 128u : 64u, box1, box2, 1};
   const cuuint32_t elem_stride[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = fp8                     ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+  const CUtensorMapDataType type = one_byte                ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = encode(&map, type, 4, const_cast<void*>(base), gdim, gstride, box, elem_stride,
@@ -106,6 +106,33 @@ Sm90Launcher sm90_launcher_for(int head_dim, bool masked, bool mods, bool skip) 
   }
 }
 
+// The SAGE kernels (unmasked): qk is the codes' dtype, int8 or fp8 e4m3.
+template <int D>
+Sm90Launcher sage_launcher_for(DType qk, bool mods) {
+  if constexpr (sage_compiled(D)) {
+    if (qk == DType::kInt8) {
+      return mods ? &launch_prefill_sm90<D, DType::kInt8, false, true, false, true>
+                  : &launch_prefill_sm90<D, DType::kInt8, false, false, false, true>;
+    }
+    return mods ? &launch_prefill_sm90<D, DType::kFp8E4M3, false, true, false, true>
+                : &launch_prefill_sm90<D, DType::kFp8E4M3, false, false, false, true>;
+  } else {
+    return nullptr;
+  }
+}
+
+Sm90Launcher sage_launcher(int head_dim, DType qk, bool mods) {
+  if (qk != DType::kInt8 && qk != DType::kFp8E4M3) return nullptr;
+  switch (head_dim) {
+    case 128:
+      return sage_launcher_for<128>(qk, mods);
+    case 256:
+      return sage_launcher_for<256>(qk, mods);
+    default:
+      return nullptr;
+  }
+}
+
 Sm90Launcher sm90_launcher(int head_dim, DType dtype, bool masked, bool mods, bool skip) {
   if (dtype == DType::kBF16) return sm90_launcher_for<DType::kBF16>(head_dim, masked, mods, skip);
   if (dtype == DType::kF16) return sm90_launcher_for<DType::kF16>(head_dim, masked, mods, skip);
@@ -128,6 +155,10 @@ bool sm90_kernels_compiled(int head_dim, DType dtype) {
   return sm90_launcher(head_dim, dtype, false, false, false) != nullptr;
 }
 
+bool sm90_sage_compiled(int head_dim) {
+  return sage_launcher(head_dim, DType::kInt8, false) != nullptr;
+}
+
 std::string sm90_unsupported(const Sm90Call& call) {
   using detail::concat;
   if (call.cc_major != 9 || call.cc_minor != 0) {
@@ -135,7 +166,14 @@ std::string sm90_unsupported(const Sm90Call& call) {
                   ": the warpgroup kernel runs on sm90 (H100 / H200)");
   }
   const bool fp8 = call.dtype == DType::kFp8E4M3;
-  if (!sm90_kernels_compiled(call.head_dim, call.dtype)) {
+  if (call.sage) {
+    if (!sm90_sage_compiled(call.head_dim)) {
+      return concat("head_dim ", call.head_dim,
+                    ": no SAGE kernel in this build (SAGE serves head_dim 128 and 256; the build "
+                    "needs the 90a architecture)");
+    }
+    if (call.masked) return "a mask: the SAGE kernels serve unmasked (dense) calls";
+  } else if (!sm90_kernels_compiled(call.head_dim, call.dtype)) {
     return concat(
         "head_dim ", call.head_dim, " with ", dtype_name(call.dtype),
         fp8 ? ": no FP8 kernel in this build (the FP8 kernel serves head_dim 128 and 256; "
@@ -157,7 +195,7 @@ std::string sm90_unsupported(const Sm90Call& call) {
              "TMA, which a cyclic cache's wrap-around does not allow";
     }
   }
-  const int smem = sm90_smem_bytes(call.head_dim, call.masked, fp8);
+  const int smem = sm90_smem_bytes(call.head_dim, call.masked, fp8, call.sage);
   if (call.smem_optin < smem) {
     return concat("the sm90 kernel needs ", smem,
                   " bytes of shared memory per block; the device allows ", call.smem_optin);
@@ -167,7 +205,7 @@ std::string sm90_unsupported(const Sm90Call& call) {
   for (const TensorView* t : {call.q, call.k, call.v}) {
     if (t == nullptr || !t->defined()) continue;
     for (int d = 0; d < t->ndim - 1; ++d) {
-      if (t->shape[d] > 1 && !tma_stride_ok(t->strides[d] * (fp8 ? 1 : 2))) {
+      if (t->shape[d] > 1 && !tma_stride_ok(t->strides[d] * (fp8 || call.sage ? 1 : 2))) {
         return concat("a stride of ", t->strides[d],
                       " elements: the sm90 kernel's TMA loads need positive strides of whole 16 "
                       "bytes");
@@ -177,7 +215,17 @@ std::string sm90_unsupported(const Sm90Call& call) {
   return "";
 }
 
-int sm90_smem_bytes(int head_dim, bool masked, bool fp8) {
+int sm90_smem_bytes(int head_dim, bool masked, bool fp8, bool sage) {
+  if (sage) {
+    switch (head_dim) {
+      case 128:
+        return Sm90PrefillTraits<128, false, false, true, true>::kSmemBytes;
+      case 256:
+        return Sm90PrefillTraits<256, false, false, true, true>::kSmemBytes;
+      default:
+        return 0;
+    }
+  }
   if (fp8) {
     switch (head_dim) {
       case 128:
@@ -205,9 +253,11 @@ int sm90_smem_bytes(int head_dim, bool masked, bool fp8) {
 
 void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t stream) {
   const Sm90Launcher launch =
-      sm90_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm), call.skip);
+      call.sage
+          ? sage_launcher(call.head_dim, call.dtype, needs_logit_mods(prm))
+          : sm90_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm), call.skip);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no sm90 kernel for head_dim ", call.head_dim);
-  const bool fp8 = call.dtype == DType::kFp8E4M3;
+  const bool fp8 = call.dtype == DType::kFp8E4M3 || call.sage;
   const int block_n = sm90_block_n(call.head_dim, call.masked || call.skip, fp8);
   const int64_t eb = fp8 ? 1 : 2;
 
@@ -215,6 +265,7 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
   sp.base = prm;
   sp.skip_log2_lambda = call.skip_log2_lambda;
   sp.skip_counts = call.skip_counts;
+  sp.sage = call.sage_scales;
   {
     // Q: (D, Hq, tokens, batch); packed calls are one batch of total_q tokens. A box holds one
     // head's kBlockM tokens, or, GQA-packed, a group's heads x kBlockM / group tokens.
@@ -250,7 +301,18 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
                       1, static_cast<uint32_t>(block_n), what);
     };
     sp.tma_k = kv_map(*call.k, prm.k, prm.k_tok_stride, prm.k_head_stride, prm.k_batch_stride, "k");
-    sp.tma_v = kv_map(*call.v, prm.v, prm.v_tok_stride, prm.v_head_stride, prm.v_batch_stride, "v");
+    if (call.sage) {
+      // V^T (columns, D, Hkv, 1): one box is a key tile's 128 columns of every head dim.
+      const auto cols = static_cast<uint64_t>(call.v_t_stride);
+      const auto dim = static_cast<uint64_t>(call.head_dim);
+      sp.tma_v = make_map(DType::kFp8E4M3, call.v_t,
+                          {cols, dim, static_cast<uint64_t>(prm.num_kv_heads), 1},
+                          {cols, cols * dim, cols * dim * prm.num_kv_heads},
+                          static_cast<uint32_t>(call.head_dim), 1, "v_t (SAGE)");
+    } else {
+      sp.tma_v =
+          kv_map(*call.v, prm.v, prm.v_tok_stride, prm.v_head_stride, prm.v_batch_stride, "v");
+    }
   } else {
     const KvCacheView& cache = *call.cache;
     const bool eight_bit = cache.dtype == DType::kFp8E4M3 || cache.dtype == DType::kInt8;

@@ -12,7 +12,8 @@ namespace attnkit::cuda::prefill {
 
 // grid: persistent CTAs (one an SM; fewer when there are fewer work items). kSkip: skip-softmax
 // (unmasked calls only).
-template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip>
+// kSage: the SAGE kernels (kDType int8 or fp8 e4m3: the Q K^T codes).
+template <int kHeadDim, DType kDType, bool kMasked, bool kMods, bool kSkip, bool kSage = false>
 void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t stream);
 
 }  // namespace attnkit::cuda::prefill

@@ -25,9 +25,26 @@ enum class Sm90KvMode : int32_t {
   kGather = 2,
 };
 
+// The SAGE kernels' scales, as the quantize pass writes them (cuda/sage/sage_quant_params.h):
+// token t of sequence b (first packed token s_b) of head h scales by
+//   q_scale[h * q_scale_stride + (s_b >> q_block_shift) + b + (t >> q_block_shift)], likewise K;
+// channel d of V by v_scale[(b * Hkv + kv_head) * head_dim + d]. Q and K codes are packed
+// [tokens, H, D] (a dense call's sequence b at token b x seqlen), V^T is [Hkv][D][columns] with
+// sequence b's tokens from column vt_seq_column(s_b, b) in the P column order.
+struct Sm90SageParams {
+  const float* q_scale = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t q_scale_stride = 0;
+  int64_t k_scale_stride = 0;
+  int32_t q_block_shift = 0;  // log2(q_block_size)
+  int32_t k_block_shift = 0;
+};
+
 struct Sm90PrefillParams {
   CUtensorMap tma_q;  // (D, Hq, tokens, batch), box (64, G, kBlockM / G, 1), G = 2^q_pack_log2
   CUtensorMap tma_k;  // kTmaTensor: (D, Hkv, tokens, batch); kTmaPaged: (D, T, Hkv, blocks)
+  // kTmaTensor / kTmaPaged: as tma_k. SAGE: V^T (columns, D, Hkv, 1), box (128, D, 1, 1).
   CUtensorMap tma_v;
   PrefillParams base;
   Sm90KvMode kv_mode = Sm90KvMode::kTmaTensor;
@@ -37,6 +54,7 @@ struct Sm90PrefillParams {
   // skipped] the consumer warpgroups add their counts to (nullptr: not counted).
   float skip_log2_lambda = 0.f;
   unsigned long long* skip_counts = nullptr;
+  Sm90SageParams sage;  // the SAGE kernels
 };
 
 }  // namespace attnkit::cuda::prefill

@@ -33,6 +33,7 @@
 #include "cuda/prefill/prefill_sm90_params.h"
 #include "cuda/prefill/prefill_sm90_traits.h"
 #include "cuda/prefill/prefill_variant.cuh"
+#include "cuda/sage/sage_quant_params.h"
 
 namespace attnkit::cuda::prefill::sm90_detail {
 
@@ -348,6 +349,12 @@ struct Sm90Producer {
           static_cast<const uint8_t*>(p.v) +
           (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * T::kElemBytes;
 
+      // kVtGlobal: the V^T column of the sequence's key 0 (Sm90SageParams).
+      int32_t vt_col0 = 0;
+      if constexpr (T::kVtGlobal) {
+        const int64_t kv_start = p.cu_seqlens_kv ? seq.k_start : int64_t{work.batch} * p.seqlen_kv;
+        vt_col0 = static_cast<int32_t>(sage::vt_seq_column(kv_start, work.batch));
+      }
       bool item_fault = false;  // a K tile of this work item had a bad table entry
       for (int32_t it = 0; it < num_tiles; ++it) {
         const int32_t key0 = range.block(it) * T::kBlockN;
@@ -395,7 +402,16 @@ struct Sm90Producer {
           }
         }
         // V
-        if constexpr (T::kFp8) {
+        if constexpr (T::kVtGlobal) {
+          // One box of V^T: head_dim rows of the tile's 128 columns (sage_quant_params.h), which
+          // past the sequence hold the next sequence's codes or zeros (P is 0 there).
+          if (lead) {
+            mbarrier_wait(smem.v_empty(stage.index), stage.phase ^ 1u);
+            mbarrier_arrive_expect_tx(smem.v_full(stage.index), T::kKvTileBytes);
+            tma_load_4d(smem.v(stage.index), &sp.tma_v, smem.v_full(stage.index), vt_col0 + key0, 0,
+                        kv_head, 0);
+          }
+        } else if constexpr (T::kFp8) {
           // Into the staging ring; the tile before it is transposed meanwhile, so that the wait
           // for a tile to land does not hold back the next tile's loads.
           if (tma_warp) {
@@ -422,7 +438,7 @@ struct Sm90Producer {
         }
         stage.advance();
       }
-      if constexpr (T::kFp8) transpose_v(range, seq, num_tiles - 1, transposed);
+      if constexpr (T::kTransposesV) transpose_v(range, seq, num_tiles - 1, transposed);
       if (item_fault && lead && work.head == 0) {
         record_work_faults<T::kBlockM, T::kBlockN, T::kMasked>(p, work.batch, work.m_block, p.paged,
                                                                false, true);

@@ -38,14 +38,23 @@ constexpr int sm90_block_m(int head_dim) { return 64 * sm90_consumer_warpgroups(
 
 // kFp8: Q, K and V are fp8 e4m3 codes (the FP8 context FMHA, docs/prefill_design.md "FP8"); the
 // producer transposes each V tile in shared memory into V^T for the K-major fp8 B operand.
-template <int kHeadDim_, bool kMasked_, bool kSkip_ = false, bool kFp8_ = false>
+// kSage: the SAGE kernels (docs/diffusion.md): Q and K are the quantize pass's int8 (kInt8Qk) or
+// fp8 codes with per-block scales, V its fp8 V^T with per-channel scales. They are fp8 kernels
+// (P V on fp8 wgmma, 128-key tiles) whose V^T tiles come from global memory by TMA, already in
+// the column order P needs (kVtGlobal): no staging ring, no transpose.
+template <int kHeadDim_, bool kMasked_, bool kSkip_ = false, bool kFp8_ = false,
+          bool kSage_ = false, bool kInt8Qk_ = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kMasked = kMasked_;
   static constexpr bool kSkip = kSkip_;
-  static constexpr bool kFp8 = kFp8_;
+  static constexpr bool kFp8 = kFp8_ || kSage_;
+  static constexpr bool kSage = kSage_;
+  static constexpr bool kInt8Qk = kInt8Qk_;
+  static constexpr bool kVtGlobal = kSage;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(!kFp8 || (kHeadDim != 64 && !kSkip), "fp8: head_dim 128 or 256, no skip-softmax");
+  static_assert(!kInt8Qk || kSage, "int8 Q K^T: the SAGE kernels only");
   static constexpr int kElemBytes = kFp8 ? 1 : 2;
   static constexpr int kConsumerWarpgroups = sm90_consumer_warpgroups(kHeadDim);
   static constexpr int kBlockM = sm90_block_m(kHeadDim);
@@ -58,12 +67,16 @@ struct Sm90PrefillTraits {
   // consumers' fp8 P takes a quarter of a 16-bit P's registers; the transpose spills nothing at
   // 56, 200+ instructions at 40). At head_dim 256, O alone takes 128 registers: 24 x 128 + 240 x
   // 256, without which ptxas serializes the consumers' wgmma (C7512).
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32
-                                       : kFp8                   ? (kHeadDim == 256 ? 24 : 56)
-                                                                : 40;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160
-                                       : kFp8                   ? (kHeadDim == 256 ? 240 : 224)
-                                                                : 232;
+  // The SAGE kernels' producer transposes nothing: the 16-bit kernels' 40 x 128 + 232 x 256.
+  static constexpr bool kTransposesV = kFp8 && !kVtGlobal;
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3  ? 32
+                                       : kHeadDim == 256 && kFp8 ? 24
+                                       : kTransposesV            ? 56
+                                                                 : 40;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3  ? 160
+                                       : kHeadDim == 256 && kFp8 ? 240
+                                       : kTransposesV            ? 224
+                                                                 : 232;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <=
                     65536 / kThreads / 8 * 8 * kThreads,
                 "setmaxnreg budget");
@@ -82,10 +95,10 @@ struct Sm90PrefillTraits {
   static constexpr int kKOffset = kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvTileBytes;
   static constexpr int kVStageOffset = kVOffset + kStages * kKvTileBytes;
-  static constexpr int kBarrierOffset = kVStageOffset + (kFp8 ? kStages * kKvTileBytes : 0);
-  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage; kFp8 adds the staging
-  // ring's vs_full, vs_empty per stage.
-  static constexpr int kNumBarriers = 2 + (kFp8 ? 6 : 4) * kStages;
+  static constexpr int kBarrierOffset = kVStageOffset + (kTransposesV ? kStages * kKvTileBytes : 0);
+  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage; a transposing kernel adds
+  // the staging ring's vs_full, vs_empty per stage.
+  static constexpr int kNumBarriers = 2 + (kTransposesV ? 6 : 4) * kStages;
   // One 32-bit word a K stage: nonzero when a block-table entry of the tile in it is not a block
   // of the pool (written by the producer before it arrives on k_full, read by the consumers).
   static constexpr int kFaultOffset = kBarrierOffset + kNumBarriers * 8;

@@ -32,6 +32,10 @@ template <>
 struct TagOf<DType::kFp8E4M3> {
   using Type = Fp8Tag;
 };
+template <>
+struct TagOf<DType::kInt8> {
+  using Type = Int8Tag;
+};
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

@@ -83,7 +83,8 @@ __device__ __forceinline__ void quantize_v_transposed(const SageQuantParams& p, 
   const int32_t dim = p.head_dim;
   const TokenLanes lanes = token_lanes(dim, 8);
   const int64_t base = input_base(p.v, p.kv_seqs, b, span, h) + lanes.c;
-  uint8_t* dst = p.out.v_t + static_cast<int64_t>(h) * dim * p.out.v_t_stride + span.start;
+  uint8_t* dst =
+      p.out.v_t + static_cast<int64_t>(h) * dim * p.out.v_t_stride + vt_seq_column(span.start, b);
   for_each_vt_tile(span.len, tile, dst, p.out.v_t_stride, dim, [&](int64_t t0, int cols) {
     if (lanes.r >= lanes.rows) return;
     for (int tt = lanes.r; tt < cols; tt += lanes.rows) {
@@ -97,8 +98,7 @@ __device__ __forceinline__ void quantize_v_transposed(const SageQuantParams& p, 
   });
 }
 
-// blockIdx.x = (sequence, one past the last for V^T's padding) x 2 Hkv roles: K codes of KV head
-// h, or V^T of KV head h.
+// blockIdx.x = sequence x 2 Hkv roles: K codes of KV head h, or V^T of KV head h.
 template <DType kIn, bool kInt8>
 __global__ void __launch_bounds__(kThreads)
     sage_k_and_v_kernel(const __grid_constant__ SageQuantParams p) {
@@ -109,13 +109,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t b = blockIdx.x / roles;
   const int32_t h = blockIdx.x % roles % p.num_kv_heads;
   const bool is_v = blockIdx.x % roles >= p.num_kv_heads;
-  if (b == p.batch) {
-    if (is_v && p.zero_vt_tail) {
-      zero_vt_columns(p.out.v_t, p.out.v_t_stride, h, dim, p.batch * p.kv_seqs.seqlen,
-                      p.out.v_t_stride);
-    }
-    return;
-  }
   const SeqSpan span = sequence_span(p.kv_seqs, b, nullptr);
   if (!span.ok) return;
   const int64_t first = (b * p.num_kv_heads + h) * dim;
@@ -210,8 +203,7 @@ void enqueue(const SageQuantParams& params, int64_t max_q, int64_t max_kv, cudaS
       <<<static_cast<unsigned>((channels + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
           params);
   check_launch("sage_finalize_kernel");
-  const dim3 kv_grid(static_cast<unsigned>((batch + 1) * 2 * params.num_kv_heads),
-                     grid_rows(max_kv));
+  const dim3 kv_grid(static_cast<unsigned>(batch * 2 * params.num_kv_heads), grid_rows(max_kv));
   sage_k_and_v_kernel<kIn, kInt8><<<kv_grid, kThreads, 0, stream>>>(params);
   check_launch("sage_k_and_v_kernel");
 }
@@ -231,7 +223,7 @@ SageWorkspaceLayout sage_workspace_layout(const SageQuantShape& s) {
   };
   layout.q_scale_stride = scale_row_stride(s.total_q, s.batch, s.quant.q_block_size);
   layout.k_scale_stride = scale_row_stride(s.total_kv, s.batch, s.quant.k_block_size);
-  layout.v_t_stride = vt_row_stride(s.total_kv);
+  layout.v_t_stride = vt_row_stride(s.total_kv, s.batch);
   layout.q = take(static_cast<size_t>(s.total_q) * s.num_q_heads * dim);
   layout.k = take(static_cast<size_t>(s.total_kv) * s.num_kv_heads * dim);
   layout.v_t = take(static_cast<size_t>(s.num_kv_heads) * dim * layout.v_t_stride);
@@ -300,7 +292,6 @@ SageQuantized launch_sage_quantize(const SageQuantArgs& args, cudaStream_t strea
   params.q_block_size = shape.quant.q_block_size;
   params.k_block_size = shape.quant.k_block_size;
   params.int8 = shape.quant.dtype_qk == DType::kInt8;
-  params.zero_vt_tail = args.cu_seqlens_kv == nullptr;
   params.out = out;
   params.stats =
       reinterpret_cast<SageKvStats*>(static_cast<uint8_t*>(args.workspace) + layout.stats);
@@ -309,15 +300,12 @@ SageQuantized launch_sage_quantize(const SageQuantArgs& args, cudaStream_t strea
   auto* base = static_cast<uint8_t*>(args.workspace);
   check_cuda(cudaMemsetAsync(base + layout.q_scale, 0, layout.zeroed_bytes, stream),
              "sage quantize: cudaMemsetAsync (scales and statistics)");
-  if (args.cu_seqlens_kv != nullptr) {
-    // Packed: columns of no sequence (bad entries, tokens past cu[B]) must read as zeros; only
-    // the device knows which they are.
-    check_cuda(
-        cudaMemsetAsync(out.v_t, 0,
-                        static_cast<size_t>(shape.num_kv_heads) * shape.head_dim * out.v_t_stride,
-                        stream),
-        "sage quantize: cudaMemsetAsync (V^T)");
-  }
+  // Columns of no token (the gaps between sequences, the padding, bad entries, tokens past
+  // cu[B]) must read as zeros: the attention kernel's partial key tiles load them.
+  check_cuda(cudaMemsetAsync(
+                 out.v_t, 0,
+                 static_cast<size_t>(shape.num_kv_heads) * shape.head_dim * out.v_t_stride, stream),
+             "sage quantize: cudaMemsetAsync (V^T)");
   const bool bf16 = args.input_dtype == DType::kBF16;
   if (bf16 && params.int8) {
     enqueue<DType::kBF16, true>(params, max_q, max_kv, stream);

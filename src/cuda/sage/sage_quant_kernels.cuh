@@ -266,41 +266,36 @@ __device__ __forceinline__ void accumulate_kv_stats(const SageQuantParams& p, in
 
 // ---- V^T tiles ---------------------------------------------------------------------------------
 
-// Writes `rows` rows of `cols` (<= kVtTileTokens) bytes from the shared tile (row pitch
-// kVtTilePitch) to dst + row * stride: one warp per row, four bytes a lane, as one 32-bit store
-// where the destination is aligned (a sequence at an odd packed offset stores bytes).
+// Writes `rows` V^T rows of the shared tile (row pitch kVtTilePitch, token tt at column tt, cols
+// <= kVtTileTokens tokens) to dst + row * stride in the V^T column order (sage_quant_params.h:
+// column c of a 32-token group holds token vt_key(c); the last group is written whole, zeros for
+// the tokens past cols): one warp per row, four bytes a lane, as one 32-bit store where the
+// destination is aligned (a sequence at an odd column stores bytes).
 __device__ __forceinline__ void store_vt_tile(const uint8_t* tile, uint8_t* dst, int64_t stride,
                                               int rows, int cols) {
   const int col = (threadIdx.x % 32) * 4;
-  if (col >= cols) return;
+  const int out_cols = static_cast<int>(round_up(cols, 32));
+  if (col >= out_cols) return;
   for (int d = threadIdx.x / 32; d < rows; d += kThreads / 32) {
-    const uint32_t word = *reinterpret_cast<const uint32_t*>(tile + d * kVtTilePitch + col);
+    uint32_t word = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int token = prefill::fp8_layout::vt_key(col + k);
+      if (token < cols) word |= static_cast<uint32_t>(tile[d * kVtTilePitch + token]) << (8 * k);
+    }
     uint8_t* p = dst + d * stride + col;
-    if (col + 4 <= cols && reinterpret_cast<uintptr_t>(p) % 4 == 0) {
+    if (reinterpret_cast<uintptr_t>(p) % 4 == 0) {
       *reinterpret_cast<uint32_t*>(p) = word;
     } else {
-      for (int k = 0; k < 4 && col + k < cols; ++k) p[k] = static_cast<uint8_t>(word >> (8 * k));
-    }
-  }
-}
-
-// Zeroes columns [begin, end) of the V^T rows of head h (the padding after the last sequence),
-// the CTAs of the grid's rows taking kVtTileTokens columns each in turn.
-__device__ __forceinline__ void zero_vt_columns(uint8_t* v_t, int64_t stride, int32_t h,
-                                                int32_t dim, int64_t begin, int64_t end) {
-  for (int64_t c0 = begin + static_cast<int64_t>(blockIdx.y) * kVtTileTokens; c0 < end;
-       c0 += static_cast<int64_t>(gridDim.y) * kVtTileTokens) {
-    for (int i = threadIdx.x; i < dim * kVtTileTokens; i += kThreads) {
-      const int64_t col = c0 + i % kVtTileTokens;
-      if (col < end) v_t[(static_cast<int64_t>(h) * dim + i / kVtTileTokens) * stride + col] = 0;
+      for (int k = 0; k < 4; ++k) p[k] = static_cast<uint8_t>(word >> (8 * k));
     }
   }
 }
 
 // Walks the sequence's tokens in V^T tiles of kVtTileTokens (the CTAs of the grid's rows take
 // them in turn): fill(t0, cols) writes the codes of tokens t0 .. t0 + cols - 1 into the shared
-// tile (tile[d * kVtTilePitch + t - t0]), then the tile goes to dst + t0 (dst: V^T row 0 of the
-// head at the sequence's first column).
+// tile (tile[d * kVtTilePitch + t - t0]), then the tile goes to dst + t0 in V^T's column order
+// (dst: V^T row 0 of the head at the sequence's first column, vt_seq_column).
 template <typename Fill>
 __device__ __forceinline__ void for_each_vt_tile(int64_t len, const uint8_t* tile, uint8_t* dst,
                                                  int64_t stride, int32_t dim, Fill fill) {

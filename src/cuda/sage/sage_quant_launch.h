@@ -67,7 +67,7 @@ struct SageQuantArgs {
 SageQuantized launch_sage_quantize(const SageQuantArgs& args, cudaStream_t stream);
 
 // fp8 e4m3 V [tokens, Hkv, D] (packed or uniform, byte strides) -> V^T [Hkv][D][v_t_stride]
-// with v_t_stride = vt_row_stride(total_kv); the codes are copied, not rescaled.
+// with v_t_stride = vt_row_stride(total_kv, batch); the codes are copied, not rescaled.
 struct Fp8TransposeArgs {
   SageInput v;  // byte strides; base 16-byte aligned, strides % 16 == 0
   int32_t batch = 0;
@@ -77,17 +77,19 @@ struct Fp8TransposeArgs {
   const int32_t* cu_seqlens_kv = nullptr;  // device [batch + 1]; nullptr: uniform
   int64_t seqlen_kv = 0;                   // as SageQuantArgs::seqlen_kv
   uint8_t* v_t = nullptr;
-  size_t v_t_bytes = 0;  // at least fp8_vt_bytes(num_kv_heads, head_dim, total_kv)
+  size_t v_t_bytes = 0;  // at least fp8_vt_bytes(num_kv_heads, head_dim, total_kv, batch)
   Op op = Op::kPrefill;
 };
-inline size_t fp8_vt_bytes(int64_t num_kv_heads, int64_t head_dim, int64_t columns) {
-  return static_cast<size_t>(num_kv_heads * head_dim * vt_row_stride(columns));
+// Bytes of a V^T of `columns` tokens in `seqs` sequences (block-table rows).
+inline size_t fp8_vt_bytes(int64_t num_kv_heads, int64_t head_dim, int64_t columns, int64_t seqs) {
+  return static_cast<size_t>(num_kv_heads * head_dim * vt_row_stride(columns, seqs));
 }
 void launch_fp8_transpose_v(const Fp8TransposeArgs& args, cudaStream_t stream);
 
 // The V pages of an fp8 e4m3 KvCacheView (paged HND pages [num_blocks, Hkv, page_size, D] or a
 // contiguous cache; not cyclic), each block-table row's seq_lens[r] tokens gathered in order to
-// V^T columns kv_offsets[r] ..; kv_offsets (device int32 [rows + 1]) is written by the pass.
+// V^T columns vt_column(kv_offsets[r], r, t); kv_offsets (device int32 [rows + 1], the exclusive
+// prefix sum of the lengths) is written by the pass.
 // Every block-table entry read and every length is guarded against the pool (docs/safety.md):
 // a bad entry's tokens are written as zeros, a bad length counts as 0; both are recorded.
 struct PagedFp8TransposeArgs {
@@ -97,7 +99,7 @@ struct PagedFp8TransposeArgs {
   int64_t v_t_columns = 0;
   int32_t max_seqlen_kv = 0;  // upper bound on a row's length, for the grid (0: the row capacity)
   uint8_t* v_t = nullptr;
-  size_t v_t_bytes = 0;  // at least fp8_vt_bytes(Hkv, D, v_t_columns)
+  size_t v_t_bytes = 0;  // at least fp8_vt_bytes(Hkv, D, v_t_columns, rows)
   int32_t* kv_offsets = nullptr;
   Op op = Op::kPrefill;
 };

@@ -13,7 +13,8 @@
 //   k          [total_kv, Hkv, D] codes of the smoothed K (K minus k_mean), like q
 //   k_scale    [Hkv][k_scale_stride] likewise with k_block_size
 //   v_t        [Hkv][D][v_t_stride] fp8 e4m3 codes of V, transposed (the K-major B operand of the
-//                                 fp8 P*V wgmma): v_t[(h * D + d) * v_t_stride + cu_kv[b] + t]
+//                                 fp8 P*V wgmma): v_t[(h * D + d) * v_t_stride +
+//                                 vt_column(cu_kv[b], b, t)]
 //   v_scale    [B][Hkv][D]        float, per sequence and channel: V = code * v_scale
 //   k_mean     [B][Hkv][D]        float, the mean that was subtracted from K (not needed by the
 //                                 attention: it shifts every score of a row by the same amount)
@@ -25,9 +26,15 @@
 // tile of up to 256 tokens may load its scales without a bound check and mask the columns past
 // the sequence. Slots no block uses hold 0 (the pass zeroes the rows first), never NaN.
 //
-// V^T columns: each sequence's tokens at its packed offset, rows padded to a multiple of 16 bytes
-// (TMA strides). Columns of no sequence (the padding, tokens past cu_kv[B], the columns of a
-// sequence whose cu_seqlens entries fault) are zero, so P = 0 never meets a NaN code there.
+// V^T columns: sequence b's tokens start at column round_up(cu_kv[b] + 48 b, 16) (vt_seq_column),
+// and inside each group of 32 tokens the columns are permuted as the FP8 kernel's P registers need
+// them (fp8_layout::vt_key: column c of a group holds token vt_key(c)), so that the attention
+// kernel loads a key tile of V^T with one TMA box and multiplies it without shuffling P. TMA boxes
+// start at 16-byte aligned columns (an unaligned start is an illegal instruction); the 48 columns
+// a sequence gets beyond its tokens cover that alignment and a short last group, whose permuted
+// columns spread over all 32. Rows are padded to a multiple of 16 bytes (TMA strides). Columns of
+// no token (the gaps, the padding, tokens past cu_kv[B], the columns of a sequence whose cu_seqlens
+// entries fault) are zero, so P = 0 never meets a NaN code there.
 //
 // Codes of tokens outside every sequence (and of faulting sequences) are not written.
 #pragma once
@@ -39,10 +46,12 @@
 #include "core/kv_access.h"
 #include "core/numerics.h"
 #include "cuda/common/device_fault.cuh"
+#include "cuda/prefill/prefill_sm90_fp8_layout.h"
 
 namespace attnkit::cuda::sage {
 
 inline constexpr int64_t kVtColumnAlign = 16;     // V^T row stride: bytes, for TMA
+inline constexpr int64_t kVtSeqGap = 48;          // V^T columns a sequence gets past its tokens
 inline constexpr int64_t kScaleTailTokens = 256;  // tokens past a sequence a reader may address
 inline constexpr int64_t kScaleRowAlign = 4;      // floats: 16-byte aligned scale rows
 
@@ -50,8 +59,22 @@ ATTNKIT_HD int64_t round_up(int64_t x, int64_t multiple) {
   return (x + multiple - 1) / multiple * multiple;
 }
 
-// Columns of one V^T row: total_kv rounded up to a multiple of 16.
-ATTNKIT_HD int64_t vt_row_stride(int64_t total_kv) { return round_up(total_kv, kVtColumnAlign); }
+// Columns of one V^T row for total_kv tokens in num_seqs sequences: one gap a sequence, rounded up
+// to a multiple of 16 (the last sequence's columns end before total_kv + 48 num_seqs - 1).
+ATTNKIT_HD int64_t vt_row_stride(int64_t total_kv, int64_t num_seqs) {
+  return round_up(total_kv + kVtSeqGap * num_seqs, kVtColumnAlign);
+}
+
+// The V^T column of sequence `seq`'s first token group (the sequence starts at packed token
+// `seq_start`; 16-byte aligned, for TMA), and of its token `token`. Consecutive sequences' first
+// columns lie at least len + 33 >= round_up(len, 32) apart.
+ATTNKIT_HD int64_t vt_seq_column(int64_t seq_start, int64_t seq) {
+  return round_up(seq_start + kVtSeqGap * seq, kVtColumnAlign);
+}
+ATTNKIT_HD int64_t vt_column(int64_t seq_start, int64_t seq, int64_t token) {
+  return vt_seq_column(seq_start, seq) + (token & ~int64_t{31}) +
+         prefill::fp8_layout::vt_column_of_key(static_cast<int>(token & 31));
+}
 
 // Slots of one scale row for total_tokens packed tokens in num_seqs sequences.
 ATTNKIT_HD int64_t scale_row_stride(int64_t total_tokens, int64_t num_seqs, int32_t block_size) {
@@ -118,8 +141,7 @@ struct SageQuantParams {
   int32_t head_dim = 0;
   int32_t q_block_size = 1;
   int32_t k_block_size = 16;
-  bool int8 = true;           // dtype_qk: int8 (else fp8 e4m3)
-  bool zero_vt_tail = false;  // uniform kv: the pass zeroes V^T's padding columns itself
+  bool int8 = true;  // dtype_qk: int8 (else fp8 e4m3)
   SageQuantized out;
   SageKvStats* stats = nullptr;  // [B][Hkv][D]
   FaultSite fault;
@@ -132,15 +154,14 @@ struct Fp8TransposeParams {
   int32_t batch = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  bool zero_vt_tail = false;
   uint8_t* v_t = nullptr;
   int64_t v_t_stride = 0;
   FaultSite fault;
 };
 
 // The V pages of an fp8 paged (or contiguous) cache -> V^T. Row r's seq_lens[r] tokens go to the
-// columns kv_offsets[r] .. kv_offsets[r + 1] - 1, an exclusive prefix sum of the rows' lengths the
-// pass computes (a row whose length faults counts 0; offsets are clipped to v_t_columns).
+// columns vt_column(kv_offsets[r], r, t), kv_offsets an exclusive prefix sum of the rows' lengths
+// the pass computes (a row whose length faults counts 0; offsets are clipped to v_t_columns).
 struct PagedTransposeParams {
   detail::KvLayout kv;
   const int32_t* seq_lens = nullptr;  // device [rows]

@@ -29,26 +29,21 @@ __device__ __forceinline__ void put_codes(uint8_t* tile, int c, int tt, uint4 co
   }
 }
 
-// blockIdx.x = (sequence, one past the last for the padding) x Hkv.
+// blockIdx.x = sequence x Hkv.
 __global__ void __launch_bounds__(kThreads)
     fp8_transpose_kernel(const __grid_constant__ Fp8TransposeParams p) {
   __shared__ __align__(16) uint8_t tile[kMaxDim * kVtTilePitch];
   const int32_t dim = p.head_dim;
   const int64_t b = blockIdx.x / p.num_kv_heads;
   const int32_t h = blockIdx.x % p.num_kv_heads;
-  if (b == p.batch) {
-    if (p.zero_vt_tail) {
-      zero_vt_columns(p.v_t, p.v_t_stride, h, dim, p.batch * p.kv_seqs.seqlen, p.v_t_stride);
-    }
-    return;
-  }
   const bool recorder = h == 0 && blockIdx.y == 0 && threadIdx.x == 0;
   const SeqSpan span = sequence_span(p.kv_seqs, b, recorder ? &p.fault : nullptr);
   if (!span.ok) return;
   const TokenLanes lanes = token_lanes(dim, kCodeVec);
   const auto* v =
       static_cast<const uint8_t*>(p.v.data) + input_base(p.v, p.kv_seqs, b, span, h) + lanes.c;
-  uint8_t* dst = p.v_t + static_cast<int64_t>(h) * dim * p.v_t_stride + span.start;
+  uint8_t* dst =
+      p.v_t + static_cast<int64_t>(h) * dim * p.v_t_stride + vt_seq_column(span.start, b);
   for_each_vt_tile(span.len, tile, dst, p.v_t_stride, dim, [&](int64_t t0, int cols) {
     if (lanes.r >= lanes.rows) return;
     for (int tt = lanes.r; tt < cols; tt += lanes.rows) {
@@ -84,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) p.kv_offsets[p.rows] = static_cast<int32_t>(min64(carry, p.v_t_columns));
 }
 
-// blockIdx.x = (block-table row, one past the last for the columns after the last row) x Hkv.
+// blockIdx.x = block-table row x Hkv.
 // A page whose block-table entry is outside the pool is never read: its tokens are zeros, and the
 // CTA of KV head 0 that meets it records it (pages of 8 .. 128 tokens never straddle a tile, so
 // each bad entry is recorded once).
@@ -95,16 +90,12 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t dim = kv.head_dim;
   const int64_t row = blockIdx.x / kv.num_kv_heads;
   const int32_t h = blockIdx.x % kv.num_kv_heads;
-  if (row == p.rows) {
-    zero_vt_columns(p.v_t, p.v_t_stride, h, dim, p.kv_offsets[p.rows], p.v_t_stride);
-    return;
-  }
   const int64_t start = p.kv_offsets[row];
   const int64_t len = p.kv_offsets[row + 1] - start;
   const TokenLanes lanes = token_lanes(dim, kCodeVec);
   const int32_t page_tokens = kv.tokens_per_block;
   const int64_t head_offset = static_cast<int64_t>(h) * page_tokens * dim + lanes.c;
-  uint8_t* dst = p.v_t + static_cast<int64_t>(h) * dim * p.v_t_stride + start;
+  uint8_t* dst = p.v_t + static_cast<int64_t>(h) * dim * p.v_t_stride + vt_seq_column(start, row);
   for_each_vt_tile(len, tile, dst, p.v_t_stride, dim, [&](int64_t t0, int cols) {
     if (lanes.r >= lanes.rows) return;
     for (int tt = lanes.r; tt < cols; tt += lanes.rows) {
@@ -137,15 +128,16 @@ unsigned grid_rows(int64_t max_len) {
 }
 
 void check_vt_shape(const char* what, int32_t num_kv_heads, int32_t head_dim, int64_t columns,
-                    const uint8_t* v_t, size_t v_t_bytes) {
+                    int64_t seqs, const uint8_t* v_t, size_t v_t_bytes) {
   ATTNKIT_CHECK(num_kv_heads >= 1, what, ": num_kv_heads: accepted >= 1, got ", num_kv_heads);
   ATTNKIT_CHECK(head_dim >= 16 && head_dim <= kMaxHeadDim && head_dim % 16 == 0, what,
                 ": head_dim: accepted multiples of 16 in 16 .. 256, got ", head_dim);
-  ATTNKIT_CHECK(columns >= 0 && columns <= INT32_MAX - kVtColumnAlign, what,
-                ": V^T columns: accepted 0 .. 2147483632, got ", columns);
+  ATTNKIT_CHECK(columns >= 0 && seqs >= 0 && vt_row_stride(columns, seqs) <= INT32_MAX, what,
+                ": V^T columns: accepted tokens + 48 x sequences below 2^31, got ", columns,
+                " tokens in ", seqs, " sequences");
   ATTNKIT_CHECK(v_t != nullptr && reinterpret_cast<uintptr_t>(v_t) % 16 == 0, what,
                 ": v_t: a 16-byte aligned device pointer is required");
-  const size_t needed = fp8_vt_bytes(num_kv_heads, head_dim, columns);
+  const size_t needed = fp8_vt_bytes(num_kv_heads, head_dim, columns, seqs);
   ATTNKIT_CHECK(v_t_bytes >= needed, what, ": v_t: ", needed, " bytes are required, got ",
                 v_t_bytes);
 }
@@ -154,7 +146,8 @@ void check_vt_shape(const char* what, int32_t num_kv_heads, int32_t head_dim, in
 
 void launch_fp8_transpose_v(const Fp8TransposeArgs& args, cudaStream_t stream) {
   constexpr const char* kWhat = "fp8 V transpose";
-  check_vt_shape(kWhat, args.num_kv_heads, args.head_dim, args.total_kv, args.v_t, args.v_t_bytes);
+  check_vt_shape(kWhat, args.num_kv_heads, args.head_dim, args.total_kv, args.batch, args.v_t,
+                 args.v_t_bytes);
   ATTNKIT_CHECK(args.batch >= 0, kWhat, ": batch: accepted >= 0, got ", args.batch);
   ATTNKIT_CHECK(args.seqlen_kv >= 0, kWhat, ": seqlen_kv: accepted >= 0, got ", args.seqlen_kv);
   const bool uniform = args.cu_seqlens_kv == nullptr;
@@ -180,20 +173,18 @@ void launch_fp8_transpose_v(const Fp8TransposeArgs& args, cudaStream_t stream) {
   params.batch = args.batch;
   params.num_kv_heads = args.num_kv_heads;
   params.head_dim = args.head_dim;
-  params.zero_vt_tail = uniform;
   params.v_t = args.v_t;
-  params.v_t_stride = vt_row_stride(args.total_kv);
+  params.v_t_stride = vt_row_stride(args.total_kv, args.batch);
   params.fault = fault_site(args.op);
-  if (!uniform) {
-    check_cuda(
-        cudaMemsetAsync(args.v_t, 0, fp8_vt_bytes(args.num_kv_heads, args.head_dim, args.total_kv),
-                        stream),
-        "fp8 V transpose: cudaMemsetAsync (V^T)");
-  }
+  // Columns of no token (gaps, padding, bad entries) read as zeros.
+  check_cuda(cudaMemsetAsync(
+                 args.v_t, 0,
+                 fp8_vt_bytes(args.num_kv_heads, args.head_dim, args.total_kv, args.batch), stream),
+             "fp8 V transpose: cudaMemsetAsync (V^T)");
   const int64_t max_len = uniform              ? args.seqlen_kv
                           : args.seqlen_kv > 0 ? std::min(args.seqlen_kv, args.total_kv)
                                                : args.total_kv;
-  const dim3 grid(static_cast<unsigned>((int64_t{args.batch} + 1) * args.num_kv_heads),
+  const dim3 grid(static_cast<unsigned>(int64_t{args.batch} * args.num_kv_heads),
                   grid_rows(max_len));
   fp8_transpose_kernel<<<grid, kThreads, 0, stream>>>(params);
   check_launch("fp8_transpose_kernel");
@@ -204,8 +195,6 @@ void launch_paged_fp8_transpose_v(const PagedFp8TransposeArgs& args, cudaStream_
   const KvCacheView& cache = args.cache;
   ATTNKIT_CHECK(cache.dtype == DType::kFp8E4M3, kWhat, ": kv_cache.dtype: accepted fp8_e4m3, got ",
                 dtype_name(cache.dtype));
-  check_vt_shape(kWhat, cache.num_kv_heads, cache.head_dim, args.v_t_columns, args.v_t,
-                 args.v_t_bytes);
   ATTNKIT_CHECK(cache.window_slots == 0, kWhat,
                 ": kv_cache: a cyclic (sliding-window) cache has no token order to transpose");
   ATTNKIT_CHECK(cache.tokens_per_block >= 1, kWhat,
@@ -217,6 +206,8 @@ void launch_paged_fp8_transpose_v(const PagedFp8TransposeArgs& args, cudaStream_
       cache.seq_lens.defined() && cache.seq_lens.dtype == DType::kInt32 && cache.seq_lens.ndim == 1,
       kWhat, ": kv_cache.seq_lens: an int32 [rows] device tensor is required");
   const int64_t rows = cache.num_rows();
+  check_vt_shape(kWhat, cache.num_kv_heads, cache.head_dim, args.v_t_columns, rows, args.v_t,
+                 args.v_t_bytes);
   ATTNKIT_CHECK(
       !cache.paged || (cache.block_table.defined() && cache.block_table.dtype == DType::kInt32 &&
                        cache.block_table.ndim == 2 && cache.block_table.shape[0] >= rows),
@@ -239,15 +230,20 @@ void launch_paged_fp8_transpose_v(const PagedFp8TransposeArgs& args, cudaStream_
   params.rows = static_cast<int32_t>(rows);
   params.v_t_columns = static_cast<int32_t>(args.v_t_columns);
   params.v_t = args.v_t;
-  params.v_t_stride = vt_row_stride(args.v_t_columns);
+  params.v_t_stride = vt_row_stride(args.v_t_columns, rows);
   params.kv_offsets = args.kv_offsets;
   params.fault = fault_site(args.op);
+  // Columns of no token (gaps, padding, bad pages' neighbours past a row) read as zeros.
+  check_cuda(cudaMemsetAsync(
+                 args.v_t, 0,
+                 fp8_vt_bytes(cache.num_kv_heads, cache.head_dim, args.v_t_columns, rows), stream),
+             "paged fp8 V transpose: cudaMemsetAsync (V^T)");
   paged_offsets_kernel<<<1, kThreads, 0, stream>>>(params);
   check_launch("paged_offsets_kernel");
   const int64_t capacity = params.kv.row_capacity();
   const int64_t max_len =
       args.max_seqlen_kv > 0 ? std::min<int64_t>(args.max_seqlen_kv, capacity) : capacity;
-  const dim3 grid(static_cast<unsigned>((rows + 1) * cache.num_kv_heads), grid_rows(max_len));
+  const dim3 grid(static_cast<unsigned>(rows * cache.num_kv_heads), grid_rows(max_len));
   paged_transpose_kernel<<<grid, kThreads, 0, stream>>>(params);
   check_launch("paged_transpose_kernel");
 }
