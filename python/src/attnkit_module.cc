@@ -1036,15 +1036,18 @@ class PythonCommunicator final : public cp::Communicator {
   }
 
  private:
-  // A Python exception of the transport (a torch.distributed timeout, a peer that left) becomes
-  // an attnkit::Error that unwinds the driver, raised to the caller as attnkit.Error.
+  // The transport's own exception (a torch.distributed timeout, a peer that left) reaches the
+  // caller unchanged: kept as the pending exception while Interrupted unwinds the driver, whose
+  // translator restores it, as for an exception of a signal handler.
   template <typename Call>
   void call(const char* what, Call&& body) {
     nb::gil_scoped_acquire gil;
     try {
       body();
     } catch (nb::python_error& e) {
-      fail(std::string("comm: the torch.distributed ") + what + " raised " + e.what());
+      e.restore();
+      keep_pending_exception();
+      throw Interrupted(std::string("comm: the torch.distributed ") + what + " raised");
     }
   }
 

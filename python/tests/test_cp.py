@@ -241,6 +241,38 @@ def test_from_process_group_needs_torch_distributed():
     _raises("group: torch.distributed is not initialized", cp.from_process_group)
 
 
+@needs_torch
+def test_transport_exception_reaches_the_caller(rng):
+    """An exception of the torch.distributed transport (a timeout, a rank that left) comes out of
+    ring_prefill / sharded_decode unchanged; what the transport was given are uint8 torch
+    tensors of the transfers' sizes."""
+    seen = []
+
+    class Failing:
+        def ring_exchange(self, transfers, stream):
+            seen.append([(s.dtype, s.numel(), r.dtype, r.numel()) for s, r in transfers])
+            raise TimeoutError("rank 1 left")
+
+        def all_gather(self, send, recv, stream):
+            seen.append((send.numel(), recv.numel()))
+            raise TimeoutError("rank 1 left")
+
+    comm = attnkit._attnkit.cp_python_communicator(Failing(), 0, 2, "cpu", 0)
+    assert (comm.transport, comm.rank, comm.world_size) == ("torch", 0, 2)
+    plan = cp.ZigzagPlan([0, 12, 17], 2)
+    n = plan.local_tokens(0)
+    q = rng.standard_normal((n, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((n, 2, 16)).astype(np.float32)
+    with pytest.raises(TimeoutError, match="rank 1 left"):
+        cp.ring_prefill(q, k, k.copy(), plan, comm=comm)
+    kv_bytes = 4 * 2 * 16  # a float32 row of K or V
+    assert seen == [[(torch.uint8, n * kv_bytes, torch.uint8, plan.local_tokens(1) * kv_bytes)] * 2]
+    cache = np.zeros((4, 2, 8, 16), np.float16)
+    with pytest.raises(TimeoutError, match="rank 1 left"):
+        cp.sharded_decode(q[:2], cache, cache.copy(), [5, 0], [[0, 1], [2, 3]], comm=comm)
+    assert len(seen) == 2 and seen[1][1] == 2 * seen[1][0]
+
+
 # ---- ranks as processes: torch.distributed -------------------------------------------------------
 
 
