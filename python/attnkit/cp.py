@@ -223,9 +223,10 @@ def from_process_group(
         group = dist.group.WORLD
     try:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-    except (RuntimeError, ValueError, AttributeError) as e:
-        raise Error(f"group: expected a torch.distributed ProcessGroup, got {describe(group)} "
-                    f"({e})") from None
+    except (RuntimeError, ValueError, AttributeError, TypeError) as e:
+        raise Error(
+            f"group: expected a torch.distributed ProcessGroup, got {describe(group)} ({e})"
+        ) from None
     if rank < 0:
         raise Error("group: this process is not a member of the group")
     transport = str_arg(transport, "transport")
@@ -255,8 +256,14 @@ def from_process_group(
     if transport == "auto":
         transport = "nccl" if device.type == "cuda" and nccl_available() else "torch"
     if transport == "nccl":
+        # Checked on every rank before the collective, so that no rank is left waiting.
         if device.type != "cuda":
             raise Error("transport: 'nccl' needs a CUDA device, got device='cpu'")
+        if not nccl_available():
+            raise Error(
+                "transport: 'nccl' needs attnkit built with NCCL (cp.nccl_available() is False); "
+                "use transport='torch'"
+            )
         box = [nccl_unique_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         return nccl_communicator(box[0], rank, world, f"cuda:{device.index}")

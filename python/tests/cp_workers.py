@@ -235,6 +235,29 @@ def cases(seed, gpu):
     return prefill_cases(seed), decode_script(seed)
 
 
+# Bad arguments of from_process_group on a CPU (gloo) rank, and what each message must start with.
+FROM_GROUP_REJECTIONS = [
+    (dict(transport="nccl"), "transport: 'nccl' needs a CUDA device"),
+    (dict(transport="mpi"), "transport: expected 'auto', 'nccl' or 'torch'"),
+    (dict(device="tpu:0"), "device: expected"),
+    (dict(device=True), "device: expected"),
+    (dict(group="WORLD"), "group: expected a torch.distributed ProcessGroup"),
+]
+
+
+def from_group_rejections():
+    """The message of each FROM_GROUP_REJECTIONS call (each must raise attnkit.Error, on every
+    rank alike, before any collective)."""
+    messages = []
+    for kwargs, _ in FROM_GROUP_REJECTIONS:
+        try:
+            cp.from_process_group(**kwargs)
+            messages.append("accepted")
+        except attnkit.Error as e:
+            messages.append(str(e))
+    return messages
+
+
 def distributed_worker(rank, world_size, backend, transport, store, out_dir, seed):
     """One rank of a torch.distributed group (gloo on the CPU, NCCL on cuda:rank): its
     communicator from the group, every prefill case and the decode script, saved to out_dir."""
@@ -248,6 +271,9 @@ def distributed_worker(rank, world_size, backend, transport, store, out_dir, see
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
+        if backend == "gloo":
+            with open(os.path.join(out_dir, f"rejections_{rank}"), "w") as f:
+                f.write("\n".join(from_group_rejections()))
         comm = cp.from_process_group(transport=transport)
         assert (comm.rank, comm.world_size, comm.device) == (rank, world_size, device)
         prefill, script = cases(seed, backend == "nccl")

@@ -319,6 +319,10 @@ def test_gloo_group_equals_single_process(rng, tmp_path, world):
     for r in range(world):
         with open(os.path.join(out_dir, f"transport_{r}")) as f:
             assert f.read() == "torch"
+        with open(os.path.join(out_dir, f"rejections_{r}")) as f:
+            messages = f.read().split("\n")
+        for (_, needle), message in zip(cp_workers.FROM_GROUP_REJECTIONS, messages, strict=True):
+            assert message.startswith(needle), message
     check_distributed(out_dir, world, seed, lambda got, want, _: check_f32(got, want), "cpu")
 
 
