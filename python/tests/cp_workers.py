@@ -144,7 +144,7 @@ def _write(view, positions, row, k, v, device, dtype):
     attnkit.append_kv(view, positions, [row] * n, q=q, k=k, v=v)
 
 
-def _decode_steps(extend, decode, device, dtype):
+def _decode_steps(extend, decode):
     """Prompts, then DECODE_STEPS steps of one token per sequence and a decode call each; the
     (out, lse) of every step as NumPy float32."""
     for row in range(len(DECODE_SEQS)):
@@ -177,7 +177,7 @@ def single_decode(script, device="cpu", dtype="bfloat16"):
                                   return_lse=True)
         return _host(out), _host(lse)
 
-    return _decode_steps(extend, decode, device, dtype)
+    return _decode_steps(extend, decode)
 
 
 def rank_decode(script, rank, comm, world_size, device="cpu", dtype="bfloat16", stream=None):
@@ -205,7 +205,7 @@ def _rank_decode(script, rank, comm, world_size, device, dtype):
                                      num_splits=decode_splits(step), return_lse=True)
         return _host(out), _host(lse)
 
-    results = _decode_steps(extend, decode, device, dtype)
+    results = _decode_steps(extend, decode)
     shard.release(DECODE_SEQS[0])
     assert DECODE_SEQS[0] not in cache and shard.length(DECODE_SEQS[0]) == 0
     cache.check_invariants()
