@@ -56,6 +56,7 @@ __all__ = [
     "dense",
     "merge_states",
     "default_alibi_slopes",
+    "cp",
 ]
 
 __version__ = _C.info()["version"]
@@ -988,6 +989,7 @@ class KvCache:
         )
         self.dtype = dtype
         self.sink_tokens = sink_tokens
+        self._prefix_reuse = bool(enable_prefix_reuse)
         pool = self._m.pool()
         if self._m.is_cuda():
             import torch
@@ -1068,8 +1070,13 @@ class KvCache:
         """The KvView of ``layer`` with one row per sequence of ``seqs`` (tables copied to the
         pool's device)."""
         layer = int_arg(layer, "layer")
-        window_slots = self._m.window_slots(layer)  # raises for a layer outside the pool
         table, lens = self.block_tables(seqs)
+        return self._view_of(layer, table, lens, k_scale, v_scale)
+
+    def _view_of(self, layer: int, table: Any, lens: Any, k_scale: Any, v_scale: Any) -> KvView:
+        """The KvView of ``layer`` over host block tables ``table`` / ``lens`` (this cache's or
+        a ShardedKvCache's)."""
+        window_slots = self._m.window_slots(layer)  # raises for a layer outside the pool
         pool = self.pool
         if self._m.is_cuda():
             table = pool.new_tensor(table, dtype=__import__("torch").int32)
@@ -1087,6 +1094,8 @@ class KvCache:
             kv_dtype=raw,
         )
 
+
+from . import cp  # noqa: E402  (context parallelism; needs the names above)
 
 # ---- flash_attn-compatible functions (attnkit.flash_attn; loaded on first use) ------------------
 

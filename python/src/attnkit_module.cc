@@ -15,9 +15,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -972,6 +975,312 @@ void bind_manager(nb::module_& m) {
           "beams"_a, "beam_width"_a, "max_seq"_a);
 }
 
+// ---- context parallelism (attnkit.cp, docs/context_parallel.md) -------------------------------
+
+// A communicator of one rank, whichever transport made it.
+struct PyCommunicator {
+  std::unique_ptr<cp::Communicator> comm;
+  std::string transport;  // "nccl", "in_process" or "torch"
+};
+
+// A uint8 torch tensor over `bytes` bytes at `data` on `device`, sharing the memory (no copy, no
+// owner: the driver keeps the buffer alive until the transfer is complete in stream order); None
+// for an empty transfer.
+nb::object byte_tensor(const void* data, int64_t bytes, const Device& device) {
+  if (bytes <= 0) return nb::none();
+  const size_t shape[1] = {static_cast<size_t>(bytes)};
+  const int device_type = device.is_cpu() ? nb::device::cpu::value : nb::device::cuda::value;
+  return nb::cast(nb::ndarray<nb::pytorch>(const_cast<void*>(data), 1, shape, nb::handle(), nullptr,
+                                           nb::dtype<uint8_t>(), device_type,
+                                           device.is_cpu() ? 0 : device.index),
+                  nb::rv_policy::reference);
+}
+
+// The torch.distributed transport: each collective calls a method of a Python object
+// (attnkit.cp's _TorchTransport) with the buffers as uint8 torch tensors over the driver's
+// memory and the stream as an integer, with the GIL taken for the call (the entry point released
+// it). That object enqueues its sends / receives on the stream (CUDA) or completes them (CPU)
+// before it returns, as the Communicator contract asks.
+class PythonCommunicator final : public cp::Communicator {
+ public:
+  PythonCommunicator(nb::object transport, int32_t rank, int32_t world_size, Device device,
+                     Stream comm_stream)
+      : transport_(std::move(transport)),
+        rank_(rank),
+        world_size_(world_size),
+        device_(device),
+        comm_stream_(comm_stream) {}
+
+  int32_t rank() const override { return rank_; }
+  int32_t world_size() const override { return world_size_; }
+  Device device() const override { return device_; }
+  Stream comm_stream() const override { return comm_stream_; }
+
+  void ring_exchange(std::span<const cp::RingTransfer> transfers, Stream stream) override {
+    call("ring_exchange", [&] {
+      nb::list pairs;
+      for (const cp::RingTransfer& t : transfers) {
+        pairs.append(nb::make_tuple(byte_tensor(t.send, t.send_bytes, device_),
+                                    byte_tensor(t.recv, t.recv_bytes, device_)));
+      }
+      transport_.attr("ring_exchange")(pairs, reinterpret_cast<uintptr_t>(stream));
+    });
+  }
+
+  void all_gather(const void* send, void* recv, int64_t bytes, Stream stream) override {
+    call("all_gather", [&] {
+      transport_.attr("all_gather")(byte_tensor(send, bytes, device_),
+                                    byte_tensor(recv, bytes * world_size_, device_),
+                                    reinterpret_cast<uintptr_t>(stream));
+    });
+  }
+
+ private:
+  // The transport's own exception (a torch.distributed timeout, a peer that left) reaches the
+  // caller unchanged: kept as the pending exception while Interrupted unwinds the driver, whose
+  // translator restores it, as for an exception of a signal handler.
+  template <typename Call>
+  void call(const char* what, Call&& body) {
+    nb::gil_scoped_acquire gil;
+    try {
+      body();
+    } catch (nb::python_error& e) {
+      e.restore();
+      keep_pending_exception();
+      throw Interrupted(std::string("comm: the torch.distributed ") + what + " raised");
+    }
+  }
+
+  nb::object transport_;
+  int32_t rank_, world_size_;
+  Device device_;
+  Stream comm_stream_;
+};
+
+cp::Communicator* comm_of(PyCommunicator* comm) { return comm ? comm->comm.get() : nullptr; }
+
+void py_ring_prefill(const nb::dict& spec_dict, const cp::ZigzagPlan& plan, nb::handle q,
+                     nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                     PyCommunicator* comm, bool checked, uintptr_t stream) {
+  in_python_names(PyFunction::kRingPrefill, [&] {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    cp::RingPrefillArgs args;
+    args.q = array_view(q, "q", Access::kInput);
+    args.k = array_view(k, "k", Access::kInput);
+    args.v = array_view(v, "v", Access::kInput);
+    args.out = array_view(out, "out", Access::kOutput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.checked = checked;
+    cp::Options options;
+    options.comm = comm_of(comm);
+    nb::gil_scoped_release release;
+    cp::ring_prefill(spec, plan, args, options, to_stream(stream));
+  });
+}
+
+void py_sharded_decode(const nb::dict& spec_dict, nb::handle q, const nb::dict& kv_cache,
+                       nb::handle out, nb::handle lse, PyCommunicator* comm, int32_t num_splits,
+                       int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic,
+                       bool batch_invariant, bool checked, uintptr_t stream) {
+  in_python_names(PyFunction::kShardedDecode, [&] {
+    const AttentionSpec spec = spec_from_dict(spec_dict);
+    DecodeArgs args;
+    args.q = array_view(q, "q", Access::kInput);
+    args.kv_cache = cache_from_dict(kv_cache, true);
+    args.out = array_view(out, "out", Access::kOutput);
+    args.lse = opt_array_view(lse, "lse", Access::kOutput);
+    args.num_splits = num_splits;
+    args.max_seq_len = max_seq_len;
+    args.workspace = workspace;
+    args.deterministic = deterministic;
+    args.batch_invariant = batch_invariant;
+    args.checked = checked;
+    cp::Options options;
+    options.comm = comm_of(comm);
+    nb::gil_scoped_release release;
+    cp::sharded_decode(spec, args, options, to_stream(stream));
+  });
+}
+
+// One rank's ShardedKvCache over the KvCacheManager of an attnkit.KvCache (kept alive by it).
+struct PyShardedKvCache {
+  cp::ShardedKvCache shard;
+  PyShardedKvCache(PyKvCacheManager& cache, const cp::DecodeShardLayout& layout, int32_t rank)
+      : shard(*cache.manager, layout, rank) {}
+};
+
+void bind_cp(nb::module_& m) {
+  nb::class_<PyCommunicator>(
+      m, "Communicator",
+      "One rank of a context-parallel group (C++ cp::Communicator), made by "
+      "attnkit.cp.from_process_group, nccl_communicator or in_process_group and passed as comm= "
+      "to attnkit.cp.ring_prefill / sharded_decode. rank, world_size, device ('cpu' or 'cuda:N': "
+      "where the rank's tensors live), transport ('nccl', 'torch' or 'in_process') and "
+      "comm_stream (its communication stream as an integer, 0 for CPU ranks). Every call that "
+      "communicates is a collective: every rank of the group makes it, in the same order.")
+      .def_prop_ro("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
+      .def_prop_ro("world_size", [](const PyCommunicator& c) { return c.comm->world_size(); })
+      .def_prop_ro("device", [](const PyCommunicator& c) { return c.comm->device().str(); })
+      .def_prop_ro("transport", [](const PyCommunicator& c) { return c.transport; })
+      .def_prop_ro("comm_stream", [](const PyCommunicator& c) {
+        return reinterpret_cast<uintptr_t>(c.comm->comm_stream());
+      });
+
+  m.def("cp_nccl_available", &cp::nccl_available);
+  m.def("cp_nccl_unique_id", [] {
+    const cp::NcclUniqueId id = in_python_names(PyFunction::kCommunicator, [] {
+      nb::gil_scoped_release release;
+      return cp::nccl_unique_id();
+    });
+    return nb::bytes(id.bytes.data(), id.bytes.size());
+  });
+  m.def(
+      "cp_nccl_communicator",
+      [](nb::handle unique_id, int32_t rank, int32_t world_size, const std::string& device) {
+        return in_python_names(PyFunction::kCommunicator, [&] {
+          if (!nb::isinstance<nb::bytes>(unique_id)) {
+            fail("unique_id: expected bytes (from attnkit.cp.nccl_unique_id()), got " +
+                 describe(unique_id));
+          }
+          const nb::bytes bytes = nb::borrow<nb::bytes>(unique_id);
+          cp::NcclUniqueId id;
+          if (bytes.size() != id.bytes.size()) {
+            fail("unique_id: expected the " + std::to_string(id.bytes.size()) +
+                 " bytes of attnkit.cp.nccl_unique_id(), got " + std::to_string(bytes.size()));
+          }
+          std::memcpy(id.bytes.data(), bytes.c_str(), id.bytes.size());
+          const Device dev = parse_device_name(device);
+          if (!dev.is_cuda()) fail("device: an NCCL communicator needs a CUDA device, got 'cpu'");
+          PyCommunicator c;
+          c.transport = "nccl";
+          {
+            nb::gil_scoped_release release;  // a collective: waits for the other ranks
+            c.comm = cp::make_nccl_communicator(id, rank, world_size, dev.index);
+          }
+          return c;
+        });
+      },
+      "unique_id"_a, "rank"_a, "world_size"_a, "device"_a);
+  m.def(
+      "cp_in_process_group",
+      [](const std::vector<std::string>& devices, double timeout_seconds) {
+        return in_python_names(PyFunction::kCommunicator, [&] {
+          std::vector<Device> parsed;
+          for (const std::string& d : devices) parsed.push_back(parse_device_name(d));
+          auto group = cp::make_in_process_group(parsed, timeout_seconds);
+          nb::list out;
+          for (auto& comm : group) {
+            out.append(
+                nb::cast(PyCommunicator{std::move(comm), "in_process"}, nb::rv_policy::move));
+          }
+          return out;
+        });
+      },
+      "devices"_a, "timeout_seconds"_a);
+  m.def(
+      "cp_python_communicator",
+      [](nb::object transport, int32_t rank, int32_t world_size, const std::string& device,
+         uintptr_t comm_stream) {
+        return in_python_names(PyFunction::kCommunicator, [&] {
+          if (world_size < 1 || rank < 0 || rank >= world_size) {
+            fail("group: rank " + std::to_string(rank) + " of a group of " +
+                 std::to_string(world_size));
+          }
+          return PyCommunicator{
+              std::make_unique<PythonCommunicator>(std::move(transport), rank, world_size,
+                                                   parse_device_name(device),
+                                                   reinterpret_cast<Stream>(comm_stream)),
+              "torch"};
+        });
+      },
+      "transport"_a, "rank"_a, "world_size"_a, "device"_a, "comm_stream"_a);
+
+  nb::class_<cp::ZigzagPlan>(m, "ZigzagPlan")
+      .def(
+          "__init__",
+          [](cp::ZigzagPlan* self, const std::vector<int32_t>& cu_seqlens, int32_t world_size) {
+            in_python_names(PyFunction::kOther,
+                            [&] { new (self) cp::ZigzagPlan(cu_seqlens, world_size); });
+          },
+          "cu_seqlens"_a, "world_size"_a)
+      .def_prop_ro("world_size", &cp::ZigzagPlan::world_size)
+      .def_prop_ro("num_sequences", &cp::ZigzagPlan::num_sequences)
+      .def_prop_ro("total_tokens", &cp::ZigzagPlan::total_tokens)
+      .def_prop_ro("cu_seqlens", [](const cp::ZigzagPlan& p) { return p.cu_seqlens(); })
+      .def("local_tokens", &cp::ZigzagPlan::local_tokens, "rank"_a)
+      .def("max_local_tokens", &cp::ZigzagPlan::max_local_tokens)
+      .def(
+          "global_rows",
+          [](const cp::ZigzagPlan& p, int32_t rank) {
+            const std::vector<int32_t> rows = p.global_rows(rank);
+            return numpy_copy(rows, {rows.size()});
+          },
+          "rank"_a);
+
+  nb::class_<cp::DecodeShardLayout>(m, "DecodeShardLayout")
+      .def(
+          "__init__",
+          [](cp::DecodeShardLayout* self, int32_t world_size, int32_t tokens_per_block) {
+            in_python_names(PyFunction::kOther, [&] {
+              const cp::DecodeShardLayout layout{world_size, tokens_per_block};
+              layout.validate();
+              new (self) cp::DecodeShardLayout(layout);
+            });
+          },
+          "world_size"_a, "tokens_per_block"_a)
+      .def_ro("world_size", &cp::DecodeShardLayout::world_size)
+      .def_ro("tokens_per_block", &cp::DecodeShardLayout::tokens_per_block)
+      .def("rank_of_position", &cp::DecodeShardLayout::rank_of_position, "position"_a)
+      .def("local_position", &cp::DecodeShardLayout::local_position, "position"_a)
+      .def("local_length", &cp::DecodeShardLayout::local_length, "rank"_a, "length"_a)
+      .def(
+          "local_tokens",
+          [](const cp::DecodeShardLayout& l, int32_t rank, int64_t begin,
+             const std::vector<int32_t>& tokens) { return l.local_tokens(rank, begin, tokens); },
+          "rank"_a, "begin"_a, "tokens"_a);
+
+  nb::class_<PyShardedKvCache>(m, "ShardedKvCache")
+      .def(
+          "__init__",
+          [](PyShardedKvCache* self, PyKvCacheManager& cache, const cp::DecodeShardLayout& layout,
+             int32_t rank) {
+            in_python_names(PyFunction::kOther,
+                            [&] { new (self) PyShardedKvCache(cache, layout, rank); });
+          },
+          "cache"_a, "layout"_a, "rank"_a, nb::keep_alive<1, 2>())
+      .def(
+          "extend",
+          [](PyShardedKvCache& s, SeqId seq, const std::vector<int32_t>& tokens) {
+            s.shard.extend(seq, tokens);
+          },
+          "seq"_a, "tokens"_a)
+      .def(
+          "release", [](PyShardedKvCache& s, SeqId seq) { s.shard.release(seq); }, "seq"_a)
+      .def(
+          "length", [](const PyShardedKvCache& s, SeqId seq) { return s.shard.length(seq); },
+          "seq"_a)
+      .def(
+          "local_length",
+          [](const PyShardedKvCache& s, SeqId seq) { return s.shard.local_length(seq); }, "seq"_a)
+      .def(
+          "block_tables",
+          [](const PyShardedKvCache& s, const std::vector<int64_t>& rows) {
+            const KvBlockTables t = s.shard.block_tables(to_ids(rows));
+            return nb::make_tuple(numpy_copy(t.table, {static_cast<size_t>(t.num_rows),
+                                                       static_cast<size_t>(t.max_blocks)}),
+                                  numpy_copy(t.seq_lens, {static_cast<size_t>(t.num_rows)}));
+          },
+          "rows"_a);
+
+  const auto none = nb::none();
+  m.def("cp_ring_prefill", &py_ring_prefill, "spec"_a, "plan"_a, "q"_a, "k"_a, "v"_a, "out"_a,
+        "lse"_a = none, "comm"_a.none() = none, "checked"_a = false, "stream"_a = 0);
+  m.def("cp_sharded_decode", &py_sharded_decode, "spec"_a, "q"_a, "kv_cache"_a, "out"_a,
+        "lse"_a = none, "comm"_a.none() = none, "num_splits"_a = 0, "max_seq_len"_a = 0,
+        "workspace"_a.none() = none, "deterministic"_a = true, "batch_invariant"_a = false,
+        "checked"_a = false, "stream"_a = 0);
+}
+
 }  // namespace
 }  // namespace attnkit::python
 
@@ -1078,4 +1387,5 @@ NB_MODULE(_attnkit, m) {
           },
           "The roles written in the JSON, flattened to dotted names.");
   bind_manager(m);
+  bind_cp(m);
 }

@@ -30,7 +30,10 @@ enum class PyFunction {
   kMergeStates,
   kDecodeWorkspace,
   kKvCache,
-  kOther,  // names that are already the Python ones
+  kRingPrefill,    // attnkit.cp.ring_prefill: q, k, v [local tokens, H, D]
+  kShardedDecode,  // attnkit.cp.sharded_decode: decode's arguments
+  kCommunicator,   // attnkit.cp's communicator factories
+  kOther,          // names that are already the Python ones
 };
 
 namespace detail {
@@ -127,6 +130,17 @@ inline constexpr Rename kDecodeWorkspaceRenames[] = {
     {"spec.num_kv_heads", "num_kv_heads"},
     {"spec.head_dim", "head_dim"},
 };
+inline constexpr Rename kRingPrefillRenames[] = {
+    {"spec.num_q_heads", "q.shape[1]"},
+    {"spec.num_kv_heads", "k.shape[1]"},
+    {"spec.head_dim", "q.shape[2]"},
+    {"num_q_heads", "q.shape[1]"},
+};
+inline constexpr Rename kCommunicatorRenames[] = {
+    {"make_nccl_communicator", "nccl_communicator"},
+    {"make_in_process_group", "in_process_group"},
+    {"timeout_seconds", "timeout"},
+};
 // KvCache(...) takes the KvCacheManagerConfig fields as keyword arguments of the same names.
 inline constexpr Rename kKvCacheRenames[] = {
     {"KvCacheManagerConfig.", ""},
@@ -167,6 +181,9 @@ inline const std::vector<Rename>& renames_of(PyFunction function) {
       sorted({}),
       sorted({part(kSpecRenames), part(kDecodeWorkspaceRenames)}),
       sorted({part(kKvCacheRenames)}),
+      sorted({part(kSpecRenames), part(kRingPrefillRenames)}),
+      sorted({part(kSpecRenames), part(kDecodeCacheRenames), part(kDecodeRenames)}),
+      sorted({part(kCommunicatorRenames)}),
       sorted({}),
   };
   return tables[static_cast<int>(function)];
@@ -208,10 +225,15 @@ inline std::string to_python_names(std::string_view message, const std::vector<R
 // the device faults that check_device_errors() reports do; "KvCacheManager...").
 inline PyFunction function_of_message(std::string_view message, PyFunction fallback) {
   static constexpr std::pair<std::string_view, PyFunction> kOps[] = {
-      {"prefill: ", PyFunction::kPrefill},      {"decode: ", PyFunction::kDecode},
-      {"append_kv: ", PyFunction::kAppendKv},   {"forward: ", PyFunction::kForward},
-      {"dense: ", PyFunction::kDense},          {"merge_states: ", PyFunction::kMergeStates},
+      {"prefill: ", PyFunction::kPrefill},
+      {"decode: ", PyFunction::kDecode},
+      {"append_kv: ", PyFunction::kAppendKv},
+      {"forward: ", PyFunction::kForward},
+      {"dense: ", PyFunction::kDense},
+      {"merge_states: ", PyFunction::kMergeStates},
       {"KvCacheManager", PyFunction::kKvCache},
+      {"ring_prefill: ", PyFunction::kRingPrefill},
+      {"sharded_decode: ", PyFunction::kShardedDecode},
   };
   for (const auto& [prefix, function] : kOps) {
     if (message.substr(0, prefix.size()) == prefix) return function;
