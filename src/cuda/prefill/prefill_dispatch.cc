@@ -681,6 +681,30 @@ class StreamScratch {
   cudaStream_t stream_;
 };
 
+// The output, LSE and shape fields of a dense call's PrefillParams ([B, S, H, D] tensors), shared
+// by the plain and the SAGE path.
+void fill_dense_common(PrefillParams& prm, const AttentionSpec& spec, const DenseArgs& args,
+                       const detail::DenseProblem& p, int block_m) {
+  prm.out = args.out.data;
+  prm.o_batch_stride = args.out.strides[0];
+  prm.o_tok_stride = args.out.strides[1];
+  prm.o_head_stride = args.out.strides[2];
+  if (args.lse.defined()) {
+    prm.lse = static_cast<float*>(args.lse.data);
+    prm.lse_batch_stride = args.lse.strides[0];
+    prm.lse_tok_stride = args.lse.strides[1];
+    prm.lse_head_stride = args.lse.strides[2];
+  }
+  prm.seqlen_q = p.seqlen_q;
+  prm.seqlen_kv = p.seqlen_kv;
+  prm.batch = p.batch;
+  prm.num_q_heads = spec.num_q_heads;
+  prm.num_kv_heads = spec.num_kv_heads;
+  prm.group_size = spec.group_size();
+  fill_mods(spec, prm);
+  prm.num_m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+}
+
 int32_t log2_of(int32_t pow2) {
   int32_t shift = 0;
   while ((1 << shift) < pow2) ++shift;
@@ -736,26 +760,8 @@ void run_dense_sage(const AttentionSpec& spec, const DenseArgs& args, const deta
   prm.k_tok_stride = k_codes.strides[1];
   prm.k_head_stride = k_codes.strides[2];
   prm.v = codes.v_t;  // not read: the kernel loads V^T through its map
-  prm.out = args.out.data;
-  prm.o_batch_stride = args.out.strides[0];
-  prm.o_tok_stride = args.out.strides[1];
-  prm.o_head_stride = args.out.strides[2];
   prm.out_f16 = p.dtype == DType::kF16;
-  if (args.lse.defined()) {
-    prm.lse = static_cast<float*>(args.lse.data);
-    prm.lse_batch_stride = args.lse.strides[0];
-    prm.lse_tok_stride = args.lse.strides[1];
-    prm.lse_head_stride = args.lse.strides[2];
-  }
-  prm.seqlen_q = p.seqlen_q;
-  prm.seqlen_kv = p.seqlen_kv;
-  prm.batch = p.batch;
-  prm.num_q_heads = spec.num_q_heads;
-  prm.num_kv_heads = spec.num_kv_heads;
-  prm.group_size = spec.group_size();
-  fill_mods(spec, prm);
-  const int bm = sm90_block_m(spec.head_dim);
-  prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
+  fill_dense_common(prm, spec, args, p, sm90_block_m(spec.head_dim));
   set_schedule(prm, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, PrefillTile::kSm90,
                false, false, forced_section_pairs);
 
@@ -1108,16 +1114,6 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   prm.q_batch_stride = args.q.strides[0];
   prm.q_tok_stride = args.q.strides[1];
   prm.q_head_stride = args.q.strides[2];
-  prm.out = args.out.data;
-  prm.o_batch_stride = args.out.strides[0];
-  prm.o_tok_stride = args.out.strides[1];
-  prm.o_head_stride = args.out.strides[2];
-  if (args.lse.defined()) {
-    prm.lse = static_cast<float*>(args.lse.data);
-    prm.lse_batch_stride = args.lse.strides[0];
-    prm.lse_tok_stride = args.lse.strides[1];
-    prm.lse_head_stride = args.lse.strides[2];
-  }
   prm.k = args.k.data;
   prm.v = args.v.data;
   prm.k_batch_stride = args.k.strides[0];
@@ -1126,14 +1122,7 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   prm.v_batch_stride = args.v.strides[0];
   prm.v_tok_stride = args.v.strides[1];
   prm.v_head_stride = args.v.strides[2];
-  prm.seqlen_q = p.seqlen_q;
-  prm.seqlen_kv = p.seqlen_kv;
-  prm.batch = p.batch;
-  prm.num_q_heads = spec.num_q_heads;
-  prm.num_kv_heads = spec.num_kv_heads;
-  prm.group_size = spec.group_size();
-  fill_mods(spec, prm);
-  prm.num_m_blocks = (p.seqlen_q + bm - 1) / bm;
+  fill_dense_common(prm, spec, args, p, bm);
   set_schedule(prm, shape, tile, false, false, forced_section_pairs);
   if (tile == PrefillTile::kSm90) {
     run_sm90(prm, call, as_cuda_stream(stream));

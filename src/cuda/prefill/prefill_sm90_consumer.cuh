@@ -166,11 +166,18 @@ struct Sm90Consumer {
         ks[2 * i] = __ldg(row + col0 + 8 * i);
         ks[2 * i + 1] = __ldg(row + col0 + 8 * i + 1);
       }
-    } else {
-      // Columns 2 t and 2 t + 1 share a block of 4 or 16 keys.
+    } else if (shift == 2) {
+      // Columns 2 t and 2 t + 1 share a block of 4 keys.
 #pragma unroll
       for (int i = 0; i < kKScales / 2; ++i) {
         ks[2 * i] = ks[2 * i + 1] = __ldg(row + ((col0 + 8 * i) >> shift));
+      }
+    } else {
+      // 16-key blocks: n8 blocks 2 j and 2 j + 1 share one too.
+#pragma unroll
+      for (int i = 0; i < kKScales / 4; ++i) {
+        const float scale = __ldg(row + ((col0 + 16 * i) >> shift));
+        ks[4 * i] = ks[4 * i + 1] = ks[4 * i + 2] = ks[4 * i + 3] = scale;
       }
     }
   }
@@ -545,8 +552,16 @@ struct Sm90Consumer {
         release(smem.v_empty(v_read.index));
         v_read.advance();
         // Also after a skipped tile (corr_next = 1; its P is never used): registers that a later
-        // wgmma reads are written on every path.
-        rescale(o, corr_next);
+        // wgmma reads are written on every path. The 8-bit kernels skip the multiply when no row
+        // of the warp has a new maximum (corr = 1 exactly), the common case after a row's first
+        // tiles; their softmax, not their MMAs, bounds them.
+        if constexpr (T::kFp8) {
+          if (__any_sync(0xffffffffu, corr_next[0] != 1.f || corr_next[1] != 1.f)) {
+            rescale(o, corr_next);
+          }
+        } else {
+          rescale(o, corr_next);
+        }
         to_p(s, pa);
         return skip;
       };
