@@ -15,8 +15,8 @@
 #         without logit modifiers, and (in a second file, _skip.cu) the skip-softmax kernels of
 #         the unmasked calls. dtype fp8 is the FP8 kernel (fp8 e4m3 q, k, v; head_dim 128 and
 #         256; no skip-softmax). dtype sage is the SAGE kernels (int8 and fp8 e4m3 Q K^T codes of
-#         the quantize pass, fp8 P V; unmasked, with and without logit modifiers), listed in the
-#         support table with dtype int8.
+#         the quantize pass, fp8 P V; unmasked and causal, with and without logit modifiers; the
+#         fp8 ones in the second file), listed in the support table with dtype int8.
 #
 # ATTNKIT_KERNEL_SUBSET keeps head_dim 128 bf16 (sm80 m128 and sm90) and the head_dim 128 FP8
 # and SAGE kernels, the set CI compiles on two cores; ATTNKIT_PREFILL_HEAD_DIMS trims the head dims of a
@@ -117,7 +117,9 @@ function(attnkit_prefill_manifest out_var)
       if(dtype STREQUAL "fp8")
         string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_FP8(${dim})\n")
       elseif(dtype STREQUAL "sage")
-        string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(${dim})\n")
+        # int8 and fp8 Q K^T in two files: two cores compile both at once.
+        string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(${dim}, DType::kInt8)\n")
+        set(skip_body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(${dim}, DType::kFp8E4M3)\n")
       else()
         string(APPEND body "ATTNKIT_PREFILL_SM90_INSTANTIATE(${dim}, ${dt})\n")
         set(skip_body "ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(${dim}, ${dt})\n")

@@ -31,7 +31,14 @@ void check_packed_lengths(const Validator& v, const AttentionSpec& spec, const P
 PrefillProblem validate_prefill(const AttentionSpec& spec, const PrefillArgs& args) {
   spec.validate();
   const Validator v("prefill");
-  check_no_dense_only_options(v, spec, /*allow_skip=*/true);
+  check_no_dense_only_options(v, spec, /*allow_skip=*/true, /*allow_quant=*/true);
+  // SAGE quantizes the call's own packed K and V per sequence (docs/diffusion.md) and walks the
+  // key tiles as skip-softmax does.
+  v.check(!spec.quant || args.kv_cache == nullptr, "spec.quant",
+          "prefill() quantizes packed k / v (SAGE), not a kv_cache; unset kv_cache or quant");
+  v.check(!spec.quant || spec.mask.kind != MaskKind::kSlidingWindow, "spec.quant",
+          "prefill() quantizes (SAGE) under mask none or causal, got mask ",
+          mask_name(spec.mask.kind));
   // Skip-softmax walks the key tiles of a query tile from the diagonal back (docs/diffusion.md);
   // a sliding window's walk (window, then sinks) has no skip rule defined.
   v.check(!spec.skip_softmax || spec.mask.kind != MaskKind::kSlidingWindow, "spec.skip_softmax",

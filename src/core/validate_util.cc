@@ -367,11 +367,12 @@ void check_no_beams_with_cyclic(const Validator& v, const KvCacheFacts& facts,
           beam_width, cache_indirection.defined() ? " and a cache_indirection" : "");
 }
 
-void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec, bool allow_skip) {
+void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec, bool allow_skip,
+                                 bool allow_quant) {
   v.check(allow_skip || !spec.skip_softmax.has_value(), "spec.skip_softmax",
           "skip-softmax is implemented by dense() and prefill() only; unset it for ", v.op());
-  v.check(!spec.quant.has_value(), "spec.quant",
-          "SAGE quantization is implemented by dense() only; unset it for ", v.op());
+  v.check(allow_quant || !spec.quant.has_value(), "spec.quant",
+          "SAGE quantization is implemented by dense() and prefill() only; unset it for ", v.op());
 }
 
 void check_skip_args(const Validator& v, const TensorView& skip_stats, int64_t stats_len,

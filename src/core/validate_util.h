@@ -134,9 +134,10 @@ void check_indirection_values(const Validator& v, const TensorView& ind, const s
   }
 }
 
-// Spec features that only dense() implements (prefill() takes skip_softmax too: `allow_skip`).
+// Spec features that only dense() implements (prefill() takes skip_softmax and quant too:
+// `allow_skip`, `allow_quant`).
 void check_no_dense_only_options(const Validator& v, const AttentionSpec& spec,
-                                 bool allow_skip = false);
+                                 bool allow_skip = false, bool allow_quant = false);
 
 // The skip-softmax arguments of dense() and prefill(): skip_stats (optional, int64 [stats_len],
 // contiguous, on `device`), the normalized timestep in [0, 1], and the reference's tiles block_m /

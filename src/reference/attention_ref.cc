@@ -12,10 +12,13 @@
 namespace attnkit::reference {
 namespace internal {
 
-// prefill() with skip-softmax active runs the tile-faithful walk of dense_attend_head per
-// (sequence, query head): the call's block_m x block_n tiles, the key tiles of a query tile from
-// its diagonal (or the last, partial one) back to the first, as the fused kernels walk them, and
-// lambda from the sequence's own kv_len. Every other call attends row by row.
+// prefill() with skip-softmax active or with SAGE quantization runs the tile-faithful walk of
+// dense_attend_head per (sequence, query head): the call's block_m x block_n tiles, the key tiles
+// of a query tile from its diagonal (or the last, partial one) back to the first, as the fused
+// kernels walk them, and lambda from the sequence's own kv_len. SAGE quantizes each sequence's
+// Q, K and V as dense() quantizes a batch element (docs/diffusion.md): K smoothed over the
+// sequence's keys, Q and K per block of the sequence's tokens, V per channel. Every other call
+// attends row by row.
 void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
   const LogitRule rule(spec);
   const int32_t group = spec.group_size();
@@ -56,6 +59,9 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
     const double lambda = skip_open ? spec.skip_softmax->lambda(kv_len) : 0.0;
     tiles.skip = lambda > 0.0;  // lambda 0 never skips: the plain call
     tiles.log_lambda = tiles.skip ? std::log(lambda) : 0.0;
+    const bool sage = spec.quant.has_value();
+    tiles.quantize_p = sage;
+    const bool tiled = tiles.skip || sage;
     if (!tiles.skip) {
       for (int64_t m0 = 0; m0 < num_q; m0 += args.block_m) {
         stats.tiles_total +=
@@ -67,7 +73,7 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
     const std::vector<int64_t> keys = rule.attended_keys(first_position, kv_len - 1, kv_len);
     k.assign(keys.size() * head_dim, 0.0);
     v.assign(keys.size() * head_dim, 0.0);
-    if (tiles.skip) {
+    if (tiled) {
       q_rows.assign(static_cast<size_t>(num_q * head_dim), 0.0);
       out_rows.assign(q_rows.size(), 0.0);
       lse_rows.assign(static_cast<size_t>(num_q), 0.0);
@@ -84,17 +90,46 @@ void prefill_impl(const AttentionSpec& spec, const PrefillArgs& args) {
           load_head(args.v, kv_begin + keys[n], kv_head, &v[n * head_dim]);
         }
       }
+      // SAGE: the sequence's K and V of this head quantized (mask none or causal: the keys are
+      // positions 0 .. kv_len - 1, all of them loaded).
+      SageRows k_codes;
+      SageColumns v_codes;
+      if (sage && !keys.empty()) {
+        std::vector<float> kf(k.begin(), k.end());
+        const std::vector<float> mean =
+            sage_channel_mean(kf, static_cast<int64_t>(keys.size()), head_dim);
+        for (size_t j = 0; j < kf.size(); ++j) kf[j] -= mean[j % head_dim];
+        k_codes = sage_quantize_rows(kf, static_cast<int64_t>(keys.size()), head_dim,
+                                     spec.quant->k_block_size, spec.quant->dtype_qk);
+        v_codes = sage_quantize_v(std::vector<float>(v.begin(), v.end()),
+                                  static_cast<int64_t>(keys.size()), head_dim);
+      }
       for (int32_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-        if (tiles.skip) {
+        if (tiled) {
           // Mask none or causal (validated): the keys are positions 0 .. kv_len - 1.
           for (int64_t t = 0; t < num_q; ++t)
             load_head(args.q, q_begin + t, h, &q_rows[t * head_dim]);
           tiles.alibi_slope = rule.alibi_slopes.empty() ? 0.0 : rule.alibi_slopes[h];
-          const DenseTileCounts counts = dense_attend_head(
-              q_rows.data(), q_ones.data(), k.data(), k_ones.data(), v.data(), ones.data(), num_q,
-              static_cast<int64_t>(keys.size()), head_dim, tiles, out_rows.data(), lse_rows.data());
-          stats.tiles_total += counts.total;
-          stats.tiles_skipped += counts.skipped;
+          DenseTileCounts counts;
+          if (sage) {
+            const SageRows q_codes =
+                sage_quantize_rows(std::vector<float>(q_rows.begin(), q_rows.end()), num_q,
+                                   head_dim, spec.quant->q_block_size, spec.quant->dtype_qk);
+            counts = dense_attend_head(q_codes.values.data(), q_codes.row_scale.data(),
+                                       k_codes.values.data(), k_codes.row_scale.data(),
+                                       v_codes.values.data(), v_codes.channel_scale.data(), num_q,
+                                       static_cast<int64_t>(keys.size()), head_dim, tiles,
+                                       out_rows.data(), lse_rows.data());
+          } else {
+            counts =
+                dense_attend_head(q_rows.data(), q_ones.data(), k.data(), k_ones.data(), v.data(),
+                                  ones.data(), num_q, static_cast<int64_t>(keys.size()), head_dim,
+                                  tiles, out_rows.data(), lse_rows.data());
+          }
+          if (tiles.skip) {  // otherwise counted above, per query tile
+            stats.tiles_total += counts.total;
+            stats.tiles_skipped += counts.skipped;
+          }
           for (int64_t t = 0; t < num_q; ++t) {
             store_row(args.out, args.lse, q_begin + t, h, &out_rows[t * head_dim], lse_rows[t]);
           }

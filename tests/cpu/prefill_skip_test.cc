@@ -335,7 +335,13 @@ TEST(PrefillSkip, InvalidCallsRaiseAndWriteNothing) {
                   "prefill: block_m:", outputs);
   expect_rejected(call(skip, [](AttentionSpec&, PrefillArgs& a) { a.block_n = 0; }),
                   "prefill: block_n:", outputs);
-  expect_rejected(call(skip, [](AttentionSpec& s, PrefillArgs&) { s.quant = SageQuantSpec{}; }),
+  // skip + SAGE combine (the skip test takes the SAGE scores); SAGE under a window does not.
+  expect_rejected(call(skip,
+                       [](AttentionSpec& s, PrefillArgs&) {
+                         s.quant = SageQuantSpec{};
+                         s.mask.kind = MaskKind::kSlidingWindow;
+                         s.mask.window = 16;
+                       }),
                   "prefill: spec.quant:", outputs);
   expect_rejected(call(skip,
                        [](AttentionSpec& s, PrefillArgs&) {

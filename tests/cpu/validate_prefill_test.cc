@@ -303,10 +303,20 @@ TEST(ValidatePrefill, RejectsChunkLongerThanCyclicCacheAllows) {
   call.expect_rejected("cu_seqlens_q");
 }
 
-TEST(ValidatePrefill, RejectsDenseOnlySpecOptions) {
-  PackedCall call;
-  call.spec.quant = SageQuantSpec{};
-  call.expect_rejected("spec.quant");
+// SAGE quantizes packed k / v under mask none or causal: a cache or a sliding window is rejected.
+TEST(ValidatePrefill, RejectsQuantOverACacheOrAWindow) {
+  {
+    PackedCall call;
+    call.spec.quant = SageQuantSpec{};
+    EXPECT_NO_THROW(detail::validate_prefill(call.spec, call.args));
+    call.spec.mask = {MaskKind::kSlidingWindow, 12, 0};
+    call.expect_rejected("spec.quant");
+  }
+  {
+    PagedCall call;
+    call.spec.quant = SageQuantSpec{};
+    call.expect_rejected("spec.quant");
+  }
 }
 
 TEST(ValidatePrefill, RejectsNullDataAndStrides) {

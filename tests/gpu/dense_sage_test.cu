@@ -1,4 +1,5 @@
-// SAGE dense attention on the GPU (the quantize pass and the sm90 SAGE kernels, docs/diffusion.md)
+// SAGE attention on the GPU, dense() and prefill() (the quantize pass and the sm90 SAGE kernels,
+// docs/diffusion.md)
 // against host computations in fp64 from the reference's own codes and scales
 // (reference/dense_ref.h, bit for bit those of the pass: tests/gpu/sage_quant_test.cu):
 //   same_quant: the tile-faithful SAGE reference walked as the kernel walks (64-row query tiles,
@@ -103,20 +104,40 @@ SageInputs make_inputs(const SageCase& c, uint64_t salt) {
   return in;
 }
 
-// Rows [len, dim] of head h of sequence b of a [B, S, H, D] tensor, as float.
-std::vector<float> head_rows(const HostTensor& t, int b, int len, int heads, int h, int dim) {
+// Rows [len, dim] of head h from packed token `start` of a [tokens, H, D] (or [B, S, H, D])
+// tensor, as float.
+std::vector<float> head_rows(const HostTensor& t, int64_t start, int64_t len, int heads, int h,
+                             int dim) {
   std::vector<float> rows(static_cast<size_t>(len) * dim);
-  for (int i = 0; i < len; ++i) {
+  for (int64_t i = 0; i < len; ++i) {
     for (int d = 0; d < dim; ++d) {
-      rows[static_cast<size_t>(i) * dim + d] =
-          t.get(((static_cast<int64_t>(b) * len + i) * heads + h) * dim + d);
+      rows[static_cast<size_t>(i) * dim + d] = t.get(((start + i) * heads + h) * dim + d);
     }
   }
   return rows;
 }
 
+// The sequences of a call: packed starts and lengths (a dense call's batch element b starts at
+// b x S), and whether the call is causal (bottom-right aligned).
+struct Packing {
+  std::vector<int64_t> q_start, q_len, kv_start, kv_len;
+  bool causal = false;
+  int64_t total_q() const { return q_start.empty() ? 0 : q_start.back() + q_len.back(); }
+};
+
+Packing dense_packing(const SageCase& c) {
+  Packing pk;
+  for (int b = 0; b < c.batch; ++b) {
+    pk.q_start.push_back(int64_t{b} * c.sq);
+    pk.q_len.push_back(c.sq);
+    pk.kv_start.push_back(int64_t{b} * c.skv);
+    pk.kv_len.push_back(c.skv);
+  }
+  return pk;
+}
+
 struct HostResult {
-  std::vector<double> out, lse;  // [B, Sq, Hq, D], [B, Sq, Hq]
+  std::vector<double> out, lse;  // [total_q, Hq, D], [total_q, Hq]
 };
 
 // The three host computations of the file comment. smooth = false quantizes K without subtracting
@@ -125,37 +146,38 @@ struct References {
   HostResult same_quant, dequant, exact;
 };
 
-References host_references(const SageCase& c, const SageInputs& in, bool smooth = true) {
-  const int64_t out_n = static_cast<int64_t>(c.batch) * c.sq * c.hq * c.dim;
-  const int64_t lse_n = static_cast<int64_t>(c.batch) * c.sq * c.hq;
+References host_references(const SageCase& c, const HostTensor& q_in, const HostTensor& k_in,
+                           const HostTensor& v_in, const Packing& pk, bool smooth = true) {
+  const int64_t total_q = pk.total_q();
   References r;
   for (HostResult* h : {&r.same_quant, &r.dequant, &r.exact}) {
-    h->out.assign(out_n, 0.0);
-    h->lse.assign(lse_n, 0.0);
+    h->out.assign(static_cast<size_t>(total_q * c.hq * c.dim), 0.0);
+    h->lse.assign(static_cast<size_t>(total_q * c.hq), 0.0);
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
   const int group = c.hq / c.hkv;
-  std::vector<double> out(static_cast<size_t>(c.sq) * c.dim), lse(c.sq);
-  for (int b = 0; b < c.batch; ++b) {
+  for (size_t b = 0; b < pk.q_len.size(); ++b) {
+    const int64_t sq = pk.q_len[b], skv = pk.kv_len[b];
+    std::vector<double> out(static_cast<size_t>(sq) * c.dim), lse(sq);
     for (int hk = 0; hk < c.hkv; ++hk) {
-      std::vector<float> k = head_rows(in.k, b, c.skv, c.hkv, hk, c.dim);
-      const std::vector<float> v = head_rows(in.v, b, c.skv, c.hkv, hk, c.dim);
+      std::vector<float> k = head_rows(k_in, pk.kv_start[b], skv, c.hkv, hk, c.dim);
+      const std::vector<float> v = head_rows(v_in, pk.kv_start[b], skv, c.hkv, hk, c.dim);
       std::vector<float> k_smooth = k;
-      if (smooth) {
-        const std::vector<float> mean = reference::sage_channel_mean(k, c.skv, c.dim);
+      if (smooth && skv > 0) {
+        const std::vector<float> mean = reference::sage_channel_mean(k, skv, c.dim);
         for (size_t i = 0; i < k_smooth.size(); ++i) k_smooth[i] -= mean[i % c.dim];
       }
       const reference::SageRows kq =
-          reference::sage_quantize_rows(k_smooth, c.skv, c.dim, c.k_block, c.dtype_qk);
-      const reference::SageColumns vq = reference::sage_quantize_v(v, c.skv, c.dim);
+          reference::sage_quantize_rows(k_smooth, skv, c.dim, c.k_block, c.dtype_qk);
+      const reference::SageColumns vq = reference::sage_quantize_v(v, skv, c.dim);
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const std::vector<float> q = head_rows(in.q, b, c.sq, c.hq, h, c.dim);
+        const std::vector<float> q = head_rows(q_in, pk.q_start[b], sq, c.hq, h, c.dim);
         const reference::SageRows qq =
-            reference::sage_quantize_rows(q, c.sq, c.dim, c.q_block, c.dtype_qk);
+            reference::sage_quantize_rows(q, sq, c.dim, c.q_block, c.dtype_qk);
         auto store = [&](HostResult& res) {
-          for (int i = 0; i < c.sq; ++i) {
-            const int64_t row = (static_cast<int64_t>(b) * c.sq + i) * c.hq + h;
+          for (int64_t i = 0; i < sq; ++i) {
+            const int64_t row = (pk.q_start[b] + i) * c.hq + h;
             res.lse[row] = lse[i];
             for (int d = 0; d < c.dim; ++d) res.out[row * c.dim + d] = out[i * c.dim + d];
           }
@@ -166,27 +188,32 @@ References host_references(const SageCase& c, const SageInputs& in, bool smooth 
         rule.softmax_scale = scale;
         rule.logit_softcap = c.softcap;
         rule.last_tile_first = true;
+        rule.causal = pk.causal;
+        rule.q_pos0 = skv - sq;
         rule.quantize_p = true;
         reference::dense_attend_head(qq.values.data(), qq.row_scale.data(), kq.values.data(),
                                      kq.row_scale.data(), vq.values.data(), vq.channel_scale.data(),
-                                     c.sq, c.skv, c.dim, rule, out.data(), lse.data());
+                                     sq, skv, c.dim, rule, out.data(), lse.data());
         store(r.same_quant);
         rule.quantize_p = false;
         reference::dense_attend_head(qq.values.data(), qq.row_scale.data(), kq.values.data(),
                                      kq.row_scale.data(), vq.values.data(), vq.channel_scale.data(),
-                                     c.sq, c.skv, c.dim, rule, out.data(), lse.data());
+                                     sq, skv, c.dim, rule, out.data(), lse.data());
         store(r.dequant);
         const std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()),
             vd(v.begin(), v.end());
-        const std::vector<float> ones_q(c.sq, 1.f), ones_k(c.skv, 1.f), ones_v(c.dim, 1.f);
+        const std::vector<float> ones_q(sq, 1.f), ones_k(skv, 1.f), ones_v(c.dim, 1.f);
         reference::dense_attend_head(qd.data(), ones_q.data(), kd.data(), ones_k.data(), vd.data(),
-                                     ones_v.data(), c.sq, c.skv, c.dim, rule, out.data(),
-                                     lse.data());
+                                     ones_v.data(), sq, skv, c.dim, rule, out.data(), lse.data());
         store(r.exact);
       }
     }
   }
   return r;
+}
+
+References host_references(const SageCase& c, const SageInputs& in, bool smooth = true) {
+  return host_references(c, in.q, in.k, in.v, dense_packing(c), smooth);
 }
 
 struct GpuResult {
@@ -397,6 +424,171 @@ TEST(DenseSageGpu, UnservableCallsRaiseAndWriteNothing) {
   AttentionSpec portable = spec_of(c);
   portable.fused_kernel = FusedKernel::kPortable;
   expect_raises(portable, "portable");
+}
+
+// ---- prefill() -------------------------------------------------------------------------------
+
+struct PrefillData {
+  Packing pk;
+  HostTensor q, k, v, cu_q, cu_kv;
+  int32_t max_q = 0, max_kv = 0;
+};
+
+PrefillData make_prefill(const SageCase& c, std::vector<int64_t> q_lens,
+                         std::vector<int64_t> kv_lens, bool causal, uint64_t salt) {
+  PrefillData d;
+  d.pk.causal = causal;
+  d.pk.q_len = std::move(q_lens);
+  d.pk.kv_len = std::move(kv_lens);
+  const auto batch = static_cast<int64_t>(d.pk.q_len.size());
+  d.cu_q = HostTensor(DType::kInt32, {batch + 1});
+  d.cu_kv = HostTensor(DType::kInt32, {batch + 1});
+  int64_t tq = 0, tkv = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    d.cu_q.data<int32_t>()[b] = static_cast<int32_t>(tq);
+    d.cu_kv.data<int32_t>()[b] = static_cast<int32_t>(tkv);
+    d.pk.q_start.push_back(tq);
+    d.pk.kv_start.push_back(tkv);
+    tq += d.pk.q_len[b];
+    tkv += d.pk.kv_len[b];
+    d.max_q = std::max<int32_t>(d.max_q, static_cast<int32_t>(d.pk.q_len[b]));
+    d.max_kv = std::max<int32_t>(d.max_kv, static_cast<int32_t>(d.pk.kv_len[b]));
+  }
+  d.cu_q.data<int32_t>()[batch] = static_cast<int32_t>(tq);
+  d.cu_kv.data<int32_t>()[batch] = static_cast<int32_t>(tkv);
+  d.q = HostTensor(DType::kBF16, {tq, c.hq, c.dim});
+  d.k = HostTensor(DType::kBF16, {tkv, c.hkv, c.dim});
+  d.v = HostTensor(DType::kBF16, {tkv, c.hkv, c.dim});
+  std::mt19937_64 rng(test_seed() + salt);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (HostTensor* t : {&d.q, &d.k, &d.v}) {
+    for (int64_t i = 0; i < t->numel(); ++i) t->set(i, normal(rng));
+  }
+  return d;
+}
+
+AttentionSpec prefill_spec(const SageCase& c, bool causal, Backend backend) {
+  AttentionSpec spec = spec_of(c);
+  spec.mask.kind = causal ? MaskKind::kCausal : MaskKind::kNone;
+  spec.backend = backend;
+  return spec;
+}
+
+// prefill() on the GPU, or on the CPU reference with the kernel's tiles (64 x 128).
+GpuResult run_prefill(const SageCase& c, const PrefillData& d, bool gpu) {
+  const int64_t tq = d.q.view().shape[0];
+  GpuResult r{HostTensor(DType::kBF16, {tq, c.hq, c.dim}), HostTensor(DType::kF32, {tq, c.hq})};
+  r.out.fill(NAN);
+  r.lse.fill(NAN);
+  PrefillArgs args;
+  args.max_seqlen_q = d.max_q;
+  args.max_seqlen_kv = d.max_kv;
+  if (!gpu) {
+    args.q = d.q;
+    args.k = d.k;
+    args.v = d.v;
+    args.cu_seqlens_q = d.cu_q;
+    args.cu_seqlens_kv = d.cu_kv;
+    args.out = r.out;
+    args.lse = r.lse;
+    args.block_m = 64;
+    args.block_n = 128;
+    prefill(prefill_spec(c, d.pk.causal, Backend::kAuto), args);  // host tensors: the reference
+    return r;
+  }
+  DeviceTensor q(d.q), k(d.k), v(d.v), cu_q(d.cu_q), cu_kv(d.cu_kv), out(r.out), lse(r.lse);
+  args.q = q;
+  args.k = k;
+  args.v = v;
+  args.cu_seqlens_q = cu_q;
+  args.cu_seqlens_kv = cu_kv;
+  args.out = out;
+  args.lse = lse;
+  prefill(prefill_spec(c, d.pk.causal, Backend::kFused), args);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  out.download(r.out);
+  lse.download(r.lse);
+  return r;
+}
+
+// Packed varlen prefill, causal (bottom-right aligned) and not, against the same host
+// computations per sequence; the CPU reference's prefill() is the same-quantization reference to
+// its output rounding.
+TEST(PrefillSageGpu, PackedVarlenCausalAndNotMatchTheSameQuantization) {
+  SKIP_WITHOUT_SAGE(128);
+  struct Variant {
+    DType dt;
+    int q_block, k_block;
+    double softcap;
+    bool causal;
+    std::vector<int64_t> q_lens, kv_lens;
+  };
+  const Variant variants[] = {
+      {DType::kInt8, 1, 16, 0.0, true, {1, 300, 129, 700}, {1, 300, 129, 700}},
+      {DType::kFp8E4M3, 4, 4, 0.0, true, {200, 64, 513}, {333, 64, 600}},
+      {DType::kInt8, 16, 1, 20.0, false, {64, 200, 1}, {333, 50, 513}},
+      {DType::kFp8E4M3, 1, 16, 0.0, false, {128, 77}, {256, 0}},
+  };
+  for (const Variant& v : variants) {
+    SageCase c;
+    c.hq = 8;
+    c.hkv = 2;
+    c.dtype_qk = v.dt;
+    c.q_block = v.q_block;
+    c.k_block = v.k_block;
+    c.softcap = v.softcap;
+    SCOPED_TRACE(c.str() + (v.causal ? " causal" : " mask none"));
+    const PrefillData d = make_prefill(c, v.q_lens, v.kv_lens, v.causal, v.q_lens[0]);
+    const References ref = host_references(c, d.q, d.k, d.v, d.pk);
+    // The CPU reference: the same walk in fp64, its output rounded once to bf16.
+    const GpuResult cpu = run_prefill(c, d, /*gpu=*/false);
+    const std::vector<double> cpu_out = cpu.out.to_double();
+    for (size_t i = 0; i < cpu_out.size(); ++i) {
+      ASSERT_LE(std::fabs(cpu_out[i] - ref.same_quant.out[i]),
+                std::ldexp(std::fabs(ref.same_quant.out[i]), -8) + 1e-30)
+          << "reference prefill() at " << i;
+    }
+    expect_matches(c, run_prefill(c, d, /*gpu=*/true), ref, min_cos_of(v.dt));
+  }
+}
+
+TEST(PrefillSageGpu, UnservableCallsRaise) {
+  SKIP_WITHOUT_SAGE(128);
+  SageCase c;
+  const PrefillData d = make_prefill(c, {64}, {64}, false, 5);
+  auto raises = [&](AttentionSpec spec, const std::string& needle) {
+    DeviceTensor q(d.q), k(d.k), v(d.v), cu_q(d.cu_q), cu_kv(d.cu_kv);
+    HostTensor out_host(DType::kBF16, {64, c.hq, c.dim});
+    out_host.fill(NAN);
+    DeviceTensor out(out_host);
+    PrefillArgs args;
+    args.q = q;
+    args.k = k;
+    args.v = v;
+    args.cu_seqlens_q = cu_q;
+    args.cu_seqlens_kv = cu_kv;
+    args.out = out;
+    args.max_seqlen_q = 64;
+    args.max_seqlen_kv = 64;
+    try {
+      prefill(spec, args);
+      ADD_FAILURE() << "no error; wanted one naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    out.download(out_host);
+    for (int64_t i = 0; i < out_host.numel(); ++i) {
+      ASSERT_TRUE(std::isnan(out_host.get(i))) << "wrote " << i;
+    }
+  };
+  AttentionSpec window = prefill_spec(c, true, Backend::kFused);
+  window.mask.kind = MaskKind::kSlidingWindow;
+  window.mask.window = 16;
+  raises(window, "spec.quant");
+  AttentionSpec alibi = prefill_spec(c, true, Backend::kFused);
+  alibi.alibi = true;
+  raises(alibi, "alibi");
 }
 
 }  // namespace

@@ -611,8 +611,16 @@ std::vector<PrefillTile> runnable_tiles(int head_dim, DType dtype, int device) {
   return tiles;
 }
 
+namespace {
+std::string sage_unsupported(const AttentionSpec& spec, DType dtype, int device, bool masked);
+}  // namespace
+
 std::string prefill_unsupported(const AttentionSpec& spec, const detail::PrefillProblem& p) {
-  if (spec.quant) return "quant (SAGE) is a dense() option; the fused prefill does not quantize";
+  if (spec.quant) {
+    if (spec.skip_softmax)
+      return "skip_softmax with quant (SAGE): the SAGE kernels do not skip tiles";
+    return sage_unsupported(spec, p.dtype, p.device.index, spec.mask.kind != MaskKind::kNone);
+  }
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged};
   if (spec.skip_softmax) {
     if (p.paged) {
@@ -639,27 +647,28 @@ std::string prefill_unsupported(const AttentionSpec& spec, const detail::Prefill
 
 namespace {
 
-// The sm90 call of a SAGE dense call: the Q K^T codes' dtype, the SAGE kernels.
-Sm90Call sage_call(const AttentionSpec& spec, int device, int forced_ctas) {
+// The sm90 call of a SAGE call: the Q K^T codes' dtype, the SAGE kernels (masked: causal).
+Sm90Call sage_call(const AttentionSpec& spec, int device, bool masked, int forced_ctas) {
   Sm90Call call =
       sm90_call({device, spec.head_dim, spec.quant->dtype_qk, spec.quant->dtype_qk, false}, spec,
-                /*masked=*/false, forced_ctas);
+                masked, forced_ctas);
   call.sage = true;
   return call;
 }
 
-std::string sage_unsupported(const AttentionSpec& spec, const detail::DenseProblem& p) {
+std::string sage_unsupported(const AttentionSpec& spec, DType dtype, int device, bool masked) {
   using detail::concat;
-  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
-    return concat("quant (SAGE) with ", dtype_name(p.dtype),
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return concat("quant (SAGE) with ", dtype_name(dtype),
                   " inputs: the quantize pass reads bf16 or f16");
   }
   if (spec.fused_kernel == FusedKernel::kPortable) {
     return "quant (SAGE) with fused_kernel 'portable': the SAGE kernels are sm90 (Hopper) kernels";
   }
-  const DeviceLimits dev = device_limits(p.device.index);
-  if (!dev.ok) return concat("no CUDA device ", p.device.index, " visible");
-  const std::string why = sm90_unsupported(sage_call(spec, p.device.index, 0));
+  if (spec.alibi) return "quant (SAGE) with alibi: the SAGE kernels add no position bias";
+  const DeviceLimits dev = device_limits(device);
+  if (!dev.ok) return concat("no CUDA device ", device, " visible");
+  const std::string why = sm90_unsupported(sage_call(spec, device, masked, 0));
   return why.empty() ? "" : "quant (SAGE): " + why;
 }
 
@@ -711,61 +720,40 @@ int32_t log2_of(int32_t pow2) {
   return shift;
 }
 
-// dense() with quant: the quantize pass (sage_quant.cu) into a per-call workspace, then the SAGE
-// kernel over its codes, scales and V^T (docs/diffusion.md).
-void run_dense_sage(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
-                    void* stream, int forced_section_pairs, int forced_ctas) {
-  if (p.batch == 0 || p.seqlen_q == 0) return;
-  const cudaStream_t cuda_stream = as_cuda_stream(stream);
-  const SageQuantSpec& quant = *spec.quant;
-  const int64_t dim = spec.head_dim;
-  check_rows_16b(args.out, "out");
-  sage::SageQuantShape shape;
-  shape.batch = p.batch;
-  shape.total_q = int64_t{p.batch} * p.seqlen_q;
-  shape.total_kv = int64_t{p.batch} * p.seqlen_kv;
-  shape.num_q_heads = spec.num_q_heads;
-  shape.num_kv_heads = spec.num_kv_heads;
-  shape.head_dim = spec.head_dim;
-  shape.quant = quant;
-  const size_t bytes = sage::sage_workspace_bytes(shape);
-  StreamScratch workspace(bytes, cuda_stream, "dense: cudaMallocAsync of the SAGE workspace");
-  sage::SageQuantArgs qa;
-  qa.shape = shape;
-  qa.input_dtype = p.dtype;
-  auto input = [](const TensorView& t) {
-    return sage::SageInput{t.data, t.strides[0], t.strides[1], t.strides[2]};
-  };
-  qa.q = input(args.q);
-  qa.k = input(args.k);
-  qa.v = input(args.v);
-  qa.seqlen_q = p.seqlen_q;
-  qa.seqlen_kv = p.seqlen_kv;
+// The quantize pass (sage_quant.cu) of qa's inputs into a per-call workspace, then the SAGE kernel
+// over its codes, scales and V^T (docs/diffusion.md). prm holds the call's outputs, shape,
+// sequences and schedule; the codes' pointers and strides are filled here. Packed calls (cu_seqlens
+// in qa) take the codes as [total, H, D], dense ones as [B, S, H, D].
+void run_sage(const AttentionSpec& spec, sage::SageQuantArgs qa, PrefillParams prm, bool masked,
+              int device, int forced_ctas, cudaStream_t stream, const char* what) {
+  const size_t bytes = sage::sage_workspace_bytes(qa.shape);
+  StreamScratch workspace(bytes, stream, what);
   qa.workspace = workspace.get();
   qa.workspace_bytes = bytes;
-  qa.op = Op::kDense;
-  const sage::SageQuantized codes = sage::launch_sage_quantize(qa, cuda_stream);
+  const sage::SageQuantized codes = sage::launch_sage_quantize(qa, stream);
 
-  // The codes are dense [B, S, H, D] tensors of one byte an element.
+  const SageQuantSpec& quant = *spec.quant;
   const DType qk = quant.dtype_qk;
-  const TensorView q_codes(codes.q, qk, {p.batch, p.seqlen_q, spec.num_q_heads, dim});
-  const TensorView k_codes(codes.k, qk, {p.batch, p.seqlen_kv, spec.num_kv_heads, dim});
-  PrefillParams prm;
+  const int64_t hq = spec.num_q_heads, hkv = spec.num_kv_heads, dim = spec.head_dim;
+  const bool packed = qa.cu_seqlens_q != nullptr;
+  const TensorView q_codes = packed
+                                 ? TensorView(codes.q, qk, {qa.shape.total_q, hq, dim})
+                                 : TensorView(codes.q, qk, {qa.shape.batch, qa.seqlen_q, hq, dim});
+  const TensorView k_codes =
+      packed ? TensorView(codes.k, qk, {qa.shape.total_kv, hkv, dim})
+             : TensorView(codes.k, qk, {qa.shape.batch, qa.seqlen_kv, hkv, dim});
   prm.q = codes.q;
-  prm.q_batch_stride = q_codes.strides[0];
-  prm.q_tok_stride = q_codes.strides[1];
-  prm.q_head_stride = q_codes.strides[2];
+  prm.q_batch_stride = packed ? 0 : qa.seqlen_q * hq * dim;
+  prm.q_tok_stride = hq * dim;
+  prm.q_head_stride = dim;
   prm.k = codes.k;
-  prm.k_batch_stride = k_codes.strides[0];
-  prm.k_tok_stride = k_codes.strides[1];
-  prm.k_head_stride = k_codes.strides[2];
+  prm.k_batch_stride = packed ? 0 : qa.seqlen_kv * hkv * dim;
+  prm.k_tok_stride = hkv * dim;
+  prm.k_head_stride = dim;
   prm.v = codes.v_t;  // not read: the kernel loads V^T through its map
-  prm.out_f16 = p.dtype == DType::kF16;
-  fill_dense_common(prm, spec, args, p, sm90_block_m(spec.head_dim));
-  set_schedule(prm, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, PrefillTile::kSm90,
-               false, false, forced_section_pairs);
+  prm.out_f16 = qa.input_dtype == DType::kF16;
 
-  Sm90Call call = sage_call(spec, p.device.index, forced_ctas);
+  Sm90Call call = sage_call(spec, device, masked, forced_ctas);
   call.q = &q_codes;
   call.k = &k_codes;
   call.v_t = codes.v_t;
@@ -777,7 +765,49 @@ void run_dense_sage(const AttentionSpec& spec, const DenseArgs& args, const deta
   call.sage_scales.k_scale_stride = codes.k_scale_stride;
   call.sage_scales.q_block_shift = log2_of(quant.q_block_size);
   call.sage_scales.k_block_shift = log2_of(quant.k_block_size);
-  run_sm90(prm, call, cuda_stream);
+  run_sm90(prm, call, stream);
+}
+
+sage::SageQuantShape sage_shape(const AttentionSpec& spec, int32_t batch, int64_t total_q,
+                                int64_t total_kv) {
+  sage::SageQuantShape shape;
+  shape.batch = batch;
+  shape.total_q = total_q;
+  shape.total_kv = total_kv;
+  shape.num_q_heads = spec.num_q_heads;
+  shape.num_kv_heads = spec.num_kv_heads;
+  shape.head_dim = spec.head_dim;
+  shape.quant = *spec.quant;
+  return shape;
+}
+
+// A [.., tokens, H, D] input of the pass: element strides (packed: no batch stride).
+sage::SageInput sage_input(const TensorView& t) {
+  return t.ndim == 4 ? sage::SageInput{t.data, t.strides[0], t.strides[1], t.strides[2]}
+                     : sage::SageInput{t.data, 0, t.strides[0], t.strides[1]};
+}
+
+// dense() with quant: sequence b of the pass is batch element b.
+void run_dense_sage(const AttentionSpec& spec, const DenseArgs& args, const detail::DenseProblem& p,
+                    void* stream, int forced_section_pairs, int forced_ctas) {
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  check_rows_16b(args.out, "out");
+  sage::SageQuantArgs qa;
+  qa.shape =
+      sage_shape(spec, p.batch, int64_t{p.batch} * p.seqlen_q, int64_t{p.batch} * p.seqlen_kv);
+  qa.input_dtype = p.dtype;
+  qa.q = sage_input(args.q);
+  qa.k = sage_input(args.k);
+  qa.v = sage_input(args.v);
+  qa.seqlen_q = p.seqlen_q;
+  qa.seqlen_kv = p.seqlen_kv;
+  qa.op = Op::kDense;
+  PrefillParams prm;
+  fill_dense_common(prm, spec, args, p, sm90_block_m(spec.head_dim));
+  set_schedule(prm, {p.device.index, spec.head_dim, p.dtype, p.dtype, false}, PrefillTile::kSm90,
+               false, false, forced_section_pairs);
+  run_sage(spec, qa, prm, /*masked=*/false, p.device.index, forced_ctas, as_cuda_stream(stream),
+           "dense: cudaMallocAsync of the SAGE workspace");
 }
 
 }  // namespace
@@ -794,7 +824,7 @@ std::string dense_unsupported(const AttentionSpec& spec, const detail::DenseProb
     }
   }
   if (spec.alibi) return "alibi: the fused dense kernel has no position encoding";
-  if (spec.quant) return sage_unsupported(spec, p);
+  if (spec.quant) return sage_unsupported(spec, p.dtype, p.device.index, /*masked=*/false);
   return unsupported(spec, {p.device.index, spec.head_dim, p.dtype, p.dtype, false});
 }
 
@@ -822,6 +852,7 @@ std::string choice_name(const AttentionSpec& spec, const CallShape& shape, bool 
 std::string prefill_kernel_choice(const AttentionSpec& spec, const detail::PrefillProblem& p,
                                   int32_t seqlen) {
   if (!prefill_unsupported(spec, p).empty()) return "";
+  if (spec.quant) return spec.quant->dtype_qk == DType::kInt8 ? "sm90 sage int8" : "sm90 sage fp8";
   return choice_name(spec, {p.device.index, spec.head_dim, p.dtype, p.kv_dtype, p.paged},
                      spec.mask.kind != MaskKind::kNone, seqlen, /*prefill_call=*/true);
 }
@@ -921,6 +952,34 @@ void run_prefill(const AttentionSpec& spec, const PrefillArgs& args,
   if (spec.mask.kind == MaskKind::kSlidingWindow) {
     prm.window = spec.mask.window;
     prm.sink_tokens = spec.mask.sink_tokens;
+  }
+  if (spec.quant) {
+    // SAGE over packed k / v under mask none or causal (validate_prefill): each sequence
+    // quantized on its own, one head a work item (no GQA packing).
+    ATTNKIT_CHECK(!forced_tile || *forced_tile == PrefillTile::kSm90,
+                  "prefill: quant (SAGE) runs on the sm90 kernel only");
+    sage::SageQuantArgs qa;
+    qa.shape = sage_shape(spec, p.batch, p.total_q, p.total_kv);
+    qa.input_dtype = p.dtype;
+    qa.q = sage_input(args.q);
+    qa.k = sage_input(args.k);
+    qa.v = sage_input(args.v);
+    qa.cu_seqlens_q = prm.cu_seqlens_q;
+    qa.cu_seqlens_kv = prm.cu_seqlens_kv;
+    qa.seqlen_q = p.max_seqlen_q;
+    qa.seqlen_kv = p.max_seqlen_kv;
+    qa.op = Op::kPrefill;
+    const int bm = sm90_block_m(spec.head_dim);
+    prm.num_m_blocks = static_cast<int32_t>((int64_t{p.max_seqlen_q} + bm - 1) / bm);
+    set_schedule(prm, shape, PrefillTile::kSm90, masked, false, forced_section_pairs);
+    if (stats != nullptr) {
+      write_skip_stats(prm, masked, /*count_tiles=*/true, 64,
+                       sm90_block_n(spec.head_dim, masked, /*fp8=*/true), stats,
+                       as_cuda_stream(stream));
+    }
+    run_sage(spec, qa, prm, masked, p.device.index, forced_ctas, as_cuda_stream(stream),
+             "prefill: cudaMallocAsync of the SAGE workspace");
+    return;
   }
   Sm90Call call = sm90_call(shape, spec, masked, forced_ctas);
   call.q = &args.q;

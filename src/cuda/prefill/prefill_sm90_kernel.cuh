@@ -106,10 +106,10 @@ void launch_prefill_sm90(const Sm90PrefillParams& sp, int grid, cudaStream_t str
 #define ATTNKIT_PREFILL_SM90_INSTANTIATE_SKIP(D, DT)       \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, false, true) \
   ATTNKIT_PREFILL_SM90_LAUNCHER(D, DT, false, true, true)
-// The SAGE kernels of one head_dim (unmasked: dense() calls): int8 and fp8 e4m3 Q K^T, with and
-// without logit modifiers.
-#define ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(D)                                  \
-  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kInt8, false, false, false, true)    \
-  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kInt8, false, true, false, true)     \
-  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kFp8E4M3, false, false, false, true) \
-  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, DType::kFp8E4M3, false, true, false, true)
+// The SAGE kernels of one head_dim and Q K^T dtype (int8 or fp8 e4m3): unmasked (dense() and
+// prefill()) and causal (prefill()), with and without logit modifiers.
+#define ATTNKIT_PREFILL_SM90_INSTANTIATE_SAGE(D, QK)                 \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, QK, false, false, false, true) \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, QK, false, true, false, true)  \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, QK, true, false, false, true)  \
+  ATTNKIT_PREFILL_SM90_LAUNCHER_OF(D, QK, true, true, false, true)

@@ -106,28 +106,34 @@ Sm90Launcher sm90_launcher_for(int head_dim, bool masked, bool mods, bool skip) 
   }
 }
 
-// The SAGE kernels (unmasked): qk is the codes' dtype, int8 or fp8 e4m3.
+// The SAGE kernels: qk is the codes' dtype, int8 or fp8 e4m3; masked: causal.
+template <int D, DType kQk>
+Sm90Launcher sage_launcher_for(bool masked, bool mods) {
+  if (masked) {
+    return mods ? &launch_prefill_sm90<D, kQk, true, true, false, true>
+                : &launch_prefill_sm90<D, kQk, true, false, false, true>;
+  }
+  return mods ? &launch_prefill_sm90<D, kQk, false, true, false, true>
+              : &launch_prefill_sm90<D, kQk, false, false, false, true>;
+}
+
 template <int D>
-Sm90Launcher sage_launcher_for(DType qk, bool mods) {
+Sm90Launcher sage_launcher_for(DType qk, bool masked, bool mods) {
   if constexpr (sage_compiled(D)) {
-    if (qk == DType::kInt8) {
-      return mods ? &launch_prefill_sm90<D, DType::kInt8, false, true, false, true>
-                  : &launch_prefill_sm90<D, DType::kInt8, false, false, false, true>;
-    }
-    return mods ? &launch_prefill_sm90<D, DType::kFp8E4M3, false, true, false, true>
-                : &launch_prefill_sm90<D, DType::kFp8E4M3, false, false, false, true>;
+    return qk == DType::kInt8 ? sage_launcher_for<D, DType::kInt8>(masked, mods)
+                              : sage_launcher_for<D, DType::kFp8E4M3>(masked, mods);
   } else {
     return nullptr;
   }
 }
 
-Sm90Launcher sage_launcher(int head_dim, DType qk, bool mods) {
+Sm90Launcher sage_launcher(int head_dim, DType qk, bool masked, bool mods) {
   if (qk != DType::kInt8 && qk != DType::kFp8E4M3) return nullptr;
   switch (head_dim) {
     case 128:
-      return sage_launcher_for<128>(qk, mods);
+      return sage_launcher_for<128>(qk, masked, mods);
     case 256:
-      return sage_launcher_for<256>(qk, mods);
+      return sage_launcher_for<256>(qk, masked, mods);
     default:
       return nullptr;
   }
@@ -156,7 +162,7 @@ bool sm90_kernels_compiled(int head_dim, DType dtype) {
 }
 
 bool sm90_sage_compiled(int head_dim) {
-  return sage_launcher(head_dim, DType::kInt8, false) != nullptr;
+  return sage_launcher(head_dim, DType::kInt8, false, false) != nullptr;
 }
 
 std::string sm90_unsupported(const Sm90Call& call) {
@@ -172,7 +178,6 @@ std::string sm90_unsupported(const Sm90Call& call) {
                     ": no SAGE kernel in this build (SAGE serves head_dim 128 and 256; the build "
                     "needs the 90a architecture)");
     }
-    if (call.masked) return "a mask: the SAGE kernels serve unmasked (dense) calls";
   } else if (!sm90_kernels_compiled(call.head_dim, call.dtype)) {
     return concat(
         "head_dim ", call.head_dim, " with ", dtype_name(call.dtype),
@@ -254,7 +259,7 @@ int sm90_smem_bytes(int head_dim, bool masked, bool fp8, bool sage) {
 void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t stream) {
   const Sm90Launcher launch =
       call.sage
-          ? sage_launcher(call.head_dim, call.dtype, needs_logit_mods(prm))
+          ? sage_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm))
           : sm90_launcher(call.head_dim, call.dtype, call.masked, needs_logit_mods(prm), call.skip);
   ATTNKIT_CHECK(launch != nullptr, "prefill: no sm90 kernel for head_dim ", call.head_dim);
   const bool fp8 = call.dtype == DType::kFp8E4M3 || call.sage;
