@@ -202,9 +202,17 @@ TEST(DecodeKernelChoiceRule, GroupsBeyondSixteenHeads) {
   EXPECT_EQ(cuda::decode_heads_per_cta(32, true, 64, 132), 8);
   cuda::DecodeKernelChoice two_m_blocks;
   two_m_blocks.heads_per_cta = 32;
-  EXPECT_EQ(cuda::decode_kernel_info<128>(DType::kBF16, DType::kBF16, two_m_blocks).tile_n, 64);
-  EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kBF16, DType::kFp8E4M3, two_m_blocks), Error);
-  EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kF16, DType::kInt8, two_m_blocks), Error);
+  EXPECT_EQ(cuda::decode_kernel_info<128, false>(DType::kBF16, DType::kBF16, two_m_blocks).tile_n,
+            64);
+  EXPECT_THROW(cuda::decode_kernel_info<128, false>(DType::kBF16, DType::kFp8E4M3, two_m_blocks),
+               Error);
+  EXPECT_THROW(cuda::decode_kernel_info<128, false>(DType::kF16, DType::kInt8, two_m_blocks),
+               Error);
+  // The NHD kernels (DecodeNhdTraits) have the same tiles and the same missing configurations.
+  EXPECT_EQ(cuda::decode_kernel_info<128, true>(DType::kBF16, DType::kBF16, two_m_blocks).tile_n,
+            64);
+  EXPECT_THROW(cuda::decode_kernel_info<128, true>(DType::kBF16, DType::kFp8E4M3, two_m_blocks),
+               Error);
 }
 
 TEST(DecodeFused, QuantizedKvAgainstQuantizedReference) {

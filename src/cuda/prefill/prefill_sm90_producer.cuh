@@ -165,10 +165,7 @@ struct KvRows {
       token = slot & ((int64_t{1} << p.kv_page_shift) - 1);
       if (static_cast<uint64_t>(block) >= static_cast<uint64_t>(p.kv.num_blocks)) return nullptr;
     }
-    const int64_t off = block * p.kv.block_stride_bytes +
-                        (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + token) *
-                            p.kv.head_dim * p.kv.element_bytes;
-    return (is_v ? p.kv.v_base : p.kv.k_base) + off;
+    return (is_v ? p.kv.v_base : p.kv.k_base) + p.kv.row_offset(block, token, kv_head);
   }
 };
 
