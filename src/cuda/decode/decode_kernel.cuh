@@ -688,17 +688,26 @@ __device__ __noinline__ inline void record_decode_faults(const DecodeParams& p, 
                p.kv.num_blocks);
 }
 
-// Byte offset of KV head `head` at slot `slot` of row `row` of a contiguous cache (row r is block
-// r). HND: ((head x T + slot) x D) x element size, the arithmetic the HND kernels are tuned with
-// (compile-time layouts keep their code free of the stride multiplies); NHD: the strides.
+// Byte offset of KV head `head` at logical slot `slot` of block-table row `row` (a contiguous
+// cache: block `row`), without 64-bit division: a paged cache's tokens_per_block is
+// 1 << page_shift, a contiguous row holds slot < tokens_per_block. HND: ((head x T + token) x D) x
+// element size, the arithmetic the HND kernels are tuned with (compile-time layouts keep the
+// stride multiplies out of their code); NHD: the layout's strides.
 template <bool kNhd>
-__device__ __forceinline__ int64_t decode_contiguous_offset(const detail::KvLayout& kv, int64_t row,
-                                                            int64_t slot, int32_t head) {
+__device__ __forceinline__ int64_t decode_byte_offset(const detail::KvLayout& kv, int64_t row,
+                                                      int64_t slot, int32_t head,
+                                                      int32_t page_shift) {
+  int64_t block = row, token = slot;
+  if (kv.block_table) {
+    block = kv.block_table[row * kv.block_table_row_stride + (slot >> page_shift)];
+    token = slot & ((int64_t{1} << page_shift) - 1);
+  }
   if constexpr (kNhd) {
-    return kv.row_offset(row, slot, head);
+    return kv.row_offset(block, token, head);
   } else {
-    return row * kv.block_stride_bytes + (static_cast<int64_t>(head) * kv.tokens_per_block + slot) *
-                                             kv.head_dim * kv.element_bytes;
+    return block * kv.block_stride_bytes +
+           ((static_cast<int64_t>(head) * kv.tokens_per_block + token) * kv.head_dim + 0) *
+               kv.element_bytes;
   }
 }
 
@@ -930,7 +939,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
     const int64_t slot = p.kv.slot_of(pos);
     if (p.kv.block_table == nullptr) {
-      return decode_contiguous_offset<Traits::kNhd>(p.kv, src_row, slot, kv_head);
+      return decode_byte_offset<Traits::kNhd>(p.kv, src_row, slot, kv_head, p.page_shift);
     }
     const int64_t column = slot >> p.page_shift;
     const int32_t block = p.kv.block_table[src_row * p.kv.block_table_row_stride + column];

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
                static_cast<int64_t>(key & page_mask) * 256;
       }
     }
-    return decode_contiguous_offset<kNhd>(p.kv, row, key, kv_head);
+    return decode_byte_offset<kNhd>(p.kv, row, key, kv_head, p.page_shift);
   };
   // Unit u of the ring: K (u even) or V (u odd) of tile u / 2, into buffer u % kWgUnits. Thread t
   // copies chunk t % 16 of keys t / 16 + 8 j, so that a warp's copies are two whole key rows, and
