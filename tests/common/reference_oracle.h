@@ -202,12 +202,6 @@ inline std::vector<double> rounded_to(DType dtype, const std::vector<double>& va
 
 // ---- a KV cache addressed independently of KvLayout -------------------------------------------
 
-// The cache layouts every cache test runs over.
-inline constexpr KvCacheLayout kBothLayouts[] = {KvCacheLayout::kHND, KvCacheLayout::kNHD};
-inline KvCacheLayout other_layout(KvCacheLayout layout) {
-  return layout == KvCacheLayout::kHND ? KvCacheLayout::kNHD : KvCacheLayout::kHND;
-}
-
 // Pool [num_blocks, 2, Hkv, T, D] (HND) or [num_blocks, 2, T, Hkv, D] (NHD); row r's logical
 // slot s lives in block table[r][s / T].
 class OracleKvCache {
