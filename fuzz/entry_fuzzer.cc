@@ -265,6 +265,7 @@ void Call::make_cache(KvCacheView& c, const AttentionSpec& spec, DType q_dtype, 
   c.num_kv_heads = spec.num_kv_heads;
   c.head_dim = spec.head_dim;
   c.paged = !chance(4);
+  c.layout = chance(2) ? KvCacheLayout::kNHD : KvCacheLayout::kHND;  // the same bytes either way
   const bool cyclic = allow_cyclic && spec.mask.kind == MaskKind::kSlidingWindow && chance(2);
   int32_t max_blocks = 1;
   if (c.paged) {
@@ -290,7 +291,7 @@ void Call::make_cache(KvCacheView& c, const AttentionSpec& spec, DType q_dtype, 
   }
   const int64_t block_bytes =
       int64_t{c.num_kv_heads} * c.tokens_per_block * c.head_dim * dtype_size(c.dtype);
-  // One pool [num_blocks, 2, Hkv, T, D], sometimes with padding between blocks.
+  // One pool [num_blocks, 2, <block>], sometimes with padding between blocks.
   c.block_stride_bytes = 2 * block_bytes + (chance(4) ? 16 : 0);
   pool_.cache = &c;
   pool_.v_offset = block_bytes;

@@ -26,6 +26,7 @@ struct AppendShape {
   int head_dim = 128;
   int page = 64;
   std::string kv_dtype = "bf16";
+  std::string kv_layout = "HND";  // KvCacheView::layout: HND or NHD
 };
 
 struct AppendBenchOptions {
@@ -36,6 +37,7 @@ struct AppendBenchOptions {
   int head_dim = 128;
   int page = 64;
   std::vector<std::string> kv_dtypes;  // empty: bf16, fp8_e4m3, int8
+  std::string kv_layout = "HND";
 };
 
 std::vector<AppendShape> plan(const AppendBenchOptions& o) {
@@ -44,6 +46,7 @@ std::vector<AppendShape> plan(const AppendBenchOptions& o) {
   check_head_dim(kCommand, o.head_dim);
   check_page(kCommand, "--page", o.page);
   check_iters(kCommand, o.common.iters);
+  check_names(kCommand, "--kv-layout", {o.kv_layout}, {"HND", "NHD"});
   std::vector<AppendShape> shapes;
   for (const std::string& kv :
        o.kv_dtypes.empty() ? std::vector<std::string>{"bf16", "fp8_e4m3", "int8"} : o.kv_dtypes) {
@@ -52,16 +55,18 @@ std::vector<AppendShape> plan(const AppendBenchOptions& o) {
                       .kv_heads = o.kv_heads,
                       .head_dim = o.head_dim,
                       .page = o.page,
-                      .kv_dtype = dtype_name(parse_kv_dtype(kCommand, "--kv-dtype", kv))});
+                      .kv_dtype = dtype_name(parse_kv_dtype(kCommand, "--kv-dtype", kv)),
+                      .kv_layout = o.kv_layout});
   }
   return shapes;
 }
 
 BenchRow row_of(const AppendShape& s) {
   BenchRow row;
-  row.label = s.kv_dtype + " cache";
-  row.shape = {{"tokens", s.tokens},     {"q_heads", s.q_heads}, {"kv_heads", s.kv_heads},
-               {"head_dim", s.head_dim}, {"page", s.page},       {"kv_dtype", s.kv_dtype}};
+  row.label = s.kv_dtype + " cache" + (s.kv_layout != "HND" ? " " + s.kv_layout : "");
+  row.shape = {{"tokens", s.tokens},      {"q_heads", s.q_heads}, {"kv_heads", s.kv_heads},
+               {"head_dim", s.head_dim},  {"page", s.page},       {"kv_dtype", s.kv_dtype},
+               {"kv_layout", s.kv_layout}};
   return row;
 }
 
@@ -126,6 +131,7 @@ BenchSession::Measurement measure(BenchSession& session, const AppendShape& s, B
     v.num_kv_heads = s.kv_heads;
     v.tokens_per_block = s.page;
     v.head_dim = s.head_dim;
+    v.layout = s.kv_layout == "NHD" ? KvCacheLayout::kNHD : KvCacheLayout::kHND;
     v.block_table = TensorView(d_table.get(), DType::kInt32, {rows, blocks_per_row}, gpu);
     if (kv_dtype != DType::kBF16) {
       v.k_scale = TensorView(d_scale.get(), DType::kF32, {1}, gpu);
@@ -161,6 +167,8 @@ void register_bench_append(CLI::App& bench) {
   cmd->add_option("--page", o->page, "tokens per block: 8, 16, 32, 64, 128 (default 64)");
   cmd->add_option("--kv-dtype", o->kv_dtypes,
                   "cache dtypes to run: bf16, fp8_e4m3, int8 (default all three)");
+  cmd->add_option("--kv-layout", o->kv_layout,
+                  "the cache's block layout: 'HND' ([Hkv, T, D], the default) or 'NHD'");
   add_common_options(*cmd, o->common, 21);
   cmd->callback([o] {
     const std::vector<AppendShape> shapes = plan(*o);

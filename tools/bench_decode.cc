@@ -40,7 +40,8 @@ struct DecodeShape {
   bool caller_workspace = true;  // DecodeArgs::workspace (false: the per-call workspace)
   std::string merge =
       "auto";  // where split calls merge: auto (the rule), in-kernel, accumulate, separate
-  bool batch_invariant = false;  // DecodeArgs::batch_invariant
+  bool batch_invariant = false;   // DecodeArgs::batch_invariant
+  std::string kv_layout = "HND";  // KvCacheView::layout: HND or NHD
 };
 
 struct DecodeBenchOptions {
@@ -56,6 +57,7 @@ struct DecodeBenchOptions {
   std::string split_workspace = "caller";
   std::string merge = "auto";
   bool batch_invariant = false;
+  std::string kv_layout = "HND";
   bool custom = false;  // a shape option was given: run that shape instead of the grid
 };
 
@@ -98,6 +100,7 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
   check_iters(kCommand, o.common.iters);
   check_names(kCommand, "--split-workspace", {o.split_workspace}, {"caller", "per-call"});
   check_names(kCommand, "--merge", {o.merge}, {"auto", "in-kernel", "separate", "accumulate"});
+  check_names(kCommand, "--kv-layout", {o.kv_layout}, {"HND", "NHD"});
   ATTNKIT_CHECK(!o.batch_invariant || (o.splits == 0 && o.merge == "auto"), "bench ", kCommand,
                 ": --batch-invariant fixes the splits and the merge; it takes neither --splits "
                 "nor --merge");
@@ -109,6 +112,8 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
       s.caller_workspace = caller_workspace;
       s.merge = o.merge;
       s.batch_invariant = o.batch_invariant;
+      s.kv_layout = o.kv_layout;
+      if (o.kv_layout != "HND") s.label += " " + o.kv_layout;
     }
     return grid;
   }
@@ -125,7 +130,8 @@ std::vector<DecodeShape> plan(const DecodeBenchOptions& o) {
                       .splits = o.splits,
                       .caller_workspace = caller_workspace,
                       .merge = o.merge,
-                      .batch_invariant = o.batch_invariant});
+                      .batch_invariant = o.batch_invariant,
+                      .kv_layout = o.kv_layout});
   }
   return shapes;
 }
@@ -143,7 +149,8 @@ BenchRow row_of(const DecodeShape& s) {
                {"splits", s.splits},
                {"split_workspace", s.caller_workspace ? "caller" : "per-call"},
                {"merge", s.merge},
-               {"batch_invariant", s.batch_invariant}};
+               {"batch_invariant", s.batch_invariant},
+               {"kv_layout", s.kv_layout}};
   return row;
 }
 
@@ -195,6 +202,8 @@ BenchSession::Measurement measure(BenchSession& session, const DecodeShape& s, B
   cache.num_kv_heads = s.kv_heads;
   cache.tokens_per_block = s.page;
   cache.head_dim = s.head_dim;
+  // The pool's random bytes read as [T, Hkv, D] blocks instead of [Hkv, T, D]: the same bytes.
+  cache.layout = s.kv_layout == "NHD" ? KvCacheLayout::kNHD : KvCacheLayout::kHND;
   cache.block_table = TensorView(d_table.get(), DType::kInt32, {s.batch, blocks_per_seq}, gpu);
   cache.seq_lens = TensorView(d_lens.get(), DType::kInt32, {s.batch}, gpu);
   if (kv_dtype != DType::kBF16) {
@@ -276,6 +285,9 @@ void register_bench_decode(CLI::App& bench) {
   cmd->add_flag("--batch-invariant", o->batch_invariant,
                 "DecodeArgs::batch_invariant: splits of a fixed 1024 keys and one kernel whatever "
                 "the batch (also applies to the grid; takes neither --splits nor --merge)");
+  cmd->add_option("--kv-layout", o->kv_layout,
+                  "the cache's block layout: 'HND' ([Hkv, T, D], the default) or 'NHD' ([T, Hkv, "
+                  "D]); also applies to the grid");
   cmd->add_option("--split-workspace", o->split_workspace,
                   "split calls through one caller-owned DecodeWorkspace ('caller', the default, "
                   "as a serving engine) or a per-call allocation + counter memset ('per-call')");

@@ -33,6 +33,7 @@ struct PrefillShape {
   std::string kv_dtype = "bf16";  // paged only: bf16, fp8_e4m3, int8
   std::string dtype = "bf16";     // Q, O and packed K/V: bf16 or f16
   FusedKernel kernel = FusedKernel::kAuto;
+  std::string kv_layout = "HND";  // paged only: KvCacheView::layout, HND or NHD
 };
 
 struct PrefillBenchOptions {
@@ -47,6 +48,7 @@ struct PrefillBenchOptions {
   std::string kv_dtype = "bf16";
   std::string dtype = "bf16";
   std::string kernel = "auto";  // auto, portable, hopper (AttentionSpec::fused_kernel)
+  std::string kv_layout = "HND";
 };
 
 FusedKernel parse_kernel(const std::string& name) {
@@ -63,6 +65,7 @@ std::string short_tokens(int n) {
 std::string label_of(const PrefillShape& s) {
   std::string label = "D" + std::to_string(s.head_dim) + " S" + short_tokens(s.seqlen);
   if (s.page) label += " paged" + std::to_string(s.page) + " " + s.kv_dtype;
+  if (s.page && s.kv_layout != "HND") label += " " + s.kv_layout;
   if (s.dtype != "bf16") label += " " + s.dtype;
   return label + (s.causal ? " causal" : "");
 }
@@ -127,6 +130,7 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
                 ": accepted only with --page 0 (the paged rows use bf16 queries); got --page " +
                 std::to_string(o.page));
   }
+  check_names(kCommand, "--kv-layout", {o.kv_layout}, {"HND", "NHD"});
   check_iters(kCommand, o.common.iters);
   const FusedKernel kernel = parse_kernel(o.kernel);
   if (o.seqlen == 0) {
@@ -134,7 +138,11 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
       throw Error("bench prefill: --dtype " + o.dtype + ": accepted only with --seqlen (one row)");
     }
     std::vector<PrefillShape> grid = default_grid(o.common.quick);
-    for (PrefillShape& s : grid) s.kernel = kernel;
+    for (PrefillShape& s : grid) {
+      s.kernel = kernel;
+      s.kv_layout = o.kv_layout;
+      s.label = label_of(s);
+    }
     return grid;
   }
   PrefillShape s;
@@ -149,6 +157,7 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
   s.kv_dtype = o.kv_dtype;
   s.dtype = o.dtype;
   s.kernel = kernel;
+  s.kv_layout = o.kv_layout;
   s.label = label_of(s);
   return {s};
 }
@@ -156,11 +165,17 @@ std::vector<PrefillShape> plan(const PrefillBenchOptions& o) {
 BenchRow row_of(const PrefillShape& s) {
   BenchRow row;
   row.label = s.label;
-  row.shape = {{"batch", s.batch},       {"seqlen", s.seqlen},
-               {"q_heads", s.heads},     {"kv_heads", s.kv_heads},
-               {"head_dim", s.head_dim}, {"causal", s.causal},
-               {"page", s.page},         {"kv_dtype", s.kv_dtype},
-               {"dtype", s.dtype},       {"kernel", fused_kernel_name(s.kernel)}};
+  row.shape = {{"batch", s.batch},
+               {"seqlen", s.seqlen},
+               {"q_heads", s.heads},
+               {"kv_heads", s.kv_heads},
+               {"head_dim", s.head_dim},
+               {"causal", s.causal},
+               {"page", s.page},
+               {"kv_dtype", s.kv_dtype},
+               {"dtype", s.dtype},
+               {"kernel", fused_kernel_name(s.kernel)},
+               {"kv_layout", s.page ? s.kv_layout : "-"}};
   return row;
 }
 
@@ -244,6 +259,8 @@ BenchSession::Measurement measure(BenchSession& session, const PrefillShape& s) 
       v.num_kv_heads = s.kv_heads;
       v.tokens_per_block = s.page;
       v.head_dim = d;
+      // The pool's random bytes read as [T, Hkv, D] blocks instead of [Hkv, T, D].
+      v.layout = s.kv_layout == "NHD" ? KvCacheLayout::kNHD : KvCacheLayout::kHND;
       v.block_table = TensorView(d_table.get(), DType::kInt32, {s.batch, blocks_per_seq}, gpu);
       v.seq_lens = TensorView(d_lens.get(), DType::kInt32, {s.batch}, gpu);
       if (kv_dtype != DType::kBF16) {
@@ -286,6 +303,9 @@ void register_bench_prefill(CLI::App& bench) {
   cmd->add_option("--dtype", o->dtype,
                   "q, out and packed K/V dtype: bf16, f16 or fp8_e4m3 (the FP8 kernel: fp8 q / K / "
                   "V, bf16 out; default bf16)");
+  cmd->add_option("--kv-layout", o->kv_layout,
+                  "paged cache block layout: 'HND' ([Hkv, T, D], the default) or 'NHD' ([T, Hkv, "
+                  "D]); also applies to the grid's paged rows");
   cmd->add_option("--kernel", o->kernel,
                   "fused kernel: auto, portable (mma.sync, sm80+) or hopper (sm90 warpgroup)");
   add_common_options(*cmd, o->common, 20);

@@ -146,9 +146,10 @@ AttentionSpec base_spec(int32_t hq, int32_t hkv, int32_t d) {
   return spec;
 }
 
-// Decode over a paged cache of random contents; the CPU oracle is a paged prefill with one query
-// per row (decode == the last row of prefill).
-Case decode_case(std::string name, DType kv_dtype, int32_t tokens_per_block, uint64_t seed) {
+// Decode over a paged cache of random contents, blocks [Hkv, T, D] (HND) or [T, Hkv, D] (NHD); the
+// CPU oracle is a paged prefill with one query per row (decode == the last row of prefill).
+Case decode_case(std::string name, DType kv_dtype, int32_t tokens_per_block, uint64_t seed,
+                 KvCacheLayout layout = KvCacheLayout::kHND) {
   auto rng = std::make_shared<std::mt19937_64>(seed);
   const AttentionSpec spec = base_spec(8, 2, 128);
   const DType dtype = DType::kBF16;
@@ -158,8 +159,11 @@ Case decode_case(std::string name, DType kv_dtype, int32_t tokens_per_block, uin
   const int32_t num_blocks = rows * max_blocks + 3;
   struct Data {
     Tensor pool, table, lens, k_scale, v_scale, q;
+    KvCacheLayout layout = KvCacheLayout::kHND;
     KvCacheView view(const Device& device) {
       KvCacheView kv;
+      const bool nhd = layout == KvCacheLayout::kNHD;
+      kv.layout = layout;
       const TensorView p = pool.on(device);
       kv.k_base = p.data;
       kv.v_base = static_cast<uint8_t*>(p.data) + p.strides[1] * dtype_size(p.dtype);
@@ -167,8 +171,8 @@ Case decode_case(std::string name, DType kv_dtype, int32_t tokens_per_block, uin
       kv.num_blocks = static_cast<int32_t>(p.shape[0]);
       kv.dtype = p.dtype;
       kv.device = device;
-      kv.num_kv_heads = static_cast<int32_t>(p.shape[2]);
-      kv.tokens_per_block = static_cast<int32_t>(p.shape[3]);
+      kv.num_kv_heads = static_cast<int32_t>(p.shape[nhd ? 3 : 2]);
+      kv.tokens_per_block = static_cast<int32_t>(p.shape[nhd ? 2 : 3]);
       kv.head_dim = static_cast<int32_t>(p.shape[4]);
       kv.block_table = table.on(device);
       kv.seq_lens = lens.on(device);
@@ -180,7 +184,10 @@ Case decode_case(std::string name, DType kv_dtype, int32_t tokens_per_block, uin
     }
   };
   auto data = std::make_shared<Data>();
-  data->pool = Tensor(kv_dtype, {num_blocks, 2, spec.num_kv_heads, tokens_per_block, 128});
+  data->layout = layout;
+  data->pool = layout == KvCacheLayout::kNHD
+                   ? Tensor(kv_dtype, {num_blocks, 2, tokens_per_block, spec.num_kv_heads, 128})
+                   : Tensor(kv_dtype, {num_blocks, 2, spec.num_kv_heads, tokens_per_block, 128});
   const bool quantized = kv_dtype == DType::kFp8E4M3 || kv_dtype == DType::kInt8;
   data->pool.fill_uniform(*rng, quantized ? -100.f : -1.f, quantized ? 100.f : 1.f);
   if (quantized) {
@@ -307,6 +314,8 @@ std::vector<Case> make_cases(uint64_t seed) {
   cases.push_back(decode_case("decode paged bf16 page16", DType::kBF16, 16, seed + n++));
   cases.push_back(decode_case("decode paged fp8 page32", DType::kFp8E4M3, 32, seed + n++));
   cases.push_back(decode_case("decode paged int8 page64", DType::kInt8, 64, seed + n++));
+  cases.push_back(decode_case("decode paged bf16 page16 NHD", DType::kBF16, 16, seed + n++,
+                              KvCacheLayout::kNHD));
   cases.push_back(dense_case("dense B=2 70x150", seed + n++));
   return cases;
 }

@@ -1,10 +1,15 @@
 // KvCacheView: how the kernels and the reference address a paged (or contiguous) KV cache.
 //
-// Block b holds K as [num_kv_heads, tokens_per_block, head_dim] at
-//   k_base + b * block_stride_bytes
-// and V likewise at v_base + b * block_stride_bytes. With one pool per layer,
-// [num_blocks, 2, Hkv, T, D] gives v_base = k_base + Hkv*T*D*elt and a stride of 2*Hkv*T*D*elt;
-// one pool for all layers ([num_blocks, L, 2, Hkv, T, D]) only changes the base and the stride.
+// Block b holds K at k_base + b * block_stride_bytes and V likewise at v_base + b *
+// block_stride_bytes, in one of two layouts (`layout`):
+//   HND: [num_kv_heads, tokens_per_block, head_dim] (a head's tokens are contiguous; the default)
+//   NHD: [tokens_per_block, num_kv_heads, head_dim] (a token's heads are contiguous: vLLM's,
+//        flash_attn's and FlashInfer's default paged layout)
+// so element d of KV head h at slot t of the block is at byte
+//   b * block_stride_bytes + (t * token_stride() + h * head_stride() + d) * element size.
+// With one pool per layer, [num_blocks, 2, <block>] gives v_base = k_base + Hkv*T*D*elt and a
+// stride of 2*Hkv*T*D*elt; one pool for all layers ([num_blocks, L, 2, <block>]) only changes the
+// base and the stride.
 //
 // A sequence (a block-table row) with seq_lens[r] tokens stores position p in logical slot
 //   slot(p) = p                                      (no cyclic window)
@@ -19,6 +24,14 @@
 
 namespace attnkit {
 
+// The order of a block's elements (see above). Every kernel and the reference read both.
+enum class KvCacheLayout : int32_t {
+  kHND = 0,  // [Hkv, T, D]
+  kNHD = 1,  // [T, Hkv, D]
+};
+// "HND" / "NHD" ("unknown" for a value outside the enum).
+const char* kv_layout_name(KvCacheLayout layout);
+
 struct KvCacheView {
   void* k_base = nullptr;          // K of block 0
   void* v_base = nullptr;          // V of block 0
@@ -30,6 +43,7 @@ struct KvCacheView {
   int32_t tokens_per_block = 0;  // paged: 8, 16, 32, 64 or 128; contiguous: the capacity
   int32_t head_dim = 0;
   bool paged = true;  // false: contiguous, row r uses block r and block_table is not read
+  KvCacheLayout layout = KvCacheLayout::kHND;  // the order of a block's elements
 
   // int32 [num_rows, max_blocks_per_seq]: block ids of each row (sequence or beam).
   TensorView block_table;
@@ -59,6 +73,13 @@ struct KvCacheView {
   }
   // Capacity of a row in tokens (slots).
   int64_t row_capacity() const { return max_blocks_per_row() * tokens_per_block; }
+  // Elements from slot t to slot t + 1 of a block, and from KV head h to h + 1 (see above).
+  int64_t token_stride() const {
+    return layout == KvCacheLayout::kNHD ? int64_t{num_kv_heads} * head_dim : int64_t{head_dim};
+  }
+  int64_t head_stride() const {
+    return layout == KvCacheLayout::kNHD ? int64_t{head_dim} : int64_t{tokens_per_block} * head_dim;
+  }
 };
 
 // The cyclic capacity W' for a window of `window` tokens (docs/semantics.md): the window

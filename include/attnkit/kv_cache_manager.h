@@ -4,10 +4,11 @@
 // blocks (LRU, leaves first) optionally to a host tier, recycles the blocks of sliding-window
 // sequences, and exports the block tables / KvCacheView objects the attention entry points read.
 //
-// Pool layout: one pool for all layers, [num_blocks, L, 2, Hkv, T, D] elements of `dtype`, so
-// block b of layer l holds K [Hkv, T, D] at pool + b * block_bytes + l * 2 * Hkv*T*D*elt and V
-// right after it. layer_view(l, ...) differs between layers only in k_base / v_base (and, for
-// sliding-window layers, window_slots).
+// Pool layout: one pool for all layers, [num_blocks, L, 2, Hkv, T, D] (config.layout HND, the
+// default) or [num_blocks, L, 2, T, Hkv, D] (NHD) elements of `dtype`, so block b of layer l holds
+// K ([Hkv, T, D] or [T, Hkv, D]) at pool + b * block_bytes + l * 2 * Hkv*T*D*elt and V right after
+// it. layer_view(l, ...) differs between layers only in k_base / v_base (and, for sliding-window
+// layers, window_slots).
 //
 // The manager never writes K/V itself except when it copies whole blocks (copy-on-write, host
 // offload / onboard). The engine writes the KV of the tokens it adds (append_kv / forward) into
@@ -37,7 +38,10 @@ struct KvCacheManagerConfig {
   int32_t head_dim = 0;
   int32_t tokens_per_block = 16;  ///< T: 8, 16, 32, 64 or 128
   DType dtype = DType::kBF16;     ///< kBF16, kF16, kFp8E4M3 or kInt8
-  Device device{};                ///< cpu: host memory (reference backend); cuda:N: device memory
+  /// The order of a block's K (and V) elements: HND [Hkv, T, D] or NHD [T, Hkv, D]
+  /// (KvCacheView::layout); every view the manager exports carries it.
+  KvCacheLayout layout = KvCacheLayout::kHND;
+  Device device{};  ///< cpu: host memory (reference backend); cuda:N: device memory
 
   /// Pool sizing. max_tokens (rounded up to whole blocks) and max_bytes (rounded down) are
   /// explicit limits (0 = not given; the smaller wins when both are given). On CUDA the pool is

@@ -296,17 +296,27 @@ def _kv_view(kv_cache: Any, name: str = "kv_cache") -> "KvView":
     return kv_cache
 
 
+def _layout(layout: Any, name: str = "layout") -> str:
+    """A cache layout: "HND" ([num_blocks, Hkv, T, D]) or "NHD" ([num_blocks, T, Hkv, D])."""
+    if layout not in ("HND", "NHD"):
+        raise Error(f"{name}: expected 'HND' or 'NHD', got {describe(layout)}")
+    return layout
+
+
 class KvView:
     """A paged (or contiguous) KV cache as the attention functions read it.
 
-    k, v: [num_blocks, Hkv, T, D] each (every block contiguous; the block stride may be larger,
-    so ``pool[:, 0]`` / ``pool[:, 1]`` of a [num_blocks, 2, Hkv, T, D] pool work), dtype f16 /
+    k, v: [num_blocks, Hkv, T, D] each with ``layout="HND"`` (the default), or
+    [num_blocks, T, Hkv, D] with ``layout="NHD"`` (vLLM's, flash_attn's and FlashInfer's paged
+    layout, read in place): every block contiguous; the block stride may be larger, so
+    ``pool[:, 0]`` / ``pool[:, 1]`` of a [num_blocks, 2, <block>] pool work; dtype f16 /
     bf16 / fp8_e4m3 / int8 (or uint16 / uint8 storage with ``kv_dtype="bf16"`` / ``"fp8_e4m3"``).
     seq_lens: int32 [rows]: tokens of each row, counting this step's.
     block_table: int32 [rows, max_blocks_per_seq], -1 = no block; None: a contiguous cache
     (row r is block r and T is the row capacity).
     k_scale, v_scale: float32 [1] or [Hkv] (required for fp8 / int8 caches).
     window_slots, sink_tokens: a cyclic sliding-window cache (0: linear).
+    layout: "HND" or "NHD", the order of k's and v's dims 1 and 2 (above).
     """
 
     def __init__(
@@ -321,9 +331,11 @@ class KvView:
         window_slots: int = 0,
         sink_tokens: int = 0,
         kv_dtype: Optional[str] = None,
+        layout: str = "HND",
     ) -> None:
         shape_of(k, "k", 4)
         shape_of(v, "v", 4)
+        self.layout = _layout(layout)
         self.k, self.v = k, v
         self.seq_lens = _int32(seq_lens, k, "seq_lens")
         self.block_table = _int32(block_table, k, "block_table")
@@ -334,7 +346,11 @@ class KvView:
 
     @property
     def num_kv_heads(self) -> int:
-        return shape_of(self.k, "kv_cache.k", 4)[1]
+        return shape_of(self.k, "kv_cache.k", 4)[2 if self.layout == "NHD" else 1]
+
+    @property
+    def tokens_per_block(self) -> int:
+        return shape_of(self.k, "kv_cache.k", 4)[1 if self.layout == "NHD" else 2]
 
     @property
     def head_dim(self) -> int:
@@ -351,6 +367,7 @@ class KvView:
             "window_slots": self.window_slots,
             "sink_tokens": self.sink_tokens,
             "kv_dtype": self.kv_dtype,
+            "layout": self.layout,
         }
 
 
@@ -360,7 +377,14 @@ def _as_view(k_cache: Any, v_cache: Any, seq_lens: Any, block_table: Any, **kw: 
             raise Error(
                 "v_cache: must not be given with a KvView (it holds v, seq_lens, block_table)"
             )
+        if kw.get("layout") is not None and _layout(kw["layout"]) != k_cache.layout:
+            raise Error(
+                f"layout: {kw['layout']!r} given with a KvView of layout {k_cache.layout!r} "
+                "(the view holds its layout)"
+            )
         return k_cache
+    if kw.get("layout") is None:
+        kw["layout"] = "HND"
     if k_cache is None or v_cache is None:
         raise Error("k_cache: needs a KvView, or k_cache and v_cache arrays")
     shape_of(k_cache, "k_cache", 4)
@@ -511,6 +535,7 @@ def decode(
     window_slots: int = 0,
     window: Optional[int] = None,
     sink_tokens: int = 0,
+    layout: Optional[str] = None,
     softmax_scale: Optional[float] = None,
     alibi: Any = False,
     softcap: float = 0.0,
@@ -531,7 +556,8 @@ def decode(
     """Generation attention: one new token per row over a paged (or contiguous) KV cache.
 
     q: [rows, Hq, D]. The cache: a KvView as ``k_cache``, or k_cache / v_cache
-    [num_blocks, Hkv, T, D], seq_lens int32 [rows] (counting the new token, which sits at
+    [num_blocks, Hkv, T, D] (``layout="NHD"``: [num_blocks, T, Hkv, D]; None: "HND", or the
+    KvView's own), seq_lens int32 [rows] (counting the new token, which sits at
     position seq_lens[r] - 1), block_table int32 [rows, max_blocks] (None: contiguous cache),
     k_scale / v_scale float32 [1] or [Hkv] (fp8 / int8 caches), kv_dtype for uint8 / uint16
     storage. window / sink_tokens: sliding-window mask (window_slots: cyclic cache capacity).
@@ -559,6 +585,7 @@ def decode(
         window_slots=window_slots,
         sink_tokens=sink_tokens if window_slots else 0,
         kv_dtype=kv_dtype,
+        layout=layout,
     )
     spec = _spec(hq, view.num_kv_heads, d, softmax_scale, alibi, softcap, backend)
     spec.update(_mask(True, window, sink_tokens))
@@ -939,12 +966,14 @@ def _seq(seq: Any, name: str) -> int:
 
 class KvCache:
     """Paged KV-cache pool with prefix reuse, forks (copy-on-write) and eviction (the C++
-    KvCacheManager). The pool is [num_blocks, num_layers, 2, Hkv, T, D]; ``view(layer, seqs)``
+    KvCacheManager). The pool is [num_blocks, num_layers, 2, Hkv, T, D] (``layout="HND"``, the
+    default) or [num_blocks, num_layers, 2, T, Hkv, D] (``layout="NHD"``); ``view(layer, seqs)``
     gives the KvView that prefill / decode / append_kv / forward read.
 
     dtype: "f16", "bf16", "fp8_e4m3" or "int8"; device: "cpu" (host memory, reference backend)
     or "cuda[:N]". CPU pools need max_tokens or max_bytes; max_seq_len sets the table width.
     layer_windows / sink_tokens: sliding windows per layer (all windowed: a cyclic cache).
+    layout: "HND" (blocks [Hkv, T, D]) or "NHD" (blocks [T, Hkv, D]); every view carries it.
     """
 
     def __init__(
@@ -965,7 +994,9 @@ class KvCache:
         sink_tokens: int = 0,
         enable_prefix_reuse: bool = True,
         stream: int = 0,
+        layout: str = "HND",
     ) -> None:
+        self.layout = _layout(layout)
         self._m = _C.KvCacheManager(
             {
                 "num_layers": int_arg(num_layers, "num_layers"),
@@ -985,6 +1016,7 @@ class KvCache:
                 "sink_tokens": int_arg(sink_tokens, "sink_tokens"),
                 "enable_prefix_reuse": bool_arg(enable_prefix_reuse, "enable_prefix_reuse"),
                 "stream": int_arg(stream, "stream", UINT64),
+                "layout": self.layout,
             }
         )
         self.dtype = dtype
@@ -1092,6 +1124,7 @@ class KvCache:
             window_slots=window_slots,
             sink_tokens=self.sink_tokens if window_slots else 0,
             kv_dtype=raw,
+            layout=self.layout,
         )
 
 

@@ -17,10 +17,12 @@ FlashInfer or vLLM") lists the differences. The layouts:
   with block_table, [num_blocks, page_size, Hkv, D] (NHD); new k / v [B, S_new, Hkv, D];
   LSE [B, Hq, Sq].
 
-attnkit's kernels read HND blocks ([num_blocks, Hkv, T, D], docs/kv_cache.md), so the NHD caches
-of flash_attn_with_kvcache and of paged flash_attn_varlen_func are copied into an HND cache for
-each call (see _hnd_view): reading and writing the batch's cache once more per call. Serving
-engines that want decode at full speed keep an attnkit KvCache / KvView instead.
+attnkit's kernels read NHD caches ([num_blocks, T, Hkv, D], docs/kv_cache.md) in place, so the
+caches of flash_attn_with_kvcache and of paged flash_attn_varlen_func are attended where they lie
+(see _nhd_view): a page of 8, 16, 32, 64 or 128 tokens is one attnkit block, a larger page (a
+multiple of 8) several. Only a cache attnkit cannot address (a block whose [page, Hkv, D] is not
+contiguous, K and V with different block strides, or pages split into blocks of a pool whose
+pages are not packed) is copied, once per call.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
-# Tokens per block of the HND copy: the largest of attnkit's paged block sizes dividing the page.
+# Tokens per attnkit block of a page: the largest of attnkit's paged block sizes dividing the page.
 _BLOCK_SIZES = (128, 64, 32, 16, 8)
 
 
@@ -448,15 +450,38 @@ def _index(x: Any) -> Any:
     return x.long() if _is_torch(x) else x
 
 
-def _hnd_view(k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any) -> tuple:
-    """An HND copy of the rows of an NHD cache as a KvView; returns (view, slot_of).
+def _element_strides(x: Any) -> tuple:
+    if _is_torch(x):
+        return tuple(int(v) for v in x.stride())
+    return tuple(int(v) // x.itemsize for v in x.strides)
 
-    Contiguous cache ([B_cache, S_cache, Hkv, D], no table): rows 0 .. B-1, transposed.
-    Paged cache ([num_blocks, page_size, Hkv, D]): each page becomes page_size / T blocks of T
-    tokens. The copy holds either every row's table entries or the whole pool, whichever is
-    smaller (a choice by shapes, so it never synchronizes); table entries outside the pool
-    become -1, which the kernels never read within a row's length without reporting a device
-    fault. slot_of(rows, positions) gives the copy's (block, offset) of tokens, for appends.
+
+def _in_place(k_cache: Any, v_cache: Any, packed: bool) -> bool:
+    """Whether attnkit reads the NHD pair where it lies: every block [S, Hkv, D] contiguous (the
+    canonical strides, as the KvView requires), one block stride for K and V, and, where pages
+    are split into blocks (packed), blocks that follow each other without a gap."""
+    shape = tuple(int(v) for v in k_cache.shape)
+    block = (shape[2] * shape[3], shape[3], 1)
+    ks, vs = _element_strides(k_cache), _element_strides(v_cache)
+    if ks[1:] != block or vs[1:] != block:
+        return False
+    if shape[0] > 1 and ks[0] != vs[0]:
+        return False
+    return not packed or shape[0] <= 1 or ks[0] == shape[1] * block[0]
+
+
+def _nhd_view(k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any) -> tuple:
+    """The rows of an NHD cache as a KvView (layout NHD); returns (view, slot_of, in_place).
+
+    Contiguous cache ([B_cache, S_cache, Hkv, D], no table): row b is row b of the cache.
+    Paged cache ([num_blocks, page_size, Hkv, D]): each page is page_size / T attnkit blocks of T
+    tokens (T the largest of 128, 64, ..., 8 dividing the page), so a page of 8 .. 128 tokens is
+    one block and the caller's table is the view's; the tokens of a page are contiguous in NHD, so
+    the split needs no copy. in_place: the view reads the caller's arrays (_in_place); otherwise it
+    reads a packed copy (of every row's table entries or of the whole pool, whichever is smaller:
+    a choice by shapes, so it never synchronizes), and slot_of(rows, positions) gives the copy's
+    (block, offset) of tokens, for appends. Table entries outside the pool become -1, which the
+    kernels never read within a row's length without reporting a device fault.
     """
     num_blocks, page, hkv, d = (int(s) for s in k_cache.shape)
     batch = int(seq_lens.shape[0])
@@ -465,28 +490,29 @@ def _hnd_view(k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any) -> tu
             raise Error(
                 f"k_cache: holds {num_blocks} rows (dim 0), fewer than the batch of q ({batch})"
             )
-        k = _copy(_permute(k_cache[:batch], (0, 2, 1, 3)))
-        v = _copy(_permute(v_cache[:batch], (0, 2, 1, 3)))
-        return KvView(k, v, seq_lens, None), lambda rows, pos: (rows, pos)
+        if _in_place(k_cache, v_cache, False):
+            return KvView(k_cache, v_cache, seq_lens, None, layout="NHD"), None, True
+        k, v = _copy(k_cache[:batch]), _copy(v_cache[:batch])
+        return KvView(k, v, seq_lens, None, layout="NHD"), lambda rows, pos: (rows, pos), False
     t = next((t for t in _BLOCK_SIZES if page % t == 0), None)
     if t is None:
         raise Error(f"k_cache: page_size (dim 1) must be a multiple of 8, got {page}")
     split = page // t
     width = int(block_table.shape[1])
+    in_place = _in_place(k_cache, v_cache, split > 1)
     valid = (block_table >= 0) & (block_table < num_blocks)
-    if batch * width >= num_blocks:  # the whole pool, addressed by the caller's table
+    if in_place:
+        if split == 1:
+            return KvView(k_cache, v_cache, seq_lens, block_table, layout="NHD"), None, True
         src_k, src_v, base = k_cache, v_cache, _where(valid, block_table, -1)
-    else:  # every row's blocks, in table order
+    elif batch * width >= num_blocks:  # a copy of the whole pool, addressed by the caller's table
+        src_k, src_v, base = _copy(k_cache), _copy(v_cache), _where(valid, block_table, -1)
+    else:  # a copy of every row's blocks, in table order
         index = _index(_where(valid, block_table, 0))
-        src_k = k_cache[index].reshape(batch * width, page, hkv, d)
-        src_v = v_cache[index].reshape(batch * width, page, hkv, d)
+        src_k = _copy(k_cache[index].reshape(batch * width, page, hkv, d))
+        src_v = _copy(v_cache[index].reshape(batch * width, page, hkv, d))
         base = _where(valid, _arange(batch * width, block_table).reshape(batch, width), -1)
     n = int(src_k.shape[0])
-
-    def to_hnd(x: Any) -> Any:
-        blocks = _permute(x.reshape(n, split, t, hkv, d), (0, 1, 3, 2, 4))
-        return _copy(blocks).reshape(n * split, hkv, t, d)
-
     base = base.reshape(batch, width, 1)
     sub = _arange(split, block_table).reshape(1, 1, split)
     table = _where(base >= 0, base * split + sub, -1).reshape(batch, width * split)
@@ -495,7 +521,15 @@ def _hnd_view(k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any) -> tu
     def slot_of(rows: Any, pos: Any) -> tuple:
         return table[_index(rows), _index(pos // t)], pos % t
 
-    return KvView(to_hnd(src_k), to_hnd(src_v), seq_lens, table), slot_of
+    # Packed pages: [n, page, Hkv, D] is [n * split, t, Hkv, D] without a copy.
+    view = KvView(
+        src_k.reshape(n * split, t, hkv, d),
+        src_v.reshape(n * split, t, hkv, d),
+        seq_lens,
+        table,
+        layout="NHD",
+    )
+    return view, slot_of, in_place
 
 
 def _put(dst: Any, index: tuple, values: Any, valid: Any) -> None:
@@ -616,7 +650,7 @@ def flash_attn_varlen_impl(
                     f"cu_seqlens_q: sequence {i} has {int(n_q[i])} queries but {int(lens[i])} "
                     "keys; over a paged cache the queries are the last keys (n_q <= n_k)"
                 )
-        view, _ = _hnd_view(k, v, table, seq_lens)
+        view = _nhd_view(k, v, table, seq_lens)[0]
         res = prefill(q, cu_seqlens_q=cu_q, kv_cache=view, **kw)
     if not return_lse:
         return res, None
@@ -783,7 +817,8 @@ def flash_attn_with_kvcache_impl(
         out = _full(q, (b, sq, hq, d), 0.0)
         return out, _full(q, (b, hq, sq), -math.inf, float32=True) if return_lse else None
 
-    view, slot_of = _hnd_view(k_cache, v_cache, table, total)
+    view, slot_of, in_place = _nhd_view(k_cache, v_cache, table, total)
+    saved = None  # in place: the appended slots' old K and V, restored if the call is rejected
     if k is not None:
         pos = lens.reshape(b, 1) + _arange(s_new, q).reshape(1, s_new)
         if rotary_cos is not None:
@@ -795,40 +830,53 @@ def flash_attn_with_kvcache_impl(
         rows = (_arange(b, q).reshape(b, 1) + pos * 0).reshape(-1)
         pos = _where(valid, pos.reshape(-1), 0)
         k_new, v_new = k.reshape(b * s_new, hkv, d), v.reshape(b * s_new, hkv, d)
-        block, offset = slot_of(rows, pos)
-        ok = valid & (block >= 0)
-        _put(view.k, (block, slice(None), offset), k_new, ok)
-        _put(view.v, (block, slice(None), offset), v_new, ok)
-    kw = dict(softmax_scale=scale, alibi=slopes if slopes is not None else False, softcap=cap)
-    if sq == 1:
-        res = decode(
-            q.reshape(b, hq, d),
-            view,
-            window=window,
-            num_splits=int(num_splits),
-            return_lse=return_lse,
-            **kw,
-        )
-    else:
-        res = prefill(
-            q.reshape(b * sq, hq, d),
-            cu_seqlens_q=_arange(b + 1, q, sq),
-            kv_cache=view,
-            causal=is_causal,
-            window=window,
-            return_lse=return_lse,
-            max_seqlen_q=sq,
-            max_seqlen_k=capacity,
-            **kw,
-        )
-    o, l = res if return_lse else (res, None)
-    if k is not None:  # the call was accepted: append to the caller's cache
+        # The tokens' slots of the caller's cache (NHD: [token's Hkv, D] at (block, offset)).
         if table is None:
             dst, ok = (rows, pos), valid
         else:
             entry = table[_index(rows), _index(pos // page)]
             ok = valid & (entry >= 0) & (entry < num_blocks)
             dst = (_where(ok, entry, 0), pos % page)
+        if in_place:
+            at = tuple(_index(i) for i in dst)
+            saved = (k_cache[at], v_cache[at])
+            _put(k_cache, dst, k_new, ok)
+            _put(v_cache, dst, v_new, ok)
+        else:
+            block, offset = slot_of(rows, pos)
+            copy_ok = valid & (block >= 0)
+            _put(view.k, (block, offset), k_new, copy_ok)
+            _put(view.v, (block, offset), v_new, copy_ok)
+    kw = dict(softmax_scale=scale, alibi=slopes if slopes is not None else False, softcap=cap)
+    try:
+        if sq == 1:
+            res = decode(
+                q.reshape(b, hq, d),
+                view,
+                window=window,
+                num_splits=int(num_splits),
+                return_lse=return_lse,
+                **kw,
+            )
+        else:
+            res = prefill(
+                q.reshape(b * sq, hq, d),
+                cu_seqlens_q=_arange(b + 1, q, sq),
+                kv_cache=view,
+                causal=is_causal,
+                window=window,
+                return_lse=return_lse,
+                max_seqlen_q=sq,
+                max_seqlen_k=capacity,
+                **kw,
+            )
+    except Error:
+        if saved is not None:  # rejected: the caller's cache as it was
+            _put(k_cache, dst, saved[0], ok)
+            _put(v_cache, dst, saved[1], ok)
+        raise
+    o, l = res if return_lse else (res, None)
+    if k is not None and not in_place:  # the call was accepted: append to the caller's cache
         _put(k_cache, dst, k_new, ok)
         _put(v_cache, dst, v_new, ok)
     return o.reshape(b, sq, hq, d), _lse_fa(l, b, sq, hq) if return_lse else None

@@ -16,11 +16,9 @@ attnkit's block table and seq_lens on the device, and ``run()`` once per layer c
 
 Where attnkit differs (docs/python.md, "FlashInfer"):
 
-- Layout: attnkit's kernels read HND pages ([pages, Hkv, page_size, D]). With
-  ``kv_layout="HND"`` ``run()`` reads the cache in place. With FlashInfer's default ``"NHD"``
-  ([pages, page_size, Hkv, D]) every ``run()`` first copies the pages the plan references into
-  an HND scratch (one gather-transpose of K and V, about twice the bytes attention reads: a
-  current limitation; prefer HND caches).
+- Layout: attnkit's kernels read both of FlashInfer's page layouts in place, ``kv_layout="NHD"``
+  (the default, [pages, page_size, Hkv, D]) and ``"HND"`` ([pages, Hkv, page_size, D]);
+  page_size is one of attnkit's block sizes (8, 16, 32, 64 or 128).
 - LSE: returned in FlashInfer's base 2 (attnkit's natural-log LSE times log2(e)).
 - Options that change only how the result is computed (``use_tensor_cores``, ``enable_pdl``,
   ``non_blocking``, ``disable_split_kv`` for prefill) are accepted and have no effect; options
@@ -34,9 +32,7 @@ buffers allocated once, that ``plan()`` (outside the graph) overwrites in place,
 workspace is allocated once, and ``run()`` neither allocates (give ``out=``), synchronizes nor
 reads device memory on the host, so a ``run()`` captured in a graph replays correctly after
 later ``plan()`` calls with the same batch size. Scales given as Python floats are turned into
-device tensors once per value (do a first run before capture, or pass tensors). With
-``kv_layout="NHD"`` the gather covers the whole ``paged_kv_indices_buffer`` capacity on every
-replay.
+device tensors once per value (do a first run before capture, or pass tensors).
 """
 
 from __future__ import annotations
@@ -104,7 +100,6 @@ class _Plan:
         self.batch = 0
         self.seq_lens: Optional[torch.Tensor] = None  # int32 [batch]
         self.block_table: Optional[torch.Tensor] = None  # int32 [batch, width]
-        self.gather: Optional[torch.Tensor] = None  # int64 [n]: pages into the NHD scratch
         self.max_page = -1  # largest page id referenced (checked against the cache at run)
         self.max_seq_len = 0
 
@@ -149,7 +144,6 @@ class _PagedWrapper:
         self._spec: dict = {}
         self._scales: dict = {}
         self._workspace: Optional[attnkit.DecodeWorkspace] = None
-        self._scratch: Optional[tuple] = None
         if self._use_cuda_graph:
             for name, buf in (
                 ("paged_kv_indptr_buffer", indptr_buf),
@@ -180,7 +174,6 @@ class _PagedWrapper:
             self._fixed.block_table = torch.full(
                 (batch, width), -1, dtype=torch.int32, device=self.device
             )
-            self._fixed.gather = torch.zeros(capacity, dtype=torch.int64, device=self.device)
             self._capacity = capacity
 
     @property
@@ -240,28 +233,18 @@ class _PagedWrapper:
                 )
             width = int(fixed.block_table.shape[1])
         table = np.full((batch, max(width, 1)), -1, dtype=np.int32)
-        nhd = self._kv_layout == "NHD"
         for b in range(batch):
             n = int(pages[b])
-            # NHD: the scratch holds the referenced pages in CSR order, so the table counts.
-            table[b, :n] = np.arange(ptr[b], ptr[b] + n) if nhd else used[ptr[b] : ptr[b] + n]
+            table[b, :n] = used[ptr[b] : ptr[b] + n]
         host_lens = torch.from_numpy(seq_lens.astype(np.int32))
         host_table = torch.from_numpy(table)
         if fixed is not None:
             fixed.seq_lens.copy_(host_lens)
             fixed.block_table.copy_(host_table)
-            gather = np.zeros(self._capacity, dtype=np.int64)
-            gather[: used.size] = used
-            fixed.gather.copy_(torch.from_numpy(gather))
-            plan.seq_lens, plan.block_table, plan.gather = (
-                fixed.seq_lens,
-                fixed.block_table,
-                fixed.gather,
-            )
+            plan.seq_lens, plan.block_table = fixed.seq_lens, fixed.block_table
         else:
             plan.seq_lens = host_lens.to(self.device)
             plan.block_table = host_table.to(self.device)
-            plan.gather = torch.from_numpy(used.copy()).to(self.device) if nhd else None
         return plan
 
     def _plan_spec(
@@ -349,8 +332,6 @@ class _PagedWrapper:
                 f"{k.shape[0]} pages",
                 f"more than the largest page id of the plan ({self._plan.max_page})",
             )
-        if nhd:
-            k, v = self._gather(k), self._gather(v, second=True)
         return attnkit.KvView(
             k,
             v,
@@ -358,20 +339,8 @@ class _PagedWrapper:
             self._plan.block_table,
             k_scale=self._scale(k_scale, "k_scale"),
             v_scale=self._scale(v_scale, "v_scale"),
+            layout=self._kv_layout,
         )
-
-    def _gather(self, cache: torch.Tensor, second: bool = False) -> torch.Tensor:
-        """The plan's pages of an NHD cache as an HND scratch [n, Hkv, page_size, D]: one
-        gather-transpose into memory kept between runs (the cost of NHD, see the module doc)."""
-        idx = self._plan.gather
-        shape = (int(idx.shape[0]), cache.shape[2], cache.shape[1], cache.shape[3])
-        pair = self._scratch
-        if pair is None or pair[0].shape != shape or pair[0].dtype != cache.dtype:
-            pair = tuple(torch.empty(shape, dtype=cache.dtype, device=cache.device) for _ in "kv")
-            self._scratch = pair
-        scratch = pair[1 if second else 0]
-        torch.index_select(cache.transpose(1, 2), 0, idx, out=scratch)
-        return scratch
 
     def _scale(self, scale: Any, name: str) -> Any:
         if scale is None or isinstance(scale, torch.Tensor):

@@ -72,27 +72,36 @@ std::string path_arg(nb::handle value, const std::string& name) {
 
 // Raises `what` as the Python exception `type` with the C++ names replaced by those of
 // `function`'s arguments (python_names.h).
-[[noreturn]] void raise_renamed(PyObject* type, PyFunction function, const char* what) {
+[[noreturn]] void raise_renamed(PyObject* type, PyFunction function, const char* what, bool nhd) {
   const std::string message =
-      to_python_names(what, renames_of(function_of_message(what, function)));
+      to_python_names(what, renames_of(function_of_message(what, function), nhd));
   PyErr_SetString(type, message.c_str());
   throw nb::python_error();
 }
 
 // Runs `call`; its attnkit::Error is raised as attnkit.Error (DeviceFaultError as
-// attnkit.DeviceFaultError) in `function`'s argument names. Interrupted passes through to its
-// own translator (KeyboardInterrupt, or what the signal handler raised).
+// attnkit.DeviceFaultError) in `function`'s argument names (nhd: those of an NHD cache's arrays).
+// Interrupted passes through to its own translator (KeyboardInterrupt, or what the signal handler
+// raised).
 template <typename Call>
-auto in_python_names(PyFunction function, Call&& call) -> decltype(call()) {
+auto in_python_names(PyFunction function, Call&& call, bool nhd = false) -> decltype(call()) {
   try {
     return call();
   } catch (const Interrupted&) {
     throw;
   } catch (const DeviceFaultError& e) {
-    raise_renamed(g_device_fault_type, function, e.what());
+    raise_renamed(g_device_fault_type, function, e.what(), nhd);
   } catch (const Error& e) {
-    raise_renamed(g_error_type, function, e.what());
+    raise_renamed(g_error_type, function, e.what(), nhd);
   }
+}
+
+// Whether a kv_cache dict names the NHD layout (for the message renames; cache_from_dict checks
+// the value).
+bool names_nhd(const nb::dict& kv_cache) {
+  if (!kv_cache.contains("layout")) return false;
+  std::string layout;
+  return nb::try_cast(kv_cache["layout"], layout) && layout == "NHD";
 }
 
 // "float64", "uint32", "bool", ...: a DLPack dtype as the array libraries name it.
@@ -443,16 +452,24 @@ nb::dict role_to_dict(const RoleSpec& r) {
 
 // ---- KV cache -----------------------------------------------------------------------------------
 
-// A cache described by K and V arrays [num_blocks, Hkv, T, D] (each block contiguous; the block
-// stride, the same for K and V, is free so that slices of one [num_blocks, 2, Hkv, T, D] or
-// [num_blocks, L, 2, Hkv, T, D] pool work), seq_lens int32 [rows], an optional block_table
-// (absent: a contiguous cache, row r in block r) and optional float32 scales. Names are the C++
-// ones (kv_cache.k, kv_cache.seq_lens, ...); python_names.h renames them for decode().
+// A cache described by K and V arrays [num_blocks, Hkv, T, D] (layout "HND") or [num_blocks, T,
+// Hkv, D] ("NHD"), each block contiguous; the block stride, the same for K and V, is free so that
+// slices of one [num_blocks, 2, <block>] or [num_blocks, L, 2, <block>] pool work), seq_lens int32
+// [rows], an optional block_table (absent: a contiguous cache, row r in block r) and optional
+// float32 scales. Names are the C++ ones (kv_cache.k, kv_cache.seq_lens, ...); python_names.h
+// renames them for decode() and for the NHD dims.
 KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
   check_keys(d, "kv_cache",
              {"k", "v", "seq_lens", "block_table", "k_scale", "v_scale", "window_slots",
-              "sink_tokens", "kv_dtype"});
+              "sink_tokens", "kv_dtype", "layout"});
   if (!d.contains("k") || !d.contains("v")) fail("kv_cache: needs the K and V arrays");
+  const KvCacheLayout layout =
+      get_choice<KvCacheLayout>(d, "layout", "HND", "kv_cache.layout",
+                                {{"HND", KvCacheLayout::kHND}, {"NHD", KvCacheLayout::kNHD}});
+  const bool nhd = layout == KvCacheLayout::kNHD;
+  // Dims of the block's token and head extents in the arrays.
+  const int token_dim = nhd ? 1 : 2, head_dim_index = nhd ? 2 : 1;
+  const char* dims_text = nhd ? "[num_blocks, T, Hkv, D]" : "[num_blocks, Hkv, T, D]";
   std::optional<DType> raw_as;
   if (d.contains("kv_dtype") && !d["kv_dtype"].is_none()) {
     raw_as = get_choice<DType>(d, "kv_dtype", "", "kv_dtype",
@@ -466,14 +483,14 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
   for (const auto* t : {&k, &v}) {
     const std::string name = t == &k ? "kv_cache.k" : "kv_cache.v";
     if (t->ndim != 4) {
-      fail(name + ": expected 4 dimensions [num_blocks, Hkv, T, D], got shape " + t->shape_str());
+      fail(name + ": expected 4 dimensions " + dims_text + ", got shape " + t->shape_str());
     }
     const bool block_contiguous = t->strides[3] == 1 && t->strides[2] == t->shape[3] &&
                                   t->strides[1] == t->shape[2] * t->shape[3];
     if (!block_contiguous) {
-      fail(name +
-           ": each block [Hkv, T, D] must be contiguous (strides [*, T*D, D, 1]); got shape " +
-           t->shape_str());
+      fail(name + ": each block " + (nhd ? "[T, Hkv, D]" : "[Hkv, T, D]") +
+           " must be contiguous (strides " + (nhd ? "[*, Hkv*D, D, 1]" : "[*, T*D, D, 1]") +
+           "); got shape " + t->shape_str());
     }
   }
   if (k.dtype != v.dtype || k.device != v.device) {
@@ -492,7 +509,7 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
          " elements), got " + std::to_string(v.strides[0]));
   }
   // The view's geometry is int32: larger extents are an error, never truncated.
-  const char* dims[4] = {"num_blocks", "Hkv", "T", "D"};
+  const char* dims[4] = {"num_blocks", nhd ? "T" : "Hkv", nhd ? "Hkv" : "T", "D"};
   for (int dim = 0; dim < 4; ++dim) {
     if (k.shape[dim] > INT32_MAX) {
       fail(std::string("kv_cache.k: ") + dims[dim] + " = " + std::to_string(k.shape[dim]) +
@@ -505,8 +522,9 @@ KvCacheView cache_from_dict(const nb::dict& d, bool need_seq_lens) {
   c.dtype = k.dtype;
   c.device = k.device;
   c.num_blocks = static_cast<int32_t>(k.shape[0]);
-  c.num_kv_heads = static_cast<int32_t>(k.shape[1]);
-  c.tokens_per_block = static_cast<int32_t>(k.shape[2]);
+  c.layout = layout;
+  c.num_kv_heads = static_cast<int32_t>(k.shape[head_dim_index]);
+  c.tokens_per_block = static_cast<int32_t>(k.shape[token_dim]);
   c.head_dim = static_cast<int32_t>(k.shape[3]);
   const int64_t block_elems = k.shape[1] * k.shape[2] * k.shape[3];
   c.block_stride_bytes =
@@ -549,76 +567,86 @@ void py_prefill(const nb::dict& spec_dict, nb::handle q, nb::handle cu_seqlens_q
                 int32_t max_seqlen_kv, double timestep, int32_t block_m, int32_t block_n,
                 nb::handle skip_stats, bool checked, uintptr_t stream) {
   const PyFunction names = kv_cache ? PyFunction::kPrefillPaged : PyFunction::kPrefill;
-  in_python_names(names, [&] {
-    const AttentionSpec spec = spec_from_dict(spec_dict);
-    PrefillArgs args;
-    args.q = array_view(q, "q", Access::kInput);
-    args.cu_seqlens_q = array_view(cu_seqlens_q, "cu_seqlens_q", Access::kInput);
-    args.out = array_view(out, "out", Access::kOutput);
-    args.k = opt_array_view(k, "k", Access::kInput);
-    args.v = opt_array_view(v, "v", Access::kInput);
-    args.cu_seqlens_kv = opt_array_view(cu_seqlens_kv, "cu_seqlens_kv", Access::kInput);
-    args.lse = opt_array_view(lse, "lse", Access::kOutput);
-    args.skip_stats = opt_array_view(skip_stats, "skip_stats", Access::kOutput);
-    args.max_seqlen_q = max_seqlen_q;
-    args.max_seqlen_kv = max_seqlen_kv;
-    args.timestep = timestep;
-    args.block_m = block_m;
-    args.block_n = block_n;
-    args.checked = checked;
-    KvCacheView cache;
-    if (kv_cache) {
-      cache = cache_from_dict(*kv_cache, true);
-      args.kv_cache = &cache;
-    }
-    nb::gil_scoped_release release;
-    prefill(spec, args, to_stream(stream));
-  });
+  in_python_names(
+      names,
+      [&] {
+        const AttentionSpec spec = spec_from_dict(spec_dict);
+        PrefillArgs args;
+        args.q = array_view(q, "q", Access::kInput);
+        args.cu_seqlens_q = array_view(cu_seqlens_q, "cu_seqlens_q", Access::kInput);
+        args.out = array_view(out, "out", Access::kOutput);
+        args.k = opt_array_view(k, "k", Access::kInput);
+        args.v = opt_array_view(v, "v", Access::kInput);
+        args.cu_seqlens_kv = opt_array_view(cu_seqlens_kv, "cu_seqlens_kv", Access::kInput);
+        args.lse = opt_array_view(lse, "lse", Access::kOutput);
+        args.skip_stats = opt_array_view(skip_stats, "skip_stats", Access::kOutput);
+        args.max_seqlen_q = max_seqlen_q;
+        args.max_seqlen_kv = max_seqlen_kv;
+        args.timestep = timestep;
+        args.block_m = block_m;
+        args.block_n = block_n;
+        args.checked = checked;
+        KvCacheView cache;
+        if (kv_cache) {
+          cache = cache_from_dict(*kv_cache, true);
+          args.kv_cache = &cache;
+        }
+        nb::gil_scoped_release release;
+        prefill(spec, args, to_stream(stream));
+      },
+      kv_cache && names_nhd(*kv_cache));
 }
 
 void py_decode(const nb::dict& spec_dict, nb::handle q, const nb::dict& kv_cache, nb::handle out,
                nb::handle lse, int32_t beam_width, nb::handle cache_indirection, int32_t num_splits,
                int32_t max_seq_len, DecodeWorkspace* workspace, bool deterministic,
                bool batch_invariant, bool checked, uintptr_t stream) {
-  in_python_names(PyFunction::kDecode, [&] {
-    const AttentionSpec spec = spec_from_dict(spec_dict);
-    DecodeArgs args;
-    args.q = array_view(q, "q", Access::kInput);
-    args.kv_cache = cache_from_dict(kv_cache, true);
-    args.out = array_view(out, "out", Access::kOutput);
-    args.lse = opt_array_view(lse, "lse", Access::kOutput);
-    args.beam_width = beam_width;
-    args.cache_indirection = opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
-    args.num_splits = num_splits;
-    args.max_seq_len = max_seq_len;
-    args.workspace = workspace;
-    args.deterministic = deterministic;
-    args.batch_invariant = batch_invariant;
-    args.checked = checked;
-    nb::gil_scoped_release release;
-    decode(spec, args, to_stream(stream));
-  });
+  in_python_names(
+      PyFunction::kDecode,
+      [&] {
+        const AttentionSpec spec = spec_from_dict(spec_dict);
+        DecodeArgs args;
+        args.q = array_view(q, "q", Access::kInput);
+        args.kv_cache = cache_from_dict(kv_cache, true);
+        args.out = array_view(out, "out", Access::kOutput);
+        args.lse = opt_array_view(lse, "lse", Access::kOutput);
+        args.beam_width = beam_width;
+        args.cache_indirection =
+            opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
+        args.num_splits = num_splits;
+        args.max_seq_len = max_seq_len;
+        args.workspace = workspace;
+        args.deterministic = deterministic;
+        args.batch_invariant = batch_invariant;
+        args.checked = checked;
+        nb::gil_scoped_release release;
+        decode(spec, args, to_stream(stream));
+      },
+      names_nhd(kv_cache));
 }
 
 void py_append_kv(const nb::dict& spec_dict, const nb::dict& kv_cache, nb::handle positions,
                   nb::handle row_of_token, nb::handle q_out, nb::handle qkv, nb::handle q,
                   nb::handle k, nb::handle v, nb::handle qkv_bias, bool checked, uintptr_t stream) {
-  in_python_names(PyFunction::kAppendKv, [&] {
-    const AttentionSpec spec = spec_from_dict(spec_dict);
-    AppendKvArgs args;
-    args.checked = checked;
-    args.kv_cache = cache_from_dict(kv_cache, false);
-    args.positions = array_view(positions, "positions", Access::kInput);
-    args.row_of_token = array_view(row_of_token, "row_of_token", Access::kInput);
-    args.q_out = array_view(q_out, "q_out", Access::kOutput);
-    args.qkv = opt_array_view(qkv, "qkv", Access::kInput);
-    args.q = opt_array_view(q, "q", Access::kInput);
-    args.k = opt_array_view(k, "k", Access::kInput);
-    args.v = opt_array_view(v, "v", Access::kInput);
-    args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
-    nb::gil_scoped_release release;
-    append_kv(spec, args, to_stream(stream));
-  });
+  in_python_names(
+      PyFunction::kAppendKv,
+      [&] {
+        const AttentionSpec spec = spec_from_dict(spec_dict);
+        AppendKvArgs args;
+        args.checked = checked;
+        args.kv_cache = cache_from_dict(kv_cache, false);
+        args.positions = array_view(positions, "positions", Access::kInput);
+        args.row_of_token = array_view(row_of_token, "row_of_token", Access::kInput);
+        args.q_out = array_view(q_out, "q_out", Access::kOutput);
+        args.qkv = opt_array_view(qkv, "qkv", Access::kInput);
+        args.q = opt_array_view(q, "q", Access::kInput);
+        args.k = opt_array_view(k, "k", Access::kInput);
+        args.v = opt_array_view(v, "v", Access::kInput);
+        args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
+        nb::gil_scoped_release release;
+        append_kv(spec, args, to_stream(stream));
+      },
+      names_nhd(kv_cache));
 }
 
 void py_forward(const nb::dict& spec_dict, nb::handle qkv, const nb::dict& kv_cache,
@@ -627,28 +655,32 @@ void py_forward(const nb::dict& spec_dict, nb::handle qkv, const nb::dict& kv_ca
                 nb::handle lse, nb::handle workspace, int32_t num_splits,
                 DecodeWorkspace* decode_workspace, bool deterministic, bool batch_invariant,
                 bool checked, uintptr_t stream) {
-  in_python_names(PyFunction::kForward, [&] {
-    const AttentionSpec spec = spec_from_dict(spec_dict);
-    ForwardArgs args;
-    args.checked = checked;
-    args.qkv = array_view(qkv, "qkv", Access::kInput);
-    args.kv_cache = cache_from_dict(kv_cache, true);
-    args.cu_seqlens_q = array_view(cu_seqlens_q, "cu_seqlens_q", Access::kInput);
-    args.past_lens = array_view(past_lens, "past_lens", Access::kInput);
-    args.num_context = num_context;
-    args.out = array_view(out, "out", Access::kOutput);
-    args.beam_width = beam_width;
-    args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
-    args.cache_indirection = opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
-    args.lse = opt_array_view(lse, "lse", Access::kOutput);
-    args.workspace = opt_array_view(workspace, "workspace", Access::kOutput);
-    args.num_splits = num_splits;
-    args.decode_workspace = decode_workspace;
-    args.deterministic = deterministic;
-    args.batch_invariant = batch_invariant;
-    nb::gil_scoped_release release;
-    forward(spec, args, to_stream(stream));
-  });
+  in_python_names(
+      PyFunction::kForward,
+      [&] {
+        const AttentionSpec spec = spec_from_dict(spec_dict);
+        ForwardArgs args;
+        args.checked = checked;
+        args.qkv = array_view(qkv, "qkv", Access::kInput);
+        args.kv_cache = cache_from_dict(kv_cache, true);
+        args.cu_seqlens_q = array_view(cu_seqlens_q, "cu_seqlens_q", Access::kInput);
+        args.past_lens = array_view(past_lens, "past_lens", Access::kInput);
+        args.num_context = num_context;
+        args.out = array_view(out, "out", Access::kOutput);
+        args.beam_width = beam_width;
+        args.qkv_bias = opt_array_view(qkv_bias, "qkv_bias", Access::kInput);
+        args.cache_indirection =
+            opt_array_view(cache_indirection, "cache_indirection", Access::kInput);
+        args.lse = opt_array_view(lse, "lse", Access::kOutput);
+        args.workspace = opt_array_view(workspace, "workspace", Access::kOutput);
+        args.num_splits = num_splits;
+        args.decode_workspace = decode_workspace;
+        args.deterministic = deterministic;
+        args.batch_invariant = batch_invariant;
+        nb::gil_scoped_release release;
+        forward(spec, args, to_stream(stream));
+      },
+      names_nhd(kv_cache));
 }
 
 // stats: fill the returned dict (on CUDA, a call that skips tiles then synchronizes its stream);
@@ -794,10 +826,11 @@ void translate_exception(const std::exception_ptr& p, void*) {
 // ---- KvCacheManager ----------------------------------------------------------------------------
 
 KvCacheManagerConfig manager_config(const nb::dict& d) {
-  check_keys(d, "KvCache",
-             {"num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype", "device",
-              "max_tokens", "max_bytes", "free_gpu_memory_fraction", "host_cache_bytes",
-              "max_seq_len", "layer_windows", "sink_tokens", "enable_prefix_reuse", "stream"});
+  check_keys(
+      d, "KvCache",
+      {"num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype", "device",
+       "max_tokens", "max_bytes", "free_gpu_memory_fraction", "host_cache_bytes", "max_seq_len",
+       "layer_windows", "sink_tokens", "enable_prefix_reuse", "stream", "layout"});
   KvCacheManagerConfig c;
   c.num_layers = get<int32_t>(d, "num_layers", 1);
   c.num_kv_heads = get<int32_t>(d, "num_kv_heads", 0);
@@ -809,6 +842,8 @@ KvCacheManagerConfig manager_config(const nb::dict& d) {
                                {"fp8_e4m3", DType::kFp8E4M3},
                                {"int8", DType::kInt8}});
   c.device = parse_device_name(get<std::string>(d, "device", "cpu"));
+  c.layout = get_choice<KvCacheLayout>(
+      d, "layout", "HND", "layout", {{"HND", KvCacheLayout::kHND}, {"NHD", KvCacheLayout::kNHD}});
   c.max_tokens = get<int64_t>(d, "max_tokens", 0);
   c.max_bytes = get<int64_t>(d, "max_bytes", 0);
   c.free_gpu_memory_fraction = get<double>(d, "free_gpu_memory_fraction", 0.9);
@@ -845,16 +880,20 @@ nb::dict stats_to_dict(const KvCacheStats& s) {
   return d;
 }
 
-// The pool as [num_blocks, L, 2, Hkv, T, D]. NumPy has no bf16 / fp8: those pools come back as
+// The pool as [num_blocks, L, 2, Hkv, T, D] (HND) or [num_blocks, L, 2, T, Hkv, D] (NHD). NumPy
+// has no bf16 / fp8: those pools come back as
 // uint16 / uint8 storage (pass kv_dtype= to the entry points). CUDA pools come back as a DLPack
 // capable array (torch.from_dlpack / cupy.from_dlpack).
 nb::object pool_array(PyKvCacheManager& self, nb::handle owner) {
   const KvCacheManagerConfig& c = self.config;
+  const bool nhd = c.layout == KvCacheLayout::kNHD;
+  const size_t heads = static_cast<size_t>(c.num_kv_heads);
+  const size_t tokens = static_cast<size_t>(c.tokens_per_block);
   const size_t shape[6] = {static_cast<size_t>(self.manager->num_blocks()),
                            static_cast<size_t>(c.num_layers),
                            2,
-                           static_cast<size_t>(c.num_kv_heads),
-                           static_cast<size_t>(c.tokens_per_block),
+                           nhd ? tokens : heads,
+                           nhd ? heads : tokens,
                            static_cast<size_t>(c.head_dim)};
   nb::dlpack::dtype dt;
   dt.bits = static_cast<uint8_t>(8 * dtype_size(c.dtype));

@@ -96,6 +96,19 @@ inline constexpr Rename kDecodeCacheRenames[] = {
     {"kv_cache", "k_cache"},
 };
 
+// An NHD cache's arrays are [num_blocks, T, Hkv, D]: these come first in its tables (the first
+// match of equal length wins), for a KvView and for decode()'s k_cache / v_cache.
+inline constexpr Rename kKvViewNhdRenames[] = {
+    {"kv_cache.num_kv_heads", "kv_cache.k.shape[2]"},
+    {"kv_cache.tokens_per_block", "kv_cache.k.shape[1]"},
+    {"spec.num_kv_heads", "kv_cache.k.shape[2]"},
+};
+inline constexpr Rename kDecodeCacheNhdRenames[] = {
+    {"kv_cache.num_kv_heads", "k_cache.shape[2]"},
+    {"kv_cache.tokens_per_block", "k_cache.shape[1]"},
+    {"spec.num_kv_heads", "k_cache.shape[2]"},
+};
+
 inline constexpr Rename kPrefillRenames[] = {
     {"cu_seqlens_kv", "cu_seqlens_k"},  {"max_seqlen_kv", "max_seqlen_k"},
     {"spec.num_q_heads", "q.shape[1]"}, {"spec.num_kv_heads", "k.shape[1]"},
@@ -168,9 +181,30 @@ std::pair<const Rename*, size_t> part(const Rename (&table)[N]) {
 
 }  // namespace detail
 
-// The renames of one Python function, longest C++ name first.
-inline const std::vector<Rename>& renames_of(PyFunction function) {
+// The renames of one Python function, longest C++ name first; nhd: the call's cache is NHD.
+inline const std::vector<Rename>& renames_of(PyFunction function, bool nhd = false) {
   using namespace detail;
+  static const std::vector<Rename> nhd_tables[] = {
+      sorted({part(kKvViewNhdRenames), part(kSpecRenames), part(kKvViewRenames),
+              part(kPrefillPagedRenames)}),
+      sorted({part(kDecodeCacheNhdRenames), part(kSpecRenames), part(kDecodeCacheRenames),
+              part(kDecodeRenames)}),
+      sorted(
+          {part(kKvViewNhdRenames), part(kSpecRenames), part(kKvViewRenames), part(kQkvRenames)}),
+  };
+  if (nhd) {
+    switch (function) {
+      case PyFunction::kPrefillPaged:
+        return nhd_tables[0];
+      case PyFunction::kDecode:
+        return nhd_tables[1];
+      case PyFunction::kAppendKv:
+      case PyFunction::kForward:
+        return nhd_tables[2];
+      default:
+        break;
+    }
+  }
   static const std::vector<Rename> tables[] = {
       sorted({part(kSpecRenames), part(kKvViewRenames), part(kPrefillRenames)}),
       sorted({part(kSpecRenames), part(kKvViewRenames), part(kPrefillPagedRenames)}),

@@ -143,7 +143,7 @@ def test_prefill_wrapper_appends_over_the_cache(rng, layout, causal):
 
 
 def test_cuda_graph_mode_plans_into_fixed_buffers(rng):
-    """use_cuda_graph=True: plan() rewrites the same block table / seq_lens / gather buffers (the
+    """use_cuda_graph=True: plan() rewrites the same block table / seq_lens buffers (the
     addresses a captured run reads), and a run after a new plan reads the new table."""
     hq, hkv, d, page, batch = 4, 2, 64, 8, 3
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -159,7 +159,7 @@ def test_cuda_graph_mode_plans_into_fixed_buffers(rng):
         wrapper.plan(*pages.tables(), hq, hkv, d, page, q_data_type=torch.float32,
                      kv_data_type=torch.float16)
         plan = wrapper._plan
-        now = (plan.block_table.data_ptr(), plan.seq_lens.data_ptr(), plan.gather.data_ptr())
+        now = (plan.block_table.data_ptr(), plan.seq_lens.data_ptr())
         assert addresses in (None, now)
         addresses = now
         q = torch.from_numpy(rng.standard_normal((batch, hq, d))).float()
@@ -174,6 +174,22 @@ def test_cuda_graph_mode_plans_into_fixed_buffers(rng):
     with pytest.raises(attnkit.Error, match="batch size 2"):
         pages = Pages(rng, [3, 4], hkv, d, page, "NHD", torch.float16)
         wrapper.plan(*pages.tables(), hq, hkv, d, page)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_run_reads_either_layout_in_place(rng, layout):
+    """run()'s KvView is the caller's cache (no scratch copy), in the wrapper's layout, over the
+    plan's block table of FlashInfer's page ids."""
+    hq, hkv, d, page = 4, 2, 64, 16
+    pages = Pages(rng, [20, 5], hkv, d, page, layout, torch.float16)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(), layout)
+    wrapper.plan(*pages.tables(), hq, hkv, d, page, q_data_type=torch.float16)
+    view = wrapper._view(torch.zeros(2, hq, d, dtype=torch.float16), pages.cache, None, None)
+    assert view.layout == layout
+    assert view.k.data_ptr() == pages.cache[:, 0].data_ptr()
+    assert view.v.data_ptr() == pages.cache[:, 1].data_ptr()
+    np.testing.assert_array_equal(view.block_table[0, :2].cpu().numpy(), pages.indices[:2])
+    np.testing.assert_array_equal(view.block_table[1, :1].cpu().numpy(), pages.indices[2:3])
 
 
 def test_rejections_name_the_argument(rng):

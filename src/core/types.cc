@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "attnkit/kv_cache.h"
 #include "core/check.h"
 
 namespace attnkit {
@@ -44,6 +45,16 @@ const char* dtype_name(DType dtype) {
       return "int64";
   }
   return "?";
+}
+
+const char* kv_layout_name(KvCacheLayout layout) {
+  switch (layout) {
+    case KvCacheLayout::kHND:
+      return "HND";
+    case KvCacheLayout::kNHD:
+      return "NHD";
+  }
+  return "unknown";
 }
 
 std::string Device::str() const {

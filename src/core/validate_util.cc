@@ -197,6 +197,8 @@ KvCacheFacts check_kv_cache(const Validator& v, const KvCacheView& cache, const 
           "must equal spec.num_kv_heads (", spec.num_kv_heads, "), got ", cache.num_kv_heads);
   v.check(cache.head_dim == spec.head_dim, n + "head_dim", "must equal spec.head_dim (",
           spec.head_dim, "), got ", cache.head_dim);
+  v.check(cache.layout == KvCacheLayout::kHND || cache.layout == KvCacheLayout::kNHD, n + "layout",
+          "expected HND or NHD, got the value ", static_cast<int32_t>(cache.layout));
   if (cache.paged) {
     v.check(is_pow2_page(cache.tokens_per_block), n + "tokens_per_block",
             "expected 8, 16, 32, 64 or 128 for a paged cache, got ", cache.tokens_per_block);

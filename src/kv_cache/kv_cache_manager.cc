@@ -330,6 +330,9 @@ KvCacheManager::Impl::Impl(const KvCacheManagerConfig& c) : config(c) {
                     c.dtype == DType::kInt8,
                 "KvCacheManagerConfig.dtype: accepted bf16, f16, fp8_e4m3 or int8, got ",
                 dtype_name(c.dtype));
+  ATTNKIT_CHECK(c.layout == KvCacheLayout::kHND || c.layout == KvCacheLayout::kNHD,
+                "KvCacheManagerConfig.layout: accepted HND or NHD, got the value ",
+                static_cast<int32_t>(c.layout));
   ATTNKIT_CHECK(c.max_seq_len >= 1, "KvCacheManagerConfig.max_seq_len: must be >= 1, got ",
                 c.max_seq_len);
   ATTNKIT_CHECK(c.max_tokens >= 0, "KvCacheManagerConfig.max_tokens: must be >= 0, got ",
@@ -875,6 +878,7 @@ KvCacheView KvCacheManager::layer_view(int32_t layer, TensorView block_table,
   v.tokens_per_block = m.T;
   v.head_dim = m.config.head_dim;
   v.paged = true;
+  v.layout = m.config.layout;
   v.block_table = block_table;
   v.seq_lens = seq_lens;
   v.window_slots = m.layer_slots[layer];

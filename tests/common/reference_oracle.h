@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -201,15 +202,17 @@ inline std::vector<double> rounded_to(DType dtype, const std::vector<double>& va
 
 // ---- a KV cache addressed independently of KvLayout -------------------------------------------
 
-// Pool [num_blocks, 2, Hkv, T, D]; row r's logical slot s lives in block table[r][s / T].
+// Pool [num_blocks, 2, Hkv, T, D] (HND) or [num_blocks, 2, T, Hkv, D] (NHD); row r's logical
+// slot s lives in block table[r][s / T].
 class OracleKvCache {
  public:
   // Paged: `blocks_per_row` blocks of `tokens_per_block` per row, block ids shuffled, plus spare
   // blocks that no row uses. Unused storage is poisoned.
   static OracleKvCache paged(DType dtype, int32_t num_kv_heads, int32_t head_dim,
                              int32_t tokens_per_block, int32_t rows, int32_t blocks_per_row,
-                             std::mt19937_64& rng) {
-    OracleKvCache c(dtype, num_kv_heads, head_dim, tokens_per_block, rows * blocks_per_row + 3);
+                             std::mt19937_64& rng, KvCacheLayout layout = KvCacheLayout::kHND) {
+    OracleKvCache c(dtype, num_kv_heads, head_dim, tokens_per_block, rows * blocks_per_row + 3,
+                    layout);
     c.paged_ = true;
     std::vector<int32_t> ids(static_cast<size_t>(c.num_blocks_));
     std::iota(ids.begin(), ids.end(), 0);
@@ -223,8 +226,8 @@ class OracleKvCache {
   }
   // Contiguous: one block of `capacity` tokens per row (row r uses block r).
   static OracleKvCache contiguous(DType dtype, int32_t num_kv_heads, int32_t head_dim, int32_t rows,
-                                  int32_t capacity) {
-    OracleKvCache c(dtype, num_kv_heads, head_dim, capacity, rows);
+                                  int32_t capacity, KvCacheLayout layout = KvCacheLayout::kHND) {
+    OracleKvCache c(dtype, num_kv_heads, head_dim, capacity, rows, layout);
     c.paged_ = false;
     c.seq_lens_ = HostTensor(DType::kInt32, {rows});
     return c;
@@ -245,6 +248,9 @@ class OracleKvCache {
   int32_t& block_id(int64_t row, int64_t block) {
     return block_table_.data<int32_t>()[row * block_table_.view().shape[1] + block];
   }
+  int32_t block_table_entry(int64_t row, int64_t block) const {
+    return block_table_.data<int32_t>()[row * block_table_.view().shape[1] + block];
+  }
 
   int64_t slot_of(int64_t position) const {
     if (window_slots_ == 0 || position < sink_tokens_) return position;
@@ -256,8 +262,9 @@ class OracleKvCache {
     const int64_t block =
         paged_ ? block_table_.data<int32_t>()[row * block_table_.view().shape[1] + slot / tpb_]
                : row;
-    return ((((block * 2 + kv) * hkv_ + head) * tpb_) + slot % tpb_) * d_ + d;
+    return block_element(block, kv, head, static_cast<int32_t>(slot % tpb_), d);
   }
+  KvCacheLayout layout() const { return layout_; }
   float scale(int kv, int32_t head) const {
     const HostTensor& s = kv == 0 ? k_scale_ : v_scale_;
     if (!s.view().defined()) return 1.0f;
@@ -286,6 +293,37 @@ class OracleKvCache {
   }
   uint8_t byte_at(int64_t element) const { return pool_.bytes()[element * dtype_size(dtype_)]; }
 
+  // The same logical cache in `layout`: every block's stored elements (poison included) moved to
+  // their place in the other order; tables, lengths, scales and the cyclic window copied.
+  OracleKvCache relaid(KvCacheLayout layout) const {
+    OracleKvCache c = *this;
+    c.layout_ = layout;
+    c.pool_ = HostTensor(dtype_, layout == KvCacheLayout::kNHD
+                                     ? std::vector<int64_t>{num_blocks_, 2, tpb_, hkv_, d_}
+                                     : std::vector<int64_t>{num_blocks_, 2, hkv_, tpb_, d_});
+    const size_t elt = dtype_size(dtype_);
+    auto* dst = c.pool_.data<uint8_t>();
+    const auto* src = pool_.data<uint8_t>();
+    for (int64_t b = 0; b < num_blocks_; ++b) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int32_t h = 0; h < hkv_; ++h) {
+          for (int32_t t = 0; t < tpb_; ++t) {
+            for (int32_t d = 0; d < d_; ++d) {
+              std::memcpy(dst + c.block_element(b, kv, h, t, d) * elt,
+                          src + block_element(b, kv, h, t, d) * elt, elt);
+            }
+          }
+        }
+      }
+    }
+    return c;
+  }
+  // Element index in the pool of element d of head h at slot t of block b (K: kv = 0, V: 1).
+  int64_t block_element(int64_t b, int kv, int32_t h, int32_t t, int32_t d) const {
+    if (layout_ == KvCacheLayout::kNHD) return (((b * 2 + kv) * tpb_ + t) * hkv_ + h) * d_ + d;
+    return (((b * 2 + kv) * hkv_ + h) * tpb_ + t) * d_ + d;
+  }
+
   KvCacheView view() const {
     KvCacheView v;
     const int64_t elt = static_cast<int64_t>(dtype_size(dtype_));
@@ -298,6 +336,7 @@ class OracleKvCache {
     v.tokens_per_block = tpb_;
     v.head_dim = d_;
     v.paged = paged_;
+    v.layout = layout_;
     if (paged_) v.block_table = block_table_.view();
     v.seq_lens = seq_lens_.view();
     if (k_scale_.view().defined()) v.k_scale = k_scale_.view();
@@ -310,18 +349,23 @@ class OracleKvCache {
   const HostTensor& pool() const { return pool_; }
 
  private:
-  OracleKvCache(DType dtype, int32_t hkv, int32_t d, int32_t tpb, int32_t num_blocks)
+  OracleKvCache(DType dtype, int32_t hkv, int32_t d, int32_t tpb, int32_t num_blocks,
+                KvCacheLayout layout)
       : dtype_(dtype),
         hkv_(hkv),
         d_(d),
         tpb_(tpb),
         num_blocks_(num_blocks),
-        pool_(dtype, {num_blocks, 2, hkv, tpb, d}) {
+        layout_(layout),
+        pool_(dtype, layout == KvCacheLayout::kNHD
+                         ? std::vector<int64_t>{num_blocks, 2, tpb, hkv, d}
+                         : std::vector<int64_t>{num_blocks, 2, hkv, tpb, d}) {
     // NaN poison for float caches; int8 has no NaN, so an extreme value instead.
     pool_.fill(dtype == DType::kInt8 ? 127.0f : NAN);
   }
   DType dtype_;
   int32_t hkv_, d_, tpb_, num_blocks_;
+  KvCacheLayout layout_ = KvCacheLayout::kHND;
   bool paged_ = true;
   HostTensor pool_;
   HostTensor block_table_;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/kv_cache.h"
 #include "attnkit/types.h"
 
 namespace attnkit::test {
@@ -43,6 +44,12 @@ class HostTensor {
   std::vector<uint8_t> storage_;
   TensorView view_;
 };
+
+// The cache layouts the cache tests run over.
+inline constexpr KvCacheLayout kBothLayouts[] = {KvCacheLayout::kHND, KvCacheLayout::kNHD};
+inline KvCacheLayout other_layout(KvCacheLayout layout) {
+  return layout == KvCacheLayout::kHND ? KvCacheLayout::kNHD : KvCacheLayout::kHND;
+}
 
 // A fresh seed per test run (printed so a failure can be replayed with ATTNKIT_TEST_SEED).
 uint64_t test_seed();

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "attnkit/attention.h"
@@ -204,6 +205,74 @@ TEST(KvCacheEndToEndFork, CopyOnWriteGivesTheSameDecodeAsSeparateSequences) {
   }
   EXPECT_GE(shared.stats().cow_copies, 1);
   EXPECT_LT(shared.stats().used_blocks, separate.stats().used_blocks);
+}
+
+// A pool of NHD blocks and one of HND blocks, driven alike (a prompt, a second request reusing
+// its prefix after a trip through the host tier, forks that copy on write, decode steps across a
+// block boundary): every output is bit-identical.
+TEST(KvCacheEndToEndLayout, NhdPoolGivesTheAttentionOfAnHndPool) {
+  std::mt19937_64 rng(test_seed());
+  const TokenModel model{rng()};
+  const AttentionSpec spec = causal_spec();
+  std::vector<std::unique_ptr<KvCacheManager>> pools;
+  for (KvCacheLayout layout : {KvCacheLayout::kHND, KvCacheLayout::kNHD}) {
+    KvCacheManagerConfig c = e2e_config(8);
+    c.layout = layout;
+    c.host_cache_bytes = 8 * KvCacheManager(c).block_bytes();
+    pools.push_back(std::make_unique<KvCacheManager>(c));
+  }
+  const auto prompt = random_tokens(rng, 40);
+  const auto other = random_tokens(rng, 8 * kT);
+  auto tokens = prompt;
+  const auto suffix = random_tokens(rng, 7);
+  tokens.insert(tokens.end(), suffix.begin(), suffix.end());
+  std::vector<std::vector<float>> outputs[2];
+  for (int i = 0; i < 2; ++i) {
+    KvCacheManager& m = *pools[i];
+    m.add(1, prompt);
+    outputs[i].push_back(prefill_seq(spec, model, m, 1, prompt, 0));
+    m.release(1);
+    m.add(99, other);  // every block: the prompt's go to the host tier
+    m.release(99);
+    EXPECT_EQ(m.add(2, tokens), 32);
+    EXPECT_GE(m.stats().onboards, 2);
+    outputs[i].push_back(prefill_seq(spec, model, m, 2, tokens, 32));
+    m.fork(2, 3);
+    for (int step = 0; step < 20; ++step) {  // 47 + 20 tokens cross the block boundary at 48
+      const std::vector<int32_t> next = {static_cast<int32_t>(step),
+                                         static_cast<int32_t>(7 * step)};
+      outputs[i].push_back(decode_step(spec, model, m, {2, 3}, next));
+    }
+    EXPECT_GE(m.stats().cow_copies, 1);
+    m.check_invariants();
+  }
+  // The same blocks hold the same K and V, in their own order: HND [Hkv, T, D], NHD [T, Hkv, D].
+  const std::vector<int32_t> blocks = pools[0]->blocks(2);
+  ASSERT_EQ(blocks, pools[1]->blocks(2));
+  const int64_t bytes = pools[0]->block_bytes();
+  std::vector<uint16_t> hnd(static_cast<size_t>(bytes / 2)), nhd(hnd.size());
+  const int64_t length = pools[0]->length(2);
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    const int32_t b = blocks[j];
+    pools[0]->read_block(b, hnd.data());
+    pools[1]->read_block(b, nhd.data());
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int h = 0; h < kHkv; ++h) {
+        for (int t = 0; t < kT && static_cast<int64_t>(j) * kT + t < length; ++t) {
+          for (int e = 0; e < kD; ++e) {
+            ASSERT_EQ(hnd[((kv * kHkv + h) * kT + t) * kD + e],
+                      nhd[((kv * kT + t) * kHkv + h) * kD + e])
+                << "block " << b << " kv " << kv << " head " << h << " slot " << t;
+          }
+        }
+      }
+    }
+  }
+  ASSERT_EQ(outputs[0].size(), outputs[1].size());
+  for (size_t i = 0; i < outputs[0].size(); ++i) {
+    for (float x : outputs[1][i]) ASSERT_FALSE(std::isnan(x)) << "call " << i;
+    EXPECT_TRUE(bit_identical(outputs[0][i], outputs[1][i])) << "call " << i;
+  }
 }
 
 TEST(KvCacheEndToEndWindow, CyclicCacheMatchesLinearCacheWithWindowMask) {

@@ -219,6 +219,10 @@ TEST(KvCacheManager, BadArgumentsNameTheArgument) {
             std::string::npos);
   EXPECT_NE(config_error([](auto& c) { c.max_seq_len = 0; }).find("max_seq_len"),
             std::string::npos);
+  EXPECT_NE(config_error([](auto& c) {
+              c.layout = static_cast<KvCacheLayout>(2);
+            }).find("KvCacheManagerConfig.layout"),
+            std::string::npos);
 }
 
 TEST(KvCacheManager, SizingTakesTheSmallerLimit) {
@@ -302,27 +306,32 @@ TEST(KvCacheManager, MixedFullAndWindowedLayersStayLinear) {
 }
 
 TEST(KvCacheManager, ExportedViewsAddressOnePoolForAllLayers) {
-  KvCacheManagerConfig c = base_config(16, 8);
-  c.num_layers = 3;
-  KvCacheManager m(c);
-  m.add(5, std::vector<int32_t>(20, 1));
-  m.add(6, std::vector<int32_t>(3, 2));
-  const KvBlockTables t = m.block_tables(std::vector<SeqId>{6, 5});
-  ASSERT_EQ(t.max_blocks, 1024 / 16);
-  EXPECT_EQ(t.seq_lens, (std::vector<int32_t>{3, 20}));
-  EXPECT_EQ(t.table[0], m.blocks(6)[0]);
-  EXPECT_EQ(t.table[1], -1);
-  EXPECT_EQ(t.table[t.max_blocks + 1], m.blocks(5)[1]);
-  EXPECT_EQ(t.table[t.max_blocks + 2], -1);
-  const int64_t elt = 2, layer = 2 * 2 * 16 * 8 * elt;
-  for (int l = 0; l < 3; ++l) {
-    const KvCacheView v = m.layer_view(l, t.table_view(), t.seq_lens_view());
-    EXPECT_EQ(static_cast<uint8_t*>(v.k_base), static_cast<uint8_t*>(m.pool_data()) + l * layer);
-    EXPECT_EQ(static_cast<uint8_t*>(v.v_base), static_cast<uint8_t*>(v.k_base) + layer / 2);
-    EXPECT_EQ(v.block_stride_bytes, 3 * layer);
-    EXPECT_EQ(v.num_blocks, 8);
-    EXPECT_EQ(v.num_rows(), 2);
-    EXPECT_EQ(v.window_slots, 0);
+  for (KvCacheLayout layout : {KvCacheLayout::kHND, KvCacheLayout::kNHD}) {
+    SCOPED_TRACE(kv_layout_name(layout));
+    KvCacheManagerConfig c = base_config(16, 8);
+    c.num_layers = 3;
+    c.layout = layout;
+    KvCacheManager m(c);
+    m.add(5, std::vector<int32_t>(20, 1));
+    m.add(6, std::vector<int32_t>(3, 2));
+    const KvBlockTables t = m.block_tables(std::vector<SeqId>{6, 5});
+    ASSERT_EQ(t.max_blocks, 1024 / 16);
+    EXPECT_EQ(t.seq_lens, (std::vector<int32_t>{3, 20}));
+    EXPECT_EQ(t.table[0], m.blocks(6)[0]);
+    EXPECT_EQ(t.table[1], -1);
+    EXPECT_EQ(t.table[t.max_blocks + 1], m.blocks(5)[1]);
+    EXPECT_EQ(t.table[t.max_blocks + 2], -1);
+    const int64_t elt = 2, layer = 2 * 2 * 16 * 8 * elt;
+    for (int l = 0; l < 3; ++l) {
+      const KvCacheView v = m.layer_view(l, t.table_view(), t.seq_lens_view());
+      EXPECT_EQ(static_cast<uint8_t*>(v.k_base), static_cast<uint8_t*>(m.pool_data()) + l * layer);
+      EXPECT_EQ(static_cast<uint8_t*>(v.v_base), static_cast<uint8_t*>(v.k_base) + layer / 2);
+      EXPECT_EQ(v.block_stride_bytes, 3 * layer);
+      EXPECT_EQ(v.num_blocks, 8);
+      EXPECT_EQ(v.num_rows(), 2);
+      EXPECT_EQ(v.window_slots, 0);
+      EXPECT_EQ(v.layout, layout);  // the pool's block order: the same block bytes either way
+    }
   }
 }
 

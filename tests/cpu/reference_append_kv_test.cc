@@ -225,33 +225,39 @@ TEST(ReferenceAppendKv, FusedEqualsSeparateInputsWithBias) {
     }
   }
   const std::vector<int32_t> positions = {0, 1, 2, 9, 4}, rows = {0, 0, 0, 1, 1};
-  OracleKvCache fused_cache = OracleKvCache::paged(DType::kBF16, hkv, d, 8, 2, 2, rng);
-  OracleKvCache separate_cache = fused_cache;
-  const HostTensor q_fused = run_append_kv(spec, qkv, positions, rows, fused_cache.view(), &bias);
+  // The fused call writes a cache of each layout, the separate one the same cache in the other
+  // layout: moved back, its bytes equal the fused call's.
+  for (KvCacheLayout layout : kBothLayouts) {
+    SCOPED_TRACE(kv_layout_name(layout));
+    OracleKvCache fused_cache = OracleKvCache::paged(DType::kBF16, hkv, d, 8, 2, 2, rng, layout);
+    OracleKvCache separate_cache = fused_cache.relaid(other_layout(layout));
+    const HostTensor q_fused = run_append_kv(spec, qkv, positions, rows, fused_cache.view(), &bias);
 
-  HostTensor q_out(DType::kBF16, {n, hq, d});
-  q_out.fill(NAN);
-  HostTensor pos = int32_tensor(positions), row = int32_tensor(rows);
-  AppendKvArgs args;
-  args.q = q;
-  args.k = k;
-  args.v = v;
-  args.qkv_bias = bias;
-  args.positions = pos;
-  args.row_of_token = row;
-  args.kv_cache = separate_cache.view();
-  args.q_out = q_out;
-  call::append_kv(spec, args);
+    HostTensor q_out(DType::kBF16, {n, hq, d});
+    q_out.fill(NAN);
+    HostTensor pos = int32_tensor(positions), row = int32_tensor(rows);
+    AppendKvArgs args;
+    args.q = q;
+    args.k = k;
+    args.v = v;
+    args.qkv_bias = bias;
+    args.positions = pos;
+    args.row_of_token = row;
+    args.kv_cache = separate_cache.view();
+    args.q_out = q_out;
+    call::append_kv(spec, args);
 
-  EXPECT_FALSE(any_nan(q_fused.to_double()));
-  EXPECT_EQ(q_fused.bytes(), q_out.bytes());
-  EXPECT_EQ(fused_cache.pool().bytes(), separate_cache.pool().bytes());
-  // The bias is applied: V of token 3 is v + bias rounded to bf16.
-  for (int32_t e = 0; e < d; ++e) {
-    const double want = rounded_to(
-        DType::kBF16,
-        {static_cast<double>(v.get((3 * hkv + 1) * d + e)) + bias.get((hq + hkv + 1) * d + e)})[0];
-    EXPECT_EQ(fused_cache.read(1, 9, 1, e, 1), want) << e;
+    EXPECT_FALSE(any_nan(q_fused.to_double()));
+    EXPECT_EQ(q_fused.bytes(), q_out.bytes());
+    EXPECT_EQ(fused_cache.pool().bytes(), separate_cache.relaid(layout).pool().bytes());
+    // The bias is applied: V of token 3 is v + bias rounded to bf16.
+    for (int32_t e = 0; e < d; ++e) {
+      const double want =
+          rounded_to(DType::kBF16, {static_cast<double>(v.get((3 * hkv + 1) * d + e)) +
+                                    bias.get((hq + hkv + 1) * d + e)})[0];
+      EXPECT_EQ(fused_cache.read(1, 9, 1, e, 1), want) << e;
+      EXPECT_EQ(separate_cache.read(1, 9, 1, e, 1), want) << e;
+    }
   }
 }
 
@@ -261,80 +267,83 @@ TEST(ReferenceAppendKv, FusedEqualsSeparateInputsWithBias) {
 TEST(ReferenceAppendKv, QuantizedCachesStoreQuantizedValuesAndAttendOverThem) {
   std::mt19937_64 rng(test_seed());
   const int32_t h = 2, d = 16, n = 13, width = 3 * h * d, tpb = 8;
-  for (DType kv_dtype : {DType::kFp8E4M3, DType::kInt8}) {
-    for (bool per_head : {false, true}) {
-      SCOPED_TRACE(::testing::Message()
-                   << dtype_name(kv_dtype) << (per_head ? " per-head" : " per-tensor"));
-      AttentionSpec spec = rope_spec(h, h, d, RopeStyle::kGptNeox, 0);
-      // K part == Q part (and the same bias), so q_out is exactly the rotated K.
-      std::vector<double> input = rounded_to(DType::kF32, random_values(rng, n * width, -2, 2));
-      std::vector<double> bias_values =
-          rounded_to(DType::kF32, random_values(rng, width, -0.5, 0.5));
-      for (int32_t t = 0; t < n; ++t) {
-        for (int32_t c = 0; c < h * d; ++c) input[t * width + h * d + c] = input[t * width + c];
-      }
-      for (int32_t c = 0; c < h * d; ++c) bias_values[h * d + c] = bias_values[c];
-      HostTensor qkv = tensor_from(DType::kF32, {n, width}, input);
-      HostTensor bias = tensor_from(DType::kF32, {width}, bias_values);
-      OracleKvCache cache = OracleKvCache::paged(kv_dtype, h, d, tpb, 1, 2, rng);
-      const float qmax = kv_dtype == DType::kInt8 ? 127.0f : 448.0f;
-      if (per_head) {
-        cache.set_scales({3.0f / qmax, 2.0f / qmax}, {2.5f / qmax, 4.0f / qmax});
-      } else {
-        cache.set_scales({2.5f / qmax}, {3.0f / qmax});
-      }
-      std::vector<int32_t> positions(n), rows(n, 0);
-      for (int32_t t = 0; t < n; ++t) positions[t] = t;
-      const HostTensor q = run_append_kv(spec, qkv, positions, rows, cache.view(), &bias);
-      cache.set_seq_len(0, n);
-      for (int32_t t = 0; t < n; ++t) {
-        for (int32_t head = 0; head < h; ++head) {
-          const float ks = cache.scale(0, head), vs = cache.scale(1, head);
-          for (int32_t e = 0; e < d; ++e) {
-            const float k_value = q.get((t * h + head) * d + e);
-            const float v_value = static_cast<float>(input[t * width + 2 * h * d + head * d + e] +
-                                                     bias_values[2 * h * d + head * d + e]);
-            const uint8_t want_k = kv_dtype == DType::kInt8
-                                       ? static_cast<uint8_t>(numerics::quantize_int8(k_value, ks))
-                                       : numerics::quantize_fp8_e4m3(k_value, ks);
-            const uint8_t want_v = kv_dtype == DType::kInt8
-                                       ? static_cast<uint8_t>(numerics::quantize_int8(v_value, vs))
-                                       : numerics::quantize_fp8_e4m3(v_value, vs);
-            ASSERT_EQ(cache.byte_at(cache.element_index(0, t, head, e, 0)), want_k)
-                << "K token " << t << " head " << head << " d " << e;
-            ASSERT_EQ(cache.byte_at(cache.element_index(0, t, head, e, 1)), want_v)
-                << "V token " << t << " head " << head << " d " << e;
+  for (KvCacheLayout layout : kBothLayouts)
+    for (DType kv_dtype : {DType::kFp8E4M3, DType::kInt8}) {
+      for (bool per_head : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << kv_layout_name(layout) << " " << dtype_name(kv_dtype)
+                                          << (per_head ? " per-head" : " per-tensor"));
+        AttentionSpec spec = rope_spec(h, h, d, RopeStyle::kGptNeox, 0);
+        // K part == Q part (and the same bias), so q_out is exactly the rotated K.
+        std::vector<double> input = rounded_to(DType::kF32, random_values(rng, n * width, -2, 2));
+        std::vector<double> bias_values =
+            rounded_to(DType::kF32, random_values(rng, width, -0.5, 0.5));
+        for (int32_t t = 0; t < n; ++t) {
+          for (int32_t c = 0; c < h * d; ++c) input[t * width + h * d + c] = input[t * width + c];
+        }
+        for (int32_t c = 0; c < h * d; ++c) bias_values[h * d + c] = bias_values[c];
+        HostTensor qkv = tensor_from(DType::kF32, {n, width}, input);
+        HostTensor bias = tensor_from(DType::kF32, {width}, bias_values);
+        OracleKvCache cache = OracleKvCache::paged(kv_dtype, h, d, tpb, 1, 2, rng, layout);
+        const float qmax = kv_dtype == DType::kInt8 ? 127.0f : 448.0f;
+        if (per_head) {
+          cache.set_scales({3.0f / qmax, 2.0f / qmax}, {2.5f / qmax, 4.0f / qmax});
+        } else {
+          cache.set_scales({2.5f / qmax}, {3.0f / qmax});
+        }
+        std::vector<int32_t> positions(n), rows(n, 0);
+        for (int32_t t = 0; t < n; ++t) positions[t] = t;
+        const HostTensor q = run_append_kv(spec, qkv, positions, rows, cache.view(), &bias);
+        cache.set_seq_len(0, n);
+        for (int32_t t = 0; t < n; ++t) {
+          for (int32_t head = 0; head < h; ++head) {
+            const float ks = cache.scale(0, head), vs = cache.scale(1, head);
+            for (int32_t e = 0; e < d; ++e) {
+              const float k_value = q.get((t * h + head) * d + e);
+              const float v_value = static_cast<float>(input[t * width + 2 * h * d + head * d + e] +
+                                                       bias_values[2 * h * d + head * d + e]);
+              const uint8_t want_k =
+                  kv_dtype == DType::kInt8
+                      ? static_cast<uint8_t>(numerics::quantize_int8(k_value, ks))
+                      : numerics::quantize_fp8_e4m3(k_value, ks);
+              const uint8_t want_v =
+                  kv_dtype == DType::kInt8
+                      ? static_cast<uint8_t>(numerics::quantize_int8(v_value, vs))
+                      : numerics::quantize_fp8_e4m3(v_value, vs);
+              ASSERT_EQ(cache.byte_at(cache.element_index(0, t, head, e, 0)), want_k)
+                  << "K token " << t << " head " << head << " d " << e;
+              ASSERT_EQ(cache.byte_at(cache.element_index(0, t, head, e, 1)), want_v)
+                  << "V token " << t << " head " << head << " d " << e;
+            }
           }
         }
+        // Causal prefill of all tokens over the quantized cache, against the oracle over the
+        // dequantized values.
+        const KvCacheView view = cache.view();
+        HostTensor out(DType::kF32, {n, h, d}), lse(DType::kF32, {n, h});
+        out.fill(NAN);
+        lse.fill(NAN);
+        HostTensor cu = int32_tensor({0, n});
+        PrefillArgs args;
+        args.q = q;
+        args.cu_seqlens_q = cu;
+        args.kv_cache = &view;
+        args.out = out;
+        args.lse = lse;
+        call::prefill(spec, args);
+        OracleProblem pr;
+        pr.num_q_heads = h;
+        pr.num_kv_heads = h;
+        pr.head_dim = d;
+        pr.q = q.to_double();
+        pr.k = cache.dense(0, n, 0);
+        pr.v = cache.dense(0, n, 1);
+        for (int32_t t = 0; t < n; ++t) pr.q_positions.push_back(t);
+        pr.mask = spec.mask;
+        const OracleResult ref = brute_force_attention(pr);
+        EXPECT_LE(max_abs_diff(out.to_double(), ref.out), 1e-5);
+        EXPECT_LE(max_abs_diff(lse.to_double(), ref.lse), 1e-5);
       }
-      // Causal prefill of all tokens over the quantized cache, against the oracle over the
-      // dequantized values.
-      const KvCacheView view = cache.view();
-      HostTensor out(DType::kF32, {n, h, d}), lse(DType::kF32, {n, h});
-      out.fill(NAN);
-      lse.fill(NAN);
-      HostTensor cu = int32_tensor({0, n});
-      PrefillArgs args;
-      args.q = q;
-      args.cu_seqlens_q = cu;
-      args.kv_cache = &view;
-      args.out = out;
-      args.lse = lse;
-      call::prefill(spec, args);
-      OracleProblem pr;
-      pr.num_q_heads = h;
-      pr.num_kv_heads = h;
-      pr.head_dim = d;
-      pr.q = q.to_double();
-      pr.k = cache.dense(0, n, 0);
-      pr.v = cache.dense(0, n, 1);
-      for (int32_t t = 0; t < n; ++t) pr.q_positions.push_back(t);
-      pr.mask = spec.mask;
-      const OracleResult ref = brute_force_attention(pr);
-      EXPECT_LE(max_abs_diff(out.to_double(), ref.out), 1e-5);
-      EXPECT_LE(max_abs_diff(lse.to_double(), ref.lse), 1e-5);
     }
-  }
 }
 
 }  // namespace

@@ -323,96 +323,106 @@ TEST(ReferenceDecode, PagedMatchesOracleForEveryMaskAndKvDtype) {
   std::mt19937_64 rng(test_seed());
   const int32_t hq = 8, hkv = 2, d = 32, tpb = 8;
   const std::vector<int32_t> lens = {1, 8, 9, 23, 32};
-  for (DType kv_dtype : {DType::kBF16, DType::kF16, DType::kFp8E4M3, DType::kInt8}) {
-    for (MaskSpec mask : {causal(), window(6, 0), window(6, 3), no_mask()}) {
-      SCOPED_TRACE(::testing::Message() << dtype_name(kv_dtype) << " " << mask_name(mask.kind)
-                                        << " S=" << mask.sink_tokens);
-      AttentionSpec spec = make_spec(hq, hkv, d, mask);
-      spec.alibi = mask.kind == MaskKind::kNone;  // ALiBi in decode too
-      OracleKvCache cache = OracleKvCache::paged(kv_dtype, hkv, d, tpb, 5, 4, rng);
-      if (kv_dtype == DType::kFp8E4M3) cache.set_scales({0.01f}, {0.004f});
-      if (kv_dtype == DType::kInt8) cache.set_scales({0.01f, 0.02f}, {0.008f, 0.009f});
-      const std::vector<RowKv> kv = fill_cache(cache, lens, hkv, d, rng);
-      // Unquantized caches take queries of their own dtype; quantized ones bf16 here (bf16 query
-      // + fp8 KV with a window is a combination other engines got wrong).
-      const DType q_dtype =
-          kv_dtype == DType::kBF16 || kv_dtype == DType::kF16 ? kv_dtype : DType::kBF16;
-      const std::vector<double> qv = rounded_to(q_dtype, random_values(rng, 5 * hq * d, -1, 1));
-      HostTensor q = tensor_from(q_dtype, {5, hq, d}, qv);
-      const DecodeRun got = run_decode(spec, cache.view(), q);
-      for (int64_t r = 0; r < 5; ++r) {
-        OracleProblem pr;
-        pr.num_q_heads = hq;
-        pr.num_kv_heads = hkv;
-        pr.head_dim = d;
-        pr.q.assign(qv.begin() + r * hq * d, qv.begin() + (r + 1) * hq * d);
-        pr.k = kv[r].k;
-        pr.v = kv[r].v;
-        pr.q_positions = {lens[r] - 1};
-        pr.mask = mask;
-        if (spec.alibi) {
-          for (float s : default_alibi_slopes(hq)) pr.alibi_slopes.push_back(s);
+  for (KvCacheLayout layout : kBothLayouts)
+    for (DType kv_dtype : {DType::kBF16, DType::kF16, DType::kFp8E4M3, DType::kInt8}) {
+      for (MaskSpec mask : {causal(), window(6, 0), window(6, 3), no_mask()}) {
+        SCOPED_TRACE(::testing::Message()
+                     << kv_layout_name(layout) << " " << dtype_name(kv_dtype) << " "
+                     << mask_name(mask.kind) << " S=" << mask.sink_tokens);
+        AttentionSpec spec = make_spec(hq, hkv, d, mask);
+        spec.alibi = mask.kind == MaskKind::kNone;  // ALiBi in decode too
+        OracleKvCache cache = OracleKvCache::paged(kv_dtype, hkv, d, tpb, 5, 4, rng, layout);
+        if (kv_dtype == DType::kFp8E4M3) cache.set_scales({0.01f}, {0.004f});
+        if (kv_dtype == DType::kInt8) cache.set_scales({0.01f, 0.02f}, {0.008f, 0.009f});
+        const std::vector<RowKv> kv = fill_cache(cache, lens, hkv, d, rng);
+        // Unquantized caches take queries of their own dtype; quantized ones bf16 here (bf16 query
+        // + fp8 KV with a window is a combination other engines got wrong).
+        const DType q_dtype =
+            kv_dtype == DType::kBF16 || kv_dtype == DType::kF16 ? kv_dtype : DType::kBF16;
+        const std::vector<double> qv = rounded_to(q_dtype, random_values(rng, 5 * hq * d, -1, 1));
+        HostTensor q = tensor_from(q_dtype, {5, hq, d}, qv);
+        const DecodeRun got = run_decode(spec, cache.view(), q);
+        for (int64_t r = 0; r < 5; ++r) {
+          OracleProblem pr;
+          pr.num_q_heads = hq;
+          pr.num_kv_heads = hkv;
+          pr.head_dim = d;
+          pr.q.assign(qv.begin() + r * hq * d, qv.begin() + (r + 1) * hq * d);
+          pr.k = kv[r].k;
+          pr.v = kv[r].v;
+          pr.q_positions = {lens[r] - 1};
+          pr.mask = mask;
+          if (spec.alibi) {
+            for (float s : default_alibi_slopes(hq)) pr.alibi_slopes.push_back(s);
+          }
+          const OracleResult ref = brute_force_attention(pr);
+          const std::vector<double> row(got.out.begin() + r * hq * d,
+                                        got.out.begin() + (r + 1) * hq * d);
+          for (size_t e = 0; e < row.size(); ++e) {
+            ASSERT_LE(std::fabs(row[e] - ref.out[e]), rounding_bound(q_dtype, ref.out[e]))
+                << "row " << r << " element " << e;
+          }
+          const std::vector<double> row_lse(got.lse.begin() + r * hq,
+                                            got.lse.begin() + (r + 1) * hq);
+          EXPECT_LE(max_abs_diff(row_lse, ref.lse), 1e-5) << "row " << r;
         }
-        const OracleResult ref = brute_force_attention(pr);
-        const std::vector<double> row(got.out.begin() + r * hq * d,
-                                      got.out.begin() + (r + 1) * hq * d);
-        for (size_t e = 0; e < row.size(); ++e) {
-          ASSERT_LE(std::fabs(row[e] - ref.out[e]), rounding_bound(q_dtype, ref.out[e]))
-              << "row " << r << " element " << e;
-        }
-        const std::vector<double> row_lse(got.lse.begin() + r * hq, got.lse.begin() + (r + 1) * hq);
-        EXPECT_LE(max_abs_diff(row_lse, ref.lse), 1e-5) << "row " << r;
       }
     }
-  }
 }
 
 TEST(ReferenceDecode, PagedEqualsContiguous) {
   std::mt19937_64 rng(test_seed());
   const int32_t hq = 4, hkv = 2, d = 16, tpb = 8;
   const std::vector<int32_t> lens = {3, 16, 17, 30};
-  for (MaskSpec mask : {causal(), window(5, 2)}) {
-    const AttentionSpec spec = make_spec(hq, hkv, d, mask);
-    OracleKvCache paged = OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 4, 4, rng);
-    OracleKvCache contiguous = OracleKvCache::contiguous(DType::kBF16, hkv, d, 4, 32);
-    const std::vector<RowKv> kv = fill_cache(paged, lens, hkv, d, rng);
-    for (size_t r = 0; r < lens.size(); ++r) {
-      contiguous.set_seq_len(static_cast<int64_t>(r), lens[r]);
-      for (int32_t p = 0; p < lens[r]; ++p) {
-        for (int32_t h = 0; h < hkv; ++h) {
-          contiguous.write(static_cast<int64_t>(r), p, h, 0, &kv[r].k[(p * hkv + h) * d]);
-          contiguous.write(static_cast<int64_t>(r), p, h, 1, &kv[r].v[(p * hkv + h) * d]);
+  // The paged cache in one layout, the contiguous one in the other as well.
+  for (KvCacheLayout paged_layout : kBothLayouts)
+    for (KvCacheLayout contiguous_layout : kBothLayouts)
+      for (MaskSpec mask : {causal(), window(5, 2)}) {
+        SCOPED_TRACE(::testing::Message() << "paged " << kv_layout_name(paged_layout)
+                                          << ", contiguous " << kv_layout_name(contiguous_layout));
+        const AttentionSpec spec = make_spec(hq, hkv, d, mask);
+        OracleKvCache paged =
+            OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 4, 4, rng, paged_layout);
+        OracleKvCache contiguous =
+            OracleKvCache::contiguous(DType::kBF16, hkv, d, 4, 32, contiguous_layout);
+        const std::vector<RowKv> kv = fill_cache(paged, lens, hkv, d, rng);
+        for (size_t r = 0; r < lens.size(); ++r) {
+          contiguous.set_seq_len(static_cast<int64_t>(r), lens[r]);
+          for (int32_t p = 0; p < lens[r]; ++p) {
+            for (int32_t h = 0; h < hkv; ++h) {
+              contiguous.write(static_cast<int64_t>(r), p, h, 0, &kv[r].k[(p * hkv + h) * d]);
+              contiguous.write(static_cast<int64_t>(r), p, h, 1, &kv[r].v[(p * hkv + h) * d]);
+            }
+          }
         }
-      }
-    }
-    HostTensor q(DType::kBF16, {4, hq, d});
-    q.fill_uniform(rng, -1, 1);
-    const DecodeRun a = run_decode(spec, paged.view(), q);
-    const DecodeRun b = run_decode(spec, contiguous.view(), q);
-    EXPECT_FALSE(any_nan(a.out));
-    EXPECT_EQ(max_abs_diff(a.out, b.out), 0.0);
-    EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0);
+        HostTensor q(DType::kBF16, {4, hq, d});
+        q.fill_uniform(rng, -1, 1);
+        const DecodeRun a = run_decode(spec, paged.view(), q);
+        const DecodeRun b = run_decode(spec, contiguous.view(), q);
+        EXPECT_FALSE(any_nan(a.out));
+        EXPECT_EQ(max_abs_diff(a.out, b.out), 0.0);
+        EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0);
 
-    // Prefill over the caches (the last 5 tokens of rows 1..3 as queries; row 0 has 3).
-    HostTensor pq(DType::kBF16, {3 + 5 * 3, hq, d});
-    pq.fill_uniform(rng, -1, 1);
-    HostTensor cu = int32_tensor({0, 3, 8, 13, 18});
-    std::vector<std::vector<double>> outs;
-    for (const OracleKvCache* c : {&paged, &contiguous}) {
-      const KvCacheView view = c->view();
-      HostTensor out(DType::kBF16, {18, hq, d});
-      out.fill(NAN);
-      PrefillArgs args;
-      args.q = pq;
-      args.cu_seqlens_q = cu;
-      args.kv_cache = &view;
-      args.out = out;
-      call::prefill(spec, args);
-      outs.push_back(out.to_double());
-    }
-    EXPECT_FALSE(any_nan(outs[0]));
-    EXPECT_EQ(max_abs_diff(outs[0], outs[1]), 0.0);
-  }
+        // Prefill over the caches (the last 5 tokens of rows 1..3 as queries; row 0 has 3).
+        HostTensor pq(DType::kBF16, {3 + 5 * 3, hq, d});
+        pq.fill_uniform(rng, -1, 1);
+        HostTensor cu = int32_tensor({0, 3, 8, 13, 18});
+        std::vector<std::vector<double>> outs;
+        for (const OracleKvCache* c : {&paged, &contiguous}) {
+          const KvCacheView view = c->view();
+          HostTensor out(DType::kBF16, {18, hq, d});
+          out.fill(NAN);
+          PrefillArgs args;
+          args.q = pq;
+          args.cu_seqlens_q = cu;
+          args.kv_cache = &view;
+          args.out = out;
+          call::prefill(spec, args);
+          outs.push_back(out.to_double());
+        }
+        EXPECT_FALSE(any_nan(outs[0]));
+        EXPECT_EQ(max_abs_diff(outs[0], outs[1]), 0.0);
+      }
 }
 
 TEST(ReferenceDecode, SplitCountDoesNotChangeTheResult) {
@@ -483,30 +493,32 @@ TEST(ReferenceDecode, GqaEqualsMhaWithRepeatedKvHeads) {
   std::mt19937_64 rng(test_seed());
   const int32_t hq = 8, d = 16, tpb = 8;
   const std::vector<int32_t> lens = {5, 19};
-  for (int32_t hkv : {1, 2, 4}) {
-    const AttentionSpec gqa = make_spec(hq, hkv, d, causal());
-    const AttentionSpec mha = make_spec(hq, hq, d, causal());
-    OracleKvCache small = OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 2, 3, rng);
-    OracleKvCache big = OracleKvCache::paged(DType::kBF16, hq, d, tpb, 2, 3, rng);
-    const std::vector<RowKv> kv = fill_cache(small, lens, hkv, d, rng);
-    for (size_t r = 0; r < lens.size(); ++r) {
-      big.set_seq_len(static_cast<int64_t>(r), lens[r]);
-      for (int32_t p = 0; p < lens[r]; ++p) {
-        for (int32_t h = 0; h < hq; ++h) {
-          const int32_t src = h / (hq / hkv);
-          big.write(static_cast<int64_t>(r), p, h, 0, &kv[r].k[(p * hkv + src) * d]);
-          big.write(static_cast<int64_t>(r), p, h, 1, &kv[r].v[(p * hkv + src) * d]);
+  for (KvCacheLayout layout : kBothLayouts)
+    for (int32_t hkv : {1, 2, 4}) {
+      SCOPED_TRACE(kv_layout_name(layout));
+      const AttentionSpec gqa = make_spec(hq, hkv, d, causal());
+      const AttentionSpec mha = make_spec(hq, hq, d, causal());
+      OracleKvCache small = OracleKvCache::paged(DType::kBF16, hkv, d, tpb, 2, 3, rng, layout);
+      OracleKvCache big = OracleKvCache::paged(DType::kBF16, hq, d, tpb, 2, 3, rng, layout);
+      const std::vector<RowKv> kv = fill_cache(small, lens, hkv, d, rng);
+      for (size_t r = 0; r < lens.size(); ++r) {
+        big.set_seq_len(static_cast<int64_t>(r), lens[r]);
+        for (int32_t p = 0; p < lens[r]; ++p) {
+          for (int32_t h = 0; h < hq; ++h) {
+            const int32_t src = h / (hq / hkv);
+            big.write(static_cast<int64_t>(r), p, h, 0, &kv[r].k[(p * hkv + src) * d]);
+            big.write(static_cast<int64_t>(r), p, h, 1, &kv[r].v[(p * hkv + src) * d]);
+          }
         }
       }
+      HostTensor q(DType::kBF16, {2, hq, d});
+      q.fill_uniform(rng, -1, 1);
+      const DecodeRun a = run_decode(gqa, small.view(), q);
+      const DecodeRun b = run_decode(mha, big.view(), q);
+      EXPECT_FALSE(any_nan(a.out));
+      EXPECT_EQ(max_abs_diff(a.out, b.out), 0.0) << "Hkv=" << hkv;
+      EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0) << "Hkv=" << hkv;
     }
-    HostTensor q(DType::kBF16, {2, hq, d});
-    q.fill_uniform(rng, -1, 1);
-    const DecodeRun a = run_decode(gqa, small.view(), q);
-    const DecodeRun b = run_decode(mha, big.view(), q);
-    EXPECT_FALSE(any_nan(a.out));
-    EXPECT_EQ(max_abs_diff(a.out, b.out), 0.0) << "Hkv=" << hkv;
-    EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0) << "Hkv=" << hkv;
-  }
 }
 
 TEST(ReferenceDecode, BeamIndirectionEqualsGatheredCaches) {
@@ -514,37 +526,42 @@ TEST(ReferenceDecode, BeamIndirectionEqualsGatheredCaches) {
   const int32_t hq = 4, hkv = 2, d = 16, tpb = 8, beams = 3, seqs = 2, max_seq = 24;
   const std::vector<int32_t> lens = {11, 11, 11, 20, 20, 20};
   const AttentionSpec spec = make_spec(hq, hkv, d, causal());
-  OracleKvCache cache = OracleKvCache::paged(DType::kFp8E4M3, hkv, d, tpb, 6, 3, rng);
-  cache.set_scales({0.005f}, {0.006f});
-  const std::vector<RowKv> kv = fill_cache(cache, lens, hkv, d, rng);
-  HostTensor ind(DType::kInt32, {seqs, beams, max_seq});
-  std::uniform_int_distribution<int32_t> pick(0, beams - 1);
-  for (int64_t i = 0; i < ind.numel(); ++i) ind.data<int32_t>()[i] = pick(rng);
-  // The gathered caches: row (s, b) holds at position t the K/V of beam ind[s][b][t].
-  OracleKvCache gathered = OracleKvCache::contiguous(DType::kFp8E4M3, hkv, d, 6, max_seq);
-  gathered.set_scales({0.005f}, {0.006f});
-  for (int32_t s = 0; s < seqs; ++s) {
-    for (int32_t b = 0; b < beams; ++b) {
-      const int32_t row = s * beams + b;
-      gathered.set_seq_len(row, lens[row]);
-      for (int32_t t = 0; t < lens[row]; ++t) {
-        const int32_t src = s * beams + ind.data<int32_t>()[(s * beams + b) * max_seq + t];
-        for (int32_t h = 0; h < hkv; ++h) {
-          gathered.write(row, t, h, 0, &kv[src].k[(t * hkv + h) * d]);
-          gathered.write(row, t, h, 1, &kv[src].v[(t * hkv + h) * d]);
+  // The beams' cache in each layout; the gathered one in the other.
+  for (KvCacheLayout layout : kBothLayouts) {
+    SCOPED_TRACE(kv_layout_name(layout));
+    const KvCacheLayout other = other_layout(layout);
+    OracleKvCache cache = OracleKvCache::paged(DType::kFp8E4M3, hkv, d, tpb, 6, 3, rng, layout);
+    cache.set_scales({0.005f}, {0.006f});
+    const std::vector<RowKv> kv = fill_cache(cache, lens, hkv, d, rng);
+    HostTensor ind(DType::kInt32, {seqs, beams, max_seq});
+    std::uniform_int_distribution<int32_t> pick(0, beams - 1);
+    for (int64_t i = 0; i < ind.numel(); ++i) ind.data<int32_t>()[i] = pick(rng);
+    // The gathered caches: row (s, b) holds at position t the K/V of beam ind[s][b][t].
+    OracleKvCache gathered = OracleKvCache::contiguous(DType::kFp8E4M3, hkv, d, 6, max_seq, other);
+    gathered.set_scales({0.005f}, {0.006f});
+    for (int32_t s = 0; s < seqs; ++s) {
+      for (int32_t b = 0; b < beams; ++b) {
+        const int32_t row = s * beams + b;
+        gathered.set_seq_len(row, lens[row]);
+        for (int32_t t = 0; t < lens[row]; ++t) {
+          const int32_t src = s * beams + ind.data<int32_t>()[(s * beams + b) * max_seq + t];
+          for (int32_t h = 0; h < hkv; ++h) {
+            gathered.write(row, t, h, 0, &kv[src].k[(t * hkv + h) * d]);
+            gathered.write(row, t, h, 1, &kv[src].v[(t * hkv + h) * d]);
+          }
         }
       }
     }
+    HostTensor q(DType::kF32, {6, hq, d});
+    q.fill_uniform(rng, -1, 1);
+    const DecodeRun a = run_decode(spec, cache.view(), q, beams, ind);
+    const DecodeRun b = run_decode(spec, gathered.view(), q);
+    const DecodeRun plain = run_decode(spec, cache.view(), q, beams);  // no indirection
+    EXPECT_FALSE(any_nan(a.out));
+    EXPECT_EQ(max_abs_diff(a.out, b.out), 0.0);
+    EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0);
+    EXPECT_GT(max_abs_diff(a.out, plain.out), 0.0) << "the indirection must change the result";
   }
-  HostTensor q(DType::kF32, {6, hq, d});
-  q.fill_uniform(rng, -1, 1);
-  const DecodeRun a = run_decode(spec, cache.view(), q, beams, ind);
-  const DecodeRun b = run_decode(spec, gathered.view(), q);
-  const DecodeRun plain = run_decode(spec, cache.view(), q, beams);  // no indirection
-  EXPECT_FALSE(any_nan(a.out));
-  EXPECT_EQ(max_abs_diff(a.out, b.out), 0.0);
-  EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0);
-  EXPECT_GT(max_abs_diff(a.out, plain.out), 0.0) << "the indirection must change the result";
 }
 
 // ---- merge_states -----------------------------------------------------------------------------

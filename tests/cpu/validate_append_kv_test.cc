@@ -177,6 +177,18 @@ TEST(ValidateAppendKv, RejectsPositionValues) {
   }
 }
 
+TEST(ValidateAppendKv, RejectsUnknownCacheLayout) {
+  AppendCall call;
+  call.args.kv_cache.layout = static_cast<KvCacheLayout>(-1);
+  call.expect_rejected("kv_cache.layout");
+  // Both layouts are accepted.
+  for (KvCacheLayout layout : {KvCacheLayout::kHND, KvCacheLayout::kNHD}) {
+    AppendCall ok;
+    ok.args.kv_cache.layout = layout;
+    EXPECT_NO_THROW(detail::validate_append_kv(ok.spec, ok.args)) << kv_layout_name(layout);
+  }
+}
+
 TEST(ValidateAppendKv, RejectsRowOutOfRange) {
   for (int32_t bad : {-1, 3}) {
     AppendCall call;

@@ -200,6 +200,25 @@ TEST(ValidateDecode, RejectsCacheGeometry) {
   }
 }
 
+TEST(ValidateDecode, RejectsUnknownCacheLayout) {
+  for (int32_t value : {2, -1, 255}) {
+    DecodeCall call;
+    call.args.kv_cache.layout = static_cast<KvCacheLayout>(value);
+    call.expect_rejected("kv_cache.layout");
+  }
+  // A CUDA cache is checked on the host alike.
+  DecodeCall cuda;
+  cuda.args.kv_cache = fake_cuda(cuda.args.kv_cache);
+  cuda.args.kv_cache.layout = static_cast<KvCacheLayout>(3);
+  cuda.args.q = fake_cuda(cuda.args.q, 0x600000);
+  cuda.args.out = fake_cuda(cuda.args.out, 0x700000);
+  cuda.args.lse = fake_cuda(cuda.args.lse, 0x800000);
+  cuda.expect_rejected("kv_cache.layout");
+  DecodeCall nhd;
+  nhd.args.kv_cache.layout = KvCacheLayout::kNHD;
+  EXPECT_NO_THROW(detail::validate_decode(nhd.spec, nhd.args));
+}
+
 TEST(ValidateDecode, RejectsNullCacheBase) {
   DecodeCall call;
   call.args.kv_cache.v_base = nullptr;

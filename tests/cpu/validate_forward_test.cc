@@ -73,6 +73,12 @@ TEST(ValidateForward, RejectsRequestLayoutInDeviceMemory) {
   call.expect_rejected("past_lens");
 }
 
+TEST(ValidateForward, RejectsUnknownCacheLayout) {
+  ForwardCall call;
+  call.args.kv_cache.layout = static_cast<KvCacheLayout>(2);
+  call.expect_rejected("kv_cache.layout");
+}
+
 TEST(ValidateForward, RejectsCountsAndBeamWidth) {
   {
     ForwardCall call;

@@ -289,6 +289,11 @@ TEST(ValidatePrefill, RejectsPagedCacheProblems) {
   }
   {
     PagedCall call;
+    call.view.layout = static_cast<KvCacheLayout>(2);  // neither HND nor NHD
+    call.expect_rejected("kv_cache.layout");
+  }
+  {
+    PagedCall call;
     call.view.seq_lens = {};
     call.expect_rejected("kv_cache.seq_lens");
   }

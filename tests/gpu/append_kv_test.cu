@@ -60,15 +60,18 @@ AttentionSpec spec_of(const AppendCase& c) {
   return spec;
 }
 
-void run_append_case(const AppendCase& c, Backend backend, std::mt19937_64& rng) {
-  const std::string what = std::string(c.name) + " backend=" + backend_name(backend);
+// The case into a cache of `blocks` layout (HND or NHD), on the GPU and on the CPU reference.
+void run_append_case(const AppendCase& c, Backend backend, std::mt19937_64& rng,
+                     KvCacheLayout blocks = KvCacheLayout::kHND) {
+  const std::string what =
+      std::string(c.name) + " backend=" + backend_name(backend) + " " + kv_layout_name(blocks);
   SCOPED_TRACE(what);
   AttentionSpec spec = spec_of(c);
   const int32_t rows = 3, blocks_per_row = 6;
   OracleKvCache cache =
       c.layout == AppendCase::kContiguous
-          ? OracleKvCache::contiguous(c.kv_dtype, c.hkv, c.d, rows, blocks_per_row * c.tpb)
-          : OracleKvCache::paged(c.kv_dtype, c.hkv, c.d, c.tpb, rows, blocks_per_row, rng);
+          ? OracleKvCache::contiguous(c.kv_dtype, c.hkv, c.d, rows, blocks_per_row * c.tpb, blocks)
+          : OracleKvCache::paged(c.kv_dtype, c.hkv, c.d, c.tpb, rows, blocks_per_row, rng, blocks);
   fill_cache_random(cache, c.kv_dtype, c.hkv, c.per_head_scales, rng);
   cache.pool().fill(c.kv_dtype == DType::kInt8 ? 127.0f : NAN);  // poison: only writes differ
   const int64_t capacity = int64_t{blocks_per_row} * c.tpb;
@@ -227,14 +230,16 @@ TEST(AppendKv, FusedMatchesReference) {
       std::printf("[append_kv] %s: fused not served (%s)\n", c.name, reason.c_str());
       continue;
     }
-    run_append_case(c, Backend::kFused, rng);
+    for (KvCacheLayout blocks : kBothLayouts) run_append_case(c, Backend::kFused, rng, blocks);
   }
 }
 
 TEST(AppendKv, VanillaMatchesReference) {
   ATTNKIT_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() + 1);
-  for (const AppendCase& c : kCases) run_append_case(c, Backend::kVanilla, rng);
+  for (const AppendCase& c : kCases) {
+    for (KvCacheLayout blocks : kBothLayouts) run_append_case(c, Backend::kVanilla, rng, blocks);
+  }
 }
 
 TEST(AppendKv, AutoServesWhatFusedCannot) {
@@ -330,41 +335,43 @@ TEST(AppendKv, FusedMatchesVanillaAtServingSize) {
   DeviceTensor dqkv(qkv), dbias(bias), dpos(int32_tensor(pos_shuffled)),
       drow(int32_tensor(row_shuffled));
   const HostTensor q_poison = poisoned(DType::kBF16, {n, kHq, kDim});
-  for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
-    SCOPED_TRACE(dtype_name(kv));
-    OracleKvCache cache = OracleKvCache::paged(kv, kHkv, kDim, kPage, num_rows, kBlocksPerRow, rng);
-    fill_cache_random(cache, kv, kHkv, /*per_head=*/kv != DType::kBF16, rng);
-    cache.pool().fill(kv == DType::kInt8 ? 127.0f : NAN);
-    HostTensor q_out[2];
-    OracleKvCache written[2] = {cache, cache};
-    const Backend backends[2] = {Backend::kFused, Backend::kVanilla};
-    for (int b = 0; b < 2; ++b) {
-      DeviceKvCache dcache(cache);
-      DeviceTensor dqout(q_poison);
-      AppendKvArgs args;
-      args.qkv = dqkv;
-      args.qkv_bias = dbias;
-      args.positions = dpos;
-      args.row_of_token = drow;
-      args.kv_cache = dcache.view();
-      args.q_out = dqout;
-      spec.backend = backends[b];
-      ASSERT_NO_THROW(append_kv(spec, args));
-      ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
-      dcache.download_pool(written[b]);
-      q_out[b] = downloaded(dqout, q_poison);
+  for (KvCacheLayout blocks : kBothLayouts)
+    for (DType kv : {DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(kv) << " " << kv_layout_name(blocks));
+      OracleKvCache cache =
+          OracleKvCache::paged(kv, kHkv, kDim, kPage, num_rows, kBlocksPerRow, rng, blocks);
+      fill_cache_random(cache, kv, kHkv, /*per_head=*/kv != DType::kBF16, rng);
+      cache.pool().fill(kv == DType::kInt8 ? 127.0f : NAN);
+      HostTensor q_out[2];
+      OracleKvCache written[2] = {cache, cache};
+      const Backend backends[2] = {Backend::kFused, Backend::kVanilla};
+      for (int b = 0; b < 2; ++b) {
+        DeviceKvCache dcache(cache);
+        DeviceTensor dqout(q_poison);
+        AppendKvArgs args;
+        args.qkv = dqkv;
+        args.qkv_bias = dbias;
+        args.positions = dpos;
+        args.row_of_token = drow;
+        args.kv_cache = dcache.view();
+        args.q_out = dqout;
+        spec.backend = backends[b];
+        ASSERT_NO_THROW(append_kv(spec, args));
+        ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+        dcache.download_pool(written[b]);
+        q_out[b] = downloaded(dqout, q_poison);
+      }
+      const UnitsReport q_report = compare_bytes(DType::kBF16, q_out[0], q_out[1]);
+      const UnitsReport cache_report = compare_bytes(kv, written[0].pool(), written[1].pool());
+      EXPECT_LE(q_report.max_units, 1.0) << "rotated Q, fused vs vanilla";
+      EXPECT_LE(cache_report.max_units, 1.0) << "cache, fused vs vanilla";
+      EXPECT_FALSE(any_nan(q_out[0].to_double())) << "q_out not fully written";
+      std::printf(
+          "[append_kv] serving size %s %s: q_out %lld/%lld differ, cache %lld/%lld differ\n",
+          dtype_name(kv), kv_layout_name(blocks), static_cast<long long>(q_report.differing),
+          static_cast<long long>(q_report.total), static_cast<long long>(cache_report.differing),
+          static_cast<long long>(cache_report.total));
     }
-    const UnitsReport q_report = compare_bytes(DType::kBF16, q_out[0], q_out[1]);
-    const UnitsReport cache_report = compare_bytes(kv, written[0].pool(), written[1].pool());
-    EXPECT_LE(q_report.max_units, 1.0) << "rotated Q, fused vs vanilla";
-    EXPECT_LE(cache_report.max_units, 1.0) << "cache, fused vs vanilla";
-    EXPECT_FALSE(any_nan(q_out[0].to_double())) << "q_out not fully written";
-    std::printf("[append_kv] serving size %s: q_out %lld/%lld differ, cache %lld/%lld differ\n",
-                dtype_name(kv), static_cast<long long>(q_report.differing),
-                static_cast<long long>(q_report.total),
-                static_cast<long long>(cache_report.differing),
-                static_cast<long long>(cache_report.total));
-  }
 }
 
 }  // namespace

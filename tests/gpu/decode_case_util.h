@@ -27,6 +27,7 @@ struct DecodeCase {
   int32_t hq = 8, hkv = 2, head_dim = 128;
   int32_t page = 16;  // tokens_per_block (paged)
   bool paged = true;
+  KvCacheLayout layout = KvCacheLayout::kHND;  // blocks [Hkv, T, D] or [T, Hkv, D]
   DType dtype = DType::kBF16;
   DType kv_dtype = DType::kBF16;
   bool per_head_scale = false;
@@ -49,12 +50,12 @@ struct DecodeCase {
   Backend backend = Backend::kFused;
 
   std::string str() const {
-    return detail::concat("hq=", hq, " hkv=", hkv, " D=", head_dim, " page=", page,
-                          " paged=", paged, " q=", dtype_name(dtype), " kv=", dtype_name(kv_dtype),
-                          " per_head_scale=", per_head_scale, " beams=", beam_width,
-                          " mask=", mask_name(mask.kind), " W=", mask.window,
-                          " S=", mask.sink_tokens, " cyclic=", cyclic, " alibi=", alibi,
-                          " softcap=", softcap, " splits=", num_splits);
+    return detail::concat(
+        "hq=", hq, " hkv=", hkv, " D=", head_dim, " page=", page, " paged=", paged,
+        " layout=", kv_layout_name(layout), " q=", dtype_name(dtype), " kv=", dtype_name(kv_dtype),
+        " per_head_scale=", per_head_scale, " beams=", beam_width, " mask=", mask_name(mask.kind),
+        " W=", mask.window, " S=", mask.sink_tokens, " cyclic=", cyclic, " alibi=", alibi,
+        " softcap=", softcap, " splits=", num_splits);
   }
 };
 
@@ -67,7 +68,7 @@ inline double round_to(DType dtype, double x) {
 
 struct HostCache {
   int32_t tokens_per_block = 0, max_blocks = 0, num_blocks = 0, window_slots = 0;
-  HostTensor pool;         // [num_blocks, 2, Hkv, T, D]
+  HostTensor pool;         // [num_blocks, 2, Hkv, T, D] (HND) or [num_blocks, 2, T, Hkv, D]
   HostTensor block_table;  // int32 [rows, max_blocks]
   HostTensor seq_lens;     // int32 [rows]
   HostTensor k_scale, v_scale;
@@ -76,6 +77,9 @@ struct HostCache {
 
   int64_t element(int64_t block, int kv, int head, int64_t token, int d,
                   const DecodeCase& c) const {
+    if (c.layout == KvCacheLayout::kNHD) {
+      return (((block * 2 + kv) * tokens_per_block + token) * c.hkv + head) * c.head_dim + d;
+    }
     return (((block * 2 + kv) * c.hkv + head) * tokens_per_block + token) * c.head_dim + d;
   }
 };
@@ -107,7 +111,9 @@ inline HostCache build_cache(const DecodeCase& c, std::mt19937_64& rng) {
     h.max_blocks = 1;
     h.num_blocks = static_cast<int32_t>(rows);
   }
-  h.pool = HostTensor(c.kv_dtype, {h.num_blocks, 2, c.hkv, h.tokens_per_block, c.head_dim});
+  h.pool = c.layout == KvCacheLayout::kNHD
+               ? HostTensor(c.kv_dtype, {h.num_blocks, 2, h.tokens_per_block, c.hkv, c.head_dim})
+               : HostTensor(c.kv_dtype, {h.num_blocks, 2, c.hkv, h.tokens_per_block, c.head_dim});
   // Poison: NaN for float types (fp8 0x7F); int8 has no NaN, so its poison is a huge value.
   h.pool.fill(c.kv_dtype == DType::kInt8 ? 127.0f : NAN);
 
@@ -318,6 +324,7 @@ struct PreparedCase {
     cache = paged_cache_view(d_pool.data(), c.kv_dtype, h.num_blocks, c.hkv, h.tokens_per_block,
                              c.head_dim);
     cache.paged = c.paged;
+    cache.layout = c.layout;
     if (c.paged) cache.block_table = d_table;
     cache.seq_lens = d_lens;
     cache.k_scale = d_ks;
@@ -397,6 +404,15 @@ inline void run_case(const DecodeCase& c, uint64_t salt) {
   ASSERT_NO_THROW(decode(pc.spec, pc.args, nullptr));
   ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
   pc.check();
+}
+
+// The case over an HND cache, then over an NHD cache of the same contents (the salt draws the
+// same values: the cache's logical slots are filled in one order whatever the layout).
+inline void run_case_layouts(DecodeCase c, uint64_t salt) {
+  for (KvCacheLayout layout : kBothLayouts) {
+    c.layout = layout;
+    run_case(c, salt);
+  }
 }
 
 // Random lengths that include 1, a block boundary and its neighbours.

@@ -79,52 +79,55 @@ TEST(DecodeFused, ProgrammaticLaunchSeesTheTableThePreviousKernelWrote) {
   sizing.head_dim = 128;
   DecodeWorkspace ws(sizing, 1, 32, Device::cuda(0));
   uint64_t salt = 7100;
-  for (DType kv : {DType::kBF16, DType::kFp8E4M3}) {
-    for (int32_t page : {16, 32}) {
-      for (Stale stale : {Stale::kSame, Stale::kOtherBlocks, Stale::kOutsideThePool,
-                          Stale::kShorterRow, Stale::kOneKeyLonger}) {
-        SCOPED_TRACE(std::string("stale: ") + stale_name(stale));
-        DecodeCase c;
-        c.kv_dtype = kv;
-        c.hq = 32;
-        c.hkv = 8;
-        c.page = page;
-        c.seq_lens = {at_test_scale(4001, 2049)};
-        c.num_splits = 32;
-        PreparedCase pc(c, salt++);
-        pc.args.workspace = &ws;
-        HostTensor stale_table = pc.h.block_table;
-        HostTensor stale_lens = pc.h.seq_lens;
-        const int64_t entries = stale_table.numel();
-        int32_t* t = stale_table.data<int32_t>();
-        for (int64_t i = 0; i < entries; ++i) {
-          if (stale == Stale::kOtherBlocks) t[i] = (t[i] + 1) % pc.h.num_blocks;
-          if (stale == Stale::kOutsideThePool) {
-            t[i] = i % 2 == 0 ? -1 - static_cast<int32_t>(i)
-                              : std::numeric_limits<int32_t>::max() - static_cast<int32_t>(i);
+  // HND and NHD caches (an NHD CTA prefetches its share of the run's rows of every KV head).
+  for (KvCacheLayout layout : kBothLayouts)
+    for (DType kv : {DType::kBF16, DType::kFp8E4M3}) {
+      for (int32_t page : {16, 32}) {
+        for (Stale stale : {Stale::kSame, Stale::kOtherBlocks, Stale::kOutsideThePool,
+                            Stale::kShorterRow, Stale::kOneKeyLonger}) {
+          SCOPED_TRACE(std::string("stale: ") + stale_name(stale));
+          DecodeCase c;
+          c.layout = layout;
+          c.kv_dtype = kv;
+          c.hq = 32;
+          c.hkv = 8;
+          c.page = page;
+          c.seq_lens = {at_test_scale(4001, 2049)};
+          c.num_splits = 32;
+          PreparedCase pc(c, salt++);
+          pc.args.workspace = &ws;
+          HostTensor stale_table = pc.h.block_table;
+          HostTensor stale_lens = pc.h.seq_lens;
+          const int64_t entries = stale_table.numel();
+          int32_t* t = stale_table.data<int32_t>();
+          for (int64_t i = 0; i < entries; ++i) {
+            if (stale == Stale::kOtherBlocks) t[i] = (t[i] + 1) % pc.h.num_blocks;
+            if (stale == Stale::kOutsideThePool) {
+              t[i] = i % 2 == 0 ? -1 - static_cast<int32_t>(i)
+                                : std::numeric_limits<int32_t>::max() - static_cast<int32_t>(i);
+            }
           }
+          if (stale == Stale::kShorterRow) stale_lens.data<int32_t>()[0] -= 1000;
+          if (stale == Stale::kOneKeyLonger) stale_lens.data<int32_t>()[0] += 1;
+          DeviceTensor final_table(pc.h.block_table), final_lens(pc.h.seq_lens);
+          pc.d_table.upload(stale_table);
+          pc.d_lens.upload(stale_lens);
+          pc.poison(stream);
+          rewrite_table_after_sleep<<<1, 32, 0, stream>>>(
+              static_cast<int32_t*>(pc.d_table.data()),
+              static_cast<const int32_t*>(final_table.data()), entries,
+              static_cast<int32_t*>(pc.d_lens.data()),
+              static_cast<const int32_t*>(final_lens.data()), 1, /*sleep_ns=*/200000);
+          ATTNKIT_CUDA_OK(cudaGetLastError());
+          const int64_t prefetched = cuda::decode_prefetching_launches();
+          ASSERT_NO_THROW(decode(pc.spec, pc.args, stream));
+          ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
+          EXPECT_EQ(cuda::decode_prefetching_launches(), prefetched + 1)
+              << "the call did not read the table before griddepcontrol.wait";
+          pc.check();
         }
-        if (stale == Stale::kShorterRow) stale_lens.data<int32_t>()[0] -= 1000;
-        if (stale == Stale::kOneKeyLonger) stale_lens.data<int32_t>()[0] += 1;
-        DeviceTensor final_table(pc.h.block_table), final_lens(pc.h.seq_lens);
-        pc.d_table.upload(stale_table);
-        pc.d_lens.upload(stale_lens);
-        pc.poison(stream);
-        rewrite_table_after_sleep<<<1, 32, 0, stream>>>(
-            static_cast<int32_t*>(pc.d_table.data()),
-            static_cast<const int32_t*>(final_table.data()), entries,
-            static_cast<int32_t*>(pc.d_lens.data()), static_cast<const int32_t*>(final_lens.data()),
-            1, /*sleep_ns=*/200000);
-        ATTNKIT_CUDA_OK(cudaGetLastError());
-        const int64_t prefetched = cuda::decode_prefetching_launches();
-        ASSERT_NO_THROW(decode(pc.spec, pc.args, stream));
-        ATTNKIT_CUDA_OK(cudaStreamSynchronize(stream));
-        EXPECT_EQ(cuda::decode_prefetching_launches(), prefetched + 1)
-            << "the call did not read the table before griddepcontrol.wait";
-        pc.check();
       }
     }
-  }
   cudaStreamDestroy(stream);
 }
 

@@ -47,8 +47,68 @@ TEST(DecodeFused, PagedEveryHeadDimPageSizeAndGroup) {
       c.seq_lens = lengths(rng, 5, c.page, 300);
       for (int splits : {1, 0}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
+    }
+  }
+}
+
+// An NHD cache gives the HND cache's output and LSE bit for bit (the same keys land in shared
+// memory in the same order; only the copies' source addresses differ): every tile configuration
+// (keys as rows with swizzled halves, 16 heads, two M blocks, the 8-bit 128-key tiles of two page
+// runs and their 4-CTA kernel, head_dim 80's 10-chunk rows and 256's), contiguous, cyclic and beam
+// caches, the warpgroup-MMA kernel on sm_90, with forced splits so that both take one kernel.
+TEST(DecodeFused, NhdCacheGivesTheHndResultBitForBit) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  std::vector<DecodeCase> cases;
+  auto add = [&](auto edit) {
+    DecodeCase c;
+    c.seq_lens = {1, 16, 17, 300, 1000};
+    edit(c);
+    cases.push_back(c);
+  };
+  add([](DecodeCase& c) { c.hq = 8, c.hkv = 2; });   // keys as rows, swizzled halves
+  add([](DecodeCase& c) { c.hq = 32, c.hkv = 2; });  // 16 heads a group
+  add([](DecodeCase& c) { c.hq = 32, c.hkv = 1; });  // two M blocks (or wgmma on sm_90)
+  add([](DecodeCase& c) { c.hq = 64, c.hkv = 2, c.seq_lens.resize(12, 257); });  // wgmma grid
+  add([](DecodeCase& c) { c.kv_dtype = DType::kFp8E4M3, c.page = 16; });         // two page runs
+  add([](DecodeCase& c) { c.kv_dtype = DType::kInt8, c.seq_lens.resize(280, 500); });  // 4 CTAs
+  add([](DecodeCase& c) { c.head_dim = 80, c.dtype = c.kv_dtype = DType::kF16; });
+  add([](DecodeCase& c) { c.head_dim = 256, c.page = 64; });
+  add([](DecodeCase& c) { c.head_dim = 96, c.kv_dtype = DType::kFp8E4M3; });
+  add([](DecodeCase& c) { c.paged = false; });
+  add([](DecodeCase& c) {
+    c.cyclic = true;
+    c.mask = {MaskKind::kSlidingWindow, 100, 4};
+  });
+  add([](DecodeCase& c) {
+    c.beam_width = 2;
+    c.seq_lens = {37, 37, 290, 290};
+  });
+  add([](DecodeCase& c) { c.alibi = true, c.softcap = 10.0, c.per_head_scale = true; });
+  uint64_t salt = 9000;
+  for (DecodeCase c : cases) {
+    for (int splits : {1, 3}) {
+      c.num_splits = splits;
+      std::vector<std::unique_ptr<PreparedCase>> runs;
+      for (KvCacheLayout layout : kBothLayouts) {
+        c.layout = layout;
+        runs.push_back(std::make_unique<PreparedCase>(c, salt));
+      }
+      ++salt;
+      SCOPED_TRACE(c.str());
+      std::vector<HostTensor> outs, lses;
+      for (auto& run : runs) {
+        ASSERT_NO_THROW(decode(run->spec, run->args, nullptr));
+        ATTNKIT_CUDA_OK(cudaDeviceSynchronize());
+        run->check();
+        outs.push_back(run->out);
+        lses.push_back(run->lse);
+        run->d_out.download(outs.back());
+        run->d_lse.download(lses.back());
+      }
+      EXPECT_TRUE(outs[0].bytes() == outs[1].bytes()) << "out differs between HND and NHD";
+      EXPECT_TRUE(lses[0].bytes() == lses[1].bytes()) << "lse differs between HND and NHD";
     }
   }
 }
@@ -60,7 +120,7 @@ TEST(DecodeFused, ContiguousCache) {
   c.seq_lens = {1, 200, 77};
   for (int splits : {1, 3, 0}) {
     c.num_splits = splits;
-    run_case(c, 100 + splits);
+    run_case_layouts(c, 100 + splits);
   }
 }
 
@@ -76,7 +136,7 @@ TEST(DecodeFused, SplitKvForcedAndHeuristic) {
     c.dtype = c.kv_dtype = dtype;
     for (int splits : {1, 2, 7, 40, 0}) {
       c.num_splits = splits;
-      run_case(c, salt++);
+      run_case_layouts(c, salt++);
     }
   }
 }
@@ -202,9 +262,18 @@ TEST(DecodeKernelChoiceRule, GroupsBeyondSixteenHeads) {
   EXPECT_EQ(cuda::decode_heads_per_cta(32, true, 64, 132), 8);
   cuda::DecodeKernelChoice two_m_blocks;
   two_m_blocks.heads_per_cta = 32;
-  EXPECT_EQ(cuda::decode_kernel_info<128>(DType::kBF16, DType::kBF16, two_m_blocks).tile_n, 64);
-  EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kBF16, DType::kFp8E4M3, two_m_blocks), Error);
-  EXPECT_THROW(cuda::decode_kernel_info<128>(DType::kF16, DType::kInt8, two_m_blocks), Error);
+  const auto hnd = [&](DType q, DType kv) {
+    return cuda::decode_kernel_info<128, false>(q, kv, two_m_blocks);
+  };
+  EXPECT_EQ(hnd(DType::kBF16, DType::kBF16).tile_n, 64);
+  EXPECT_THROW(hnd(DType::kBF16, DType::kFp8E4M3), Error);
+  EXPECT_THROW(hnd(DType::kF16, DType::kInt8), Error);
+  // The NHD kernels (DecodeNhdTraits) have the same tiles and the same missing configurations.
+  const auto nhd = [&](DType q, DType kv) {
+    return cuda::decode_kernel_info<128, true>(q, kv, two_m_blocks);
+  };
+  EXPECT_EQ(nhd(DType::kBF16, DType::kBF16).tile_n, 64);
+  EXPECT_THROW(nhd(DType::kBF16, DType::kFp8E4M3), Error);
 }
 
 TEST(DecodeFused, QuantizedKvAgainstQuantizedReference) {
@@ -225,7 +294,7 @@ TEST(DecodeFused, QuantizedKvAgainstQuantizedReference) {
           c.page = 32;
           c.seq_lens = lengths(rng, 4, c.page, 700);
           c.num_splits = (salt % 2) ? 1 : 3;
-          run_case(c, salt++);
+          run_case_layouts(c, salt++);
         }
       }
     }
@@ -246,7 +315,7 @@ TEST(DecodeFused, SlidingWindowSinksCyclicCache) {
       c.seq_lens = {1, 50, 101, 104, 500, 1234};
       for (int splits : {1, 3, 0}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
     }
   }
@@ -265,7 +334,7 @@ TEST(DecodeFused, AlibiAndSoftcap) {
     c.seq_lens = {1, 90, 333};
     for (int splits : {1, 2}) {
       c.num_splits = splits;
-      run_case(c, salt++);
+      run_case_layouts(c, salt++);
     }
   }
 }
@@ -277,7 +346,7 @@ TEST(DecodeFused, BeamSearchIndirection) {
   c.seq_lens = {45, 45, 45, 130, 130, 130};
   for (int splits : {1, 2}) {
     c.num_splits = splits;
-    run_case(c, 600 + splits);
+    run_case_layouts(c, 600 + splits);
   }
 }
 
@@ -290,7 +359,7 @@ TEST(DecodeFused, CrossAttentionStaticEncoderCache) {
   c.hkv = 16;
   for (int splits : {1, 0}) {
     c.num_splits = splits;
-    run_case(c, 700 + splits);
+    run_case_layouts(c, 700 + splits);
   }
 }
 
@@ -313,7 +382,7 @@ TEST(DecodeFused, MqaAndGroupsBeyondSixteenHeads) {
       if (large_grid) c.seq_lens = {1, 200, 513, 64, 65, 1000, 33, 300, 7, 128, 129, 2};
       for (int splits : {1, 0, 5}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
     }
   }
@@ -368,9 +437,13 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
       c.seq_lens[6] = 65;
       for (int splits : {1, 2, 7, 0}) {
         c.num_splits = splits;
-        const auto before = launches();
-        run_case(c, salt++);
-        EXPECT_EQ(launches(), std::pair(before.first + 1, before.second)) << c.str();
+        for (KvCacheLayout layout : kBothLayouts) {  // the HND and the NHD kernel, same contents
+          c.layout = layout;
+          const auto before = launches();
+          run_case(c, salt);
+          EXPECT_EQ(launches(), std::pair(before.first + 1, before.second)) << c.str();
+        }
+        ++salt;
       }
     }
   }
@@ -390,10 +463,10 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
     const cuda::DecodeWgmmaPlan plan = cuda::decode_wgmma_plan(16, 80, 80, sm_count, 4500, splits);
     ASSERT_TRUE(plan.use);
     const auto before = launches();
-    run_case(wide, salt++);
+    run_case_layouts(wide, salt++);
     const auto after = launches();
-    EXPECT_EQ(after.first - before.first, plan.ctas_per_sm == 2 ? 1 : 0) << wide.str();
-    EXPECT_EQ(after.second - before.second, plan.ctas_per_sm == 3 ? 1 : 0) << wide.str();
+    EXPECT_EQ(after.first - before.first, plan.ctas_per_sm == 2 ? 2 : 0) << wide.str();
+    EXPECT_EQ(after.second - before.second, plan.ctas_per_sm == 3 ? 2 : 0) << wide.str();
     if (sm_count == 132) EXPECT_EQ(plan.ctas_per_sm, splits == 1 ? 2 : 3) << splits;
   }
   DecodeCase outside;
@@ -410,7 +483,7 @@ TEST(DecodeFused, HopperWarpgroupKernelForLargeGroups) {
   fp8.kv_dtype = DType::kFp8E4M3;
   for (const DecodeCase& c : {outside, window, fp8}) {
     const auto before = launches();
-    run_case(c, salt++);
+    run_case_layouts(c, salt++);
     EXPECT_EQ(launches(), before) << c.str();
   }
 }
@@ -647,7 +720,7 @@ TEST(DecodeFused, QuantizedKvWideAndNarrowGrids) {
       c.seq_lens = lengths(rng, rows, c.page, rows == 64 ? 200 : 3000);
       for (int splits : {1, 0}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
     }
   }
@@ -671,7 +744,7 @@ TEST(DecodeFused, QuantizedKvWideSplitsOfTheFourCtaKernel) {
     c.seq_lens = lengths(rng, 16, c.page, 1200);
     c.max_seq_len = 16400;
     c.num_splits = 0;
-    run_case(c, salt++);
+    run_case_layouts(c, salt++);
   }
 }
 
@@ -695,14 +768,14 @@ TEST(DecodeFused, QuantizedKvHeadDim128EveryPageSize) {
       c.seq_lens = {1, 63, 127, 128, 129, 257, 383};
       for (int splits : {1, 3}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
       c.hq = 8;
       c.hkv = 8;
       c.per_head_scale = !c.per_head_scale;
       c.seq_lens = {1, 127, 128, 129, 300, 513, 640, 1025};
       c.num_splits = 8;
-      run_case(c, salt++);
+      run_case_layouts(c, salt++);
     }
   }
 }
@@ -738,7 +811,7 @@ TEST(DecodeFused, QuantizedKvHeadDim128Features) {
       }
       for (int splits : {1, 3}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
     }
   }
@@ -766,7 +839,7 @@ TEST(DecodeFused, PipelineTileAndPageBoundaries) {
       c.seq_lens = boundary_lens;
       for (int splits : {1, 2, 5, 0}) {
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
     }
   }
@@ -790,7 +863,7 @@ TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
       for (int splits : {1, 3, 7, 0}) {
         c.max_seq_len = max_seq;
         c.num_splits = splits;
-        run_case(c, salt++);
+        run_case_layouts(c, salt++);
       }
     }
   }
@@ -804,7 +877,7 @@ TEST(DecodeFused, EarlyRampSplitGuessesAndWideShortGrids) {
     c.seq_lens = lengths(rng, 64, c.page, 300);
     for (int splits : {0, 2}) {
       c.num_splits = splits;
-      run_case(c, salt++);
+      run_case_layouts(c, salt++);
     }
   }
 }
@@ -835,7 +908,7 @@ TEST(DecodeFused, PrefetchBeforeTheWaitOfManySplitCalls) {
         for (int32_t max_seq : {0, 8191}) {
           c.max_seq_len = max_seq;
           c.num_splits = 32;
-          run_case(c, salt++);
+          run_case_layouts(c, salt++);
         }
       }
     }

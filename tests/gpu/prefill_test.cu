@@ -49,6 +49,8 @@ struct Case {
   std::vector<int> kv_lens;  // empty: equal to q_lens
   KvSource source = KvSource::kPacked;
   int page = 16;
+  KvCacheLayout layout = KvCacheLayout::kHND;  // paged: blocks [Hkv, T, D] or [T, Hkv, D]
+  bool contiguous = false;  // paged source without a table: row b is block b (T: its capacity)
   DType kv_dtype = DType::kBF16;  // paged only: q dtype, fp8_e4m3 or int8
   bool per_head_scales = false;
   std::optional<PrefillTile> tile;
@@ -64,7 +66,8 @@ struct Case {
       << " alibi=" << alibi << " softcap=" << softcap
       << (source == KvSource::kPaged ? " paged page=" : " packed")
       << (source == KvSource::kPaged ? std::to_string(page) : std::string())
-      << " kv=" << dtype_name(kv_dtype)
+      << (source == KvSource::kPaged ? std::string(" ") + kv_layout_name(layout) : std::string())
+      << (contiguous ? " contiguous" : "") << " kv=" << dtype_name(kv_dtype)
       << " tile=" << (tile ? cuda::prefill::prefill_tile_name(*tile) : "auto")
       << " section=" << section_pairs << " ctas=" << ctas
       << " q_pack=" << (q_pack ? (*q_pack ? "on" : "off") : "auto") << " q_lens=";
@@ -88,7 +91,7 @@ struct Problem {
   int batch = 0;
   std::vector<int> cu_q, cu_kv;
   HostTensor q, k, v;  // packed
-  HostTensor pool;     // paged: [num_blocks, 2, Hkv, T, D]
+  HostTensor pool;     // paged: [num_blocks, 2, Hkv, T, D] (HND) or [num_blocks, 2, T, Hkv, D]
   HostTensor block_table, seq_lens, k_scale, v_scale;
   detail::KvLayout host_layout;
   int num_blocks = 0, max_blocks = 0;
@@ -129,13 +132,23 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
     return p;
   }
   // Paged: blocks handed out in a random order, two spare blocks, poison everywhere unwritten.
-  const int t = c.page;
-  ShuffledBlockTable blocks = shuffled_block_table(p.c.kv_lens, t, rng);
-  p.block_table = std::move(blocks.table);
-  p.seq_lens = std::move(blocks.seq_lens);
-  p.num_blocks = blocks.num_blocks;
-  p.max_blocks = blocks.max_blocks;
-  p.pool = HostTensor(c.kv_dtype, {p.num_blocks, 2, c.hkv, t, d});
+  // Contiguous: row b in block b, the rows' capacity the longest row rounded up to 16.
+  const int longest = *std::max_element(p.c.kv_lens.begin(), p.c.kv_lens.end());
+  const int t = c.contiguous ? (longest + 15) / 16 * 16 : c.page;
+  if (c.contiguous) {
+    p.seq_lens = HostTensor(DType::kInt32, {p.batch});
+    for (int b = 0; b < p.batch; ++b) p.seq_lens.data<int32_t>()[b] = p.c.kv_lens[b];
+    p.num_blocks = p.batch;
+    p.max_blocks = 1;
+  } else {
+    ShuffledBlockTable blocks = shuffled_block_table(p.c.kv_lens, t, rng);
+    p.block_table = std::move(blocks.table);
+    p.seq_lens = std::move(blocks.seq_lens);
+    p.num_blocks = blocks.num_blocks;
+    p.max_blocks = blocks.max_blocks;
+  }
+  p.pool = c.layout == KvCacheLayout::kNHD ? HostTensor(c.kv_dtype, {p.num_blocks, 2, t, c.hkv, d})
+                                           : HostTensor(c.kv_dtype, {p.num_blocks, 2, c.hkv, t, d});
   // NaN for 16-bit and fp8 caches; int8 has none, so the largest value stands in.
   p.pool.fill(c.kv_dtype == DType::kInt8 ? 127.f : NAN);
   const bool quant = c.kv_dtype == DType::kFp8E4M3 || c.kv_dtype == DType::kInt8;
@@ -161,7 +174,9 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   view.num_kv_heads = c.hkv;
   view.tokens_per_block = t;
   view.head_dim = d;
-  view.block_table = p.block_table.view();
+  view.paged = !c.contiguous;
+  view.layout = c.layout;
+  if (!c.contiguous) view.block_table = p.block_table.view();
   view.seq_lens = p.seq_lens.view();
   p.host_layout = detail::make_kv_layout(view);
   std::uniform_real_distribution<float> unit(-1.f, 1.f);
@@ -302,12 +317,15 @@ void run_and_check(const Case& c) {
     args.cu_seqlens_kv = d_cu_kv;
   } else {
     d_pool = DeviceTensor(p.pool);
-    d_table = DeviceTensor(p.block_table);
+    if (!c.contiguous) d_table = DeviceTensor(p.block_table);
     d_lens = DeviceTensor(p.seq_lens);
     d_ks = DeviceTensor(p.k_scale);
     d_vs = DeviceTensor(p.v_scale);
-    view = paged_cache_view(d_pool.data(), c.kv_dtype, p.num_blocks, c.hkv, c.page, c.head_dim);
-    view.block_table = d_table;
+    view = paged_cache_view(d_pool.data(), c.kv_dtype, p.num_blocks, c.hkv,
+                            p.host_layout.tokens_per_block, c.head_dim);
+    view.layout = c.layout;
+    view.paged = !c.contiguous;
+    if (!c.contiguous) view.block_table = d_table;
     view.seq_lens = d_lens;
     view.k_scale = d_ks;
     view.v_scale = d_vs;
@@ -337,6 +355,16 @@ void run_and_check(const Case& c) {
             << "lse[" << i << "]";
       }
     }
+  }
+}
+
+// A paged case over an HND cache, then over an NHD cache (blocks [T, Hkv, D]); a packed one once.
+void run_and_check_layouts(Case c) {
+  if (c.source != KvSource::kPaged) return run_and_check(c);
+  for (KvCacheLayout layout : kBothLayouts) {
+    c.layout = layout;
+    run_and_check(c);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -479,7 +507,7 @@ TEST(PrefillPaged, EveryPageSizeChunkedContext) {
     // Chunks after page-aligned and unaligned cached prefixes, a whole prompt, a 1-token chunk.
     c.q_lens = {64, 50, 129, 1};
     c.kv_lens = {64 + 2 * page, 50 + 3 * page + 5, 129, 300};
-    run_and_check(c);
+    run_and_check_layouts(c);
     if (HasFatalFailure()) return;
   }
 }
@@ -511,7 +539,7 @@ TEST(PrefillPaged, EveryTileEveryPageForced) {
         c.q_lens = {130, 1, 64};
         c.kv_lens = {130 + 75, 200, 64};
         c.tile = tile;
-        run_and_check(c);
+        run_and_check_layouts(c);
         if (HasFatalFailure()) return;
       }
     }
@@ -587,6 +615,8 @@ TEST(PrefillPaged, RowRunsEveryPageEveryCacheEveryTile) {
           c.q_lens = {1, 63, 64, 65, 37, 1};
           c.kv_lens = {1, 63, 64 + 64, 65 + 70, 37 + 3 * run.page + 1, 129};
           c.tile = tile;
+          // The layouts alternate over the runs: every tile and every cache kind meets both.
+          c.layout = (&run - runs.data()) % 2 == 0 ? KvCacheLayout::kHND : KvCacheLayout::kNHD;
           run_and_check(c);
           if (HasFatalFailure()) return;
         }
@@ -606,8 +636,33 @@ TEST(PrefillPaged, ChunkedEqualsWhole) {
     c.mask = mask_of(MaskKind::kCausal);
     c.q_lens = {200 - chunk_start};
     c.kv_lens = {200};
-    run_and_check(c);
+    run_and_check_layouts(c);
     if (HasFatalFailure()) return;
+  }
+}
+
+// A contiguous cache (no block table: row b is block b, T its capacity) in both layouts, 16- and
+// 8-bit, through the automatic kernel choice and every tile: whole key tiles a row (the sm90
+// kernel's boxes), rows that end inside a tile, queries after a cached prefix.
+TEST(PrefillPaged, ContiguousCacheBothLayouts) {
+  ATTNKIT_SKIP_WITHOUT_GPU();
+  for (DType kv : {DType::kBF16, DType::kFp8E4M3}) {
+    std::vector<std::optional<PrefillTile>> choices = {std::nullopt};
+    for (PrefillTile tile : tiles_for(128, DType::kBF16)) choices.push_back(tile);
+    for (const std::optional<PrefillTile>& tile : choices) {
+      Case c;
+      c.source = KvSource::kPaged;
+      c.contiguous = true;
+      c.kv_dtype = kv;
+      c.hq = 4;
+      c.hkv = 2;
+      c.mask = mask_of(MaskKind::kCausal);
+      c.q_lens = {1, 100, 37};
+      c.kv_lens = {1, 300, 37 + 64};
+      c.tile = tile;
+      run_and_check_layouts(c);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 
@@ -701,7 +756,7 @@ TEST(PrefillQuantKv, Fp8AndInt8PerTensorAndPerHead) {
         c.mask = mask_of(MaskKind::kCausal);
         c.q_lens = {100, 1, 64};
         c.kv_lens = {164, 33, 64};  // prefix reuse: queries after cached tokens
-        run_and_check(c);
+        run_and_check_layouts(c);
         if (HasFatalFailure()) return;
       }
     }
@@ -713,14 +768,14 @@ TEST(PrefillQuantKv, Fp8AndInt8PerTensorAndPerHead) {
   c.kv_dtype = DType::kFp8E4M3;
   c.q_lens = {70};
   c.kv_lens = {150};
-  if (compiled(128, DType::kF16)) run_and_check(c);
+  if (compiled(128, DType::kF16)) run_and_check_layouts(c);
   // f16 queries over an int8 cache (the int8 widening differs per 16-bit type).
   c.kv_dtype = DType::kInt8;
-  if (compiled(128, DType::kF16)) run_and_check(c);
+  if (compiled(128, DType::kF16)) run_and_check_layouts(c);
   c.dtype = DType::kBF16;
   c.kv_dtype = DType::kInt8;
   c.mask = mask_of(MaskKind::kSlidingWindow, 40, 3);
-  run_and_check(c);
+  run_and_check_layouts(c);
 }
 
 // ---- large batches: a plain fp32 GPU kernel is the reference ------------------------------------
@@ -933,7 +988,7 @@ TEST(PrefillSm90, PagedEveryPageEveryCacheWithModifiers) {
         c.q_lens = {300, 1, 177, 64};
         c.kv_lens = {300 + 2 * page, 513, 177, 64 + page + 3};
         c.tile = PrefillTile::kSm90;
-        run_and_check(c);
+        run_and_check_layouts(c);
         if (HasFatalFailure()) return;
       }
     }
@@ -969,7 +1024,7 @@ TEST(PrefillSm90, GqaPackedMatchesFp64) {
         c.tile = PrefillTile::kSm90;
         c.q_pack = pack;
         c.ctas = group == 4 ? 3 : 0;
-        run_and_check(c);
+        run_and_check_layouts(c);
         if (HasFatalFailure()) return;
       }
     }

@@ -1,6 +1,7 @@
 // Turns a decode call's runtime types into template arguments. decode_launch.cu calls
-// launch_decode<kHeadDim>(); each decode_hd<D>.cu instantiates it for one head_dim so that
-// build time stays predictable (ATTNKIT_KERNEL_SUBSET compiles head_dim 128 only).
+// launch_decode<kHeadDim, kNhd>(); each decode_hd<D>.cu (HND caches) and decode_hd<D>_nhd.cu (NHD
+// caches) instantiates it for one head_dim and layout so that build time stays predictable and the
+// two layouts compile in parallel (ATTNKIT_KERNEL_SUBSET compiles head_dim 128 only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +18,11 @@
 namespace attnkit::cuda {
 
 namespace decode_detail {
+
+// The traits of a tile configuration for the cache's layout: HND kernels keep their DecodeTraits
+// (so their code and names are the ones tuned before NHD), NHD kernels wrap them.
+template <bool kNhd, typename Traits>
+using LayoutTraits = std::conditional_t<kNhd, DecodeNhdTraits<Traits>, Traits>;
 
 template <typename Traits, DecodeLogits kLogits>
 void prepare_kernel() {
@@ -45,7 +51,8 @@ void launch_traits(const DecodeParams& p, bool transformed, bool wide_grid, cuda
   if constexpr (Traits::kHeadDim == 128 && Traits::k8Bit && Traits::kM == 8 &&
                 Traits::kTargetCtasPerSm == 2) {
     if (!transformed && wide_grid) {
-      using T4 = DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>;
+      using T4 = LayoutTraits<Traits::kNhd,
+                              DecodeTraits<128, typename Traits::QTag, typename Traits::Kv, 8, 4>>;
       launch_kernel_instance<T4, DecodeLogits::kPlain>(p, grid, stream);
       return;
     }
@@ -86,33 +93,37 @@ DecodeKernelInfo info_traits() {
 // Calls f.template operator()<Traits>() for the tile configuration of `choice`. The two-M-block
 // (32-head) kernel is built for 16-bit caches only: decode_heads_per_cta gives 8-bit caches head
 // blocks of 8 for every group beyond 16 heads (their tuned keys-as-rows path was faster).
-template <int kHeadDim, typename QTag, typename Kv, typename R, typename F>
+template <int kHeadDim, bool kNhd, typename QTag, typename Kv, typename R, typename F>
 R with_config(DecodeKernelChoice choice, F&& f) {
   if (choice.heads_per_cta == 32) {
     if constexpr (Kv::kBytes == 2) {
-      return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 32>>();
+      return f.template operator()<LayoutTraits<kNhd, DecodeTraits<kHeadDim, QTag, Kv, 32>>>();
     } else {
       detail::fail("decode: no 32-head kernel for an 8-bit cache (decode_heads_per_cta gives ",
                    "8-bit caches head blocks of 8)");
     }
   }
   if (choice.heads_per_cta == 8)
-    return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 8>>();
-  return f.template operator()<DecodeTraits<kHeadDim, QTag, Kv, 16>>();
+    return f.template operator()<LayoutTraits<kNhd, DecodeTraits<kHeadDim, QTag, Kv, 8>>>();
+  return f.template operator()<LayoutTraits<kNhd, DecodeTraits<kHeadDim, QTag, Kv, 16>>>();
 }
 
 // Calls f.template operator()<Traits>() for the (query type, cache type) pair.
-template <int kHeadDim, typename R, typename F>
+template <int kHeadDim, bool kNhd, typename R, typename F>
 R with_traits(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice, F&& f) {
   const bool native = kv_dtype == q_dtype;
   if (q_dtype == DType::kBF16) {
-    if (native) return with_config<kHeadDim, Bf16Tag, KvNative, R>(choice, f);
-    if (kv_dtype == DType::kFp8E4M3) return with_config<kHeadDim, Bf16Tag, KvFp8E4M3, R>(choice, f);
-    if (kv_dtype == DType::kInt8) return with_config<kHeadDim, Bf16Tag, KvInt8, R>(choice, f);
+    if (native) return with_config<kHeadDim, kNhd, Bf16Tag, KvNative, R>(choice, f);
+    if (kv_dtype == DType::kFp8E4M3) {
+      return with_config<kHeadDim, kNhd, Bf16Tag, KvFp8E4M3, R>(choice, f);
+    }
+    if (kv_dtype == DType::kInt8) return with_config<kHeadDim, kNhd, Bf16Tag, KvInt8, R>(choice, f);
   } else if (q_dtype == DType::kF16) {
-    if (native) return with_config<kHeadDim, F16Tag, KvNative, R>(choice, f);
-    if (kv_dtype == DType::kFp8E4M3) return with_config<kHeadDim, F16Tag, KvFp8E4M3, R>(choice, f);
-    if (kv_dtype == DType::kInt8) return with_config<kHeadDim, F16Tag, KvInt8, R>(choice, f);
+    if (native) return with_config<kHeadDim, kNhd, F16Tag, KvNative, R>(choice, f);
+    if (kv_dtype == DType::kFp8E4M3) {
+      return with_config<kHeadDim, kNhd, F16Tag, KvFp8E4M3, R>(choice, f);
+    }
+    if (kv_dtype == DType::kInt8) return with_config<kHeadDim, kNhd, F16Tag, KvInt8, R>(choice, f);
   }
   detail::fail("decode: no fused kernel for q dtype ", dtype_name(q_dtype), " with a ",
                dtype_name(kv_dtype), " cache");
@@ -141,23 +152,23 @@ struct InfoOp {
 };
 }  // namespace decode_detail
 
-template <int kHeadDim>
+template <int kHeadDim, bool kNhd>
 void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
                    DecodeKernelChoice choice, cudaStream_t stream) {
-  decode_detail::with_traits<kHeadDim, void>(
+  decode_detail::with_traits<kHeadDim, kNhd, void>(
       q_dtype, kv_dtype, choice,
       decode_detail::LaunchOp{p, transformed_logits, choice.wide_grid, stream});
 }
 
-template <int kHeadDim>
+template <int kHeadDim, bool kNhd>
 DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice) {
-  return decode_detail::with_traits<kHeadDim, DecodeKernelInfo>(q_dtype, kv_dtype, choice,
-                                                                decode_detail::InfoOp{});
+  return decode_detail::with_traits<kHeadDim, kNhd, DecodeKernelInfo>(q_dtype, kv_dtype, choice,
+                                                                      decode_detail::InfoOp{});
 }
 
-#define ATTNKIT_INSTANTIATE_DECODE(kHeadDim)                                     \
-  template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
-                                        DecodeKernelChoice, cudaStream_t);       \
-  template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType, DecodeKernelChoice);
+#define ATTNKIT_INSTANTIATE_DECODE(kHeadDim, kNhd)                                     \
+  template void launch_decode<kHeadDim, kNhd>(const DecodeParams&, DType, DType, bool, \
+                                              DecodeKernelChoice, cudaStream_t);       \
+  template DecodeKernelInfo decode_kernel_info<kHeadDim, kNhd>(DType, DType, DecodeKernelChoice);
 
 }  // namespace attnkit::cuda

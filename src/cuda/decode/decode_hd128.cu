@@ -1,6 +1,7 @@
-// Fused decode kernels for head_dim 128 (all query / cache types, both logits policies).
+// Fused decode kernels for head_dim 128 over HND caches (all query / cache types, both logits
+// policies).
 #include "cuda/decode/decode_dispatch.cuh"
 
 namespace attnkit::cuda {
-ATTNKIT_INSTANTIATE_DECODE(128)
+ATTNKIT_INSTANTIATE_DECODE(128, false)
 }  // namespace attnkit::cuda

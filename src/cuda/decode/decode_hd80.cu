@@ -1,8 +1,9 @@
-// Fused decode kernels for head_dim 80 (all query / cache types, both logits policies).
+// Fused decode kernels for head_dim 80 over HND caches (all query / cache types, both logits
+// policies).
 #include "cuda/decode/decode_dispatch.cuh"
 
 namespace attnkit::cuda {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
-ATTNKIT_INSTANTIATE_DECODE(80)
+ATTNKIT_INSTANTIATE_DECODE(80, false)
 #endif
 }  // namespace attnkit::cuda

@@ -177,6 +177,9 @@ struct DecodeTraits {
   // Keys whose 16-byte copies one warp issues (every warp shares the loads).
   static constexpr int kCopyKeysPerWarp = kTileN / kWarps;
   static constexpr bool k8Bit = Kv::kBytes == 1;
+  // The cache's block layout: HND ([Hkv, T, D], these traits) or NHD ([T, Hkv, D],
+  // DecodeNhdTraits).
+  static constexpr bool kNhd = false;
   // The MMA input type: the query's own, or f16 for 8-bit caches (e4m3 and int8 widen to f16 in
   // one or two ops per pair; to bf16 they would need four).
   using MmaTag = std::conditional_t<k8Bit, F16Tag, QTag>;
@@ -245,6 +248,15 @@ struct DecodeTraits {
       std::max(1, std::min(std::max(kTargetCtasPerSm, 3), kDecodeSmemPerSm / (kSmemBytes + 1024)));
   static_assert(kHeadDim % 16 == 0 && (kHeadDim * Kv::kBytes) % 16 == 0);
   static_assert(kTileN % kWarps == 0 && 32 % kCopyKeysPerWarp == 0);
+};
+
+// The kernel of `Base`'s tile configuration over an NHD cache ([T, Hkv, D] blocks): a key's rows
+// of one KV head are Hkv x D elements apart instead of D (KvLayout::token_stride_bytes), which only
+// the K/V copies' source addresses see; shared memory, the math and the HND kernels (their types,
+// names and code) are unchanged.
+template <typename Base>
+struct DecodeNhdTraits : Base {
+  static constexpr bool kNhd = true;
 };
 
 // Logit transforms as a compile-time policy: kPlain is q.k * scale; kTransformed applies the
@@ -676,6 +688,29 @@ __device__ __noinline__ inline void record_decode_faults(const DecodeParams& p, 
                p.kv.num_blocks);
 }
 
+// Byte offset of KV head `head` at logical slot `slot` of block-table row `row` (a contiguous
+// cache: block `row`), without 64-bit division: a paged cache's tokens_per_block is
+// 1 << page_shift, a contiguous row holds slot < tokens_per_block. HND: ((head x T + token) x D) x
+// element size, the arithmetic the HND kernels are tuned with (compile-time layouts keep the
+// stride multiplies out of their code); NHD: the layout's strides.
+template <bool kNhd>
+__device__ __forceinline__ int64_t decode_byte_offset(const detail::KvLayout& kv, int64_t row,
+                                                      int64_t slot, int32_t head,
+                                                      int32_t page_shift) {
+  int64_t block = row, token = slot;
+  if (kv.block_table) {
+    block = kv.block_table[row * kv.block_table_row_stride + (slot >> page_shift)];
+    token = slot & ((int64_t{1} << page_shift) - 1);
+  }
+  if constexpr (kNhd) {
+    return kv.row_offset(block, token, head);
+  } else {
+    return block * kv.block_stride_bytes +
+           ((static_cast<int64_t>(head) * kv.tokens_per_block + token) * kv.head_dim + 0) *
+               kv.element_bytes;
+  }
+}
+
 // Before griddepcontrol.wait (a programmatic launch), the previous kernel may still be writing
 // anything this one reads (seq_lens, the block table, the cache), so nothing read here is used
 // after the wait: the row's length and its first block-table entries (relaxed loads) only aim
@@ -686,8 +721,10 @@ __device__ __noinline__ inline void record_decode_faults(const DecodeParams& p, 
 // hit L2. Block ids outside the pool (stale or unwritten entries) are skipped, and a run never
 // leaves its page (its length is clipped to the page and the row's length), so no prefetch
 // leaves the pool; nothing read here is a fault (it may be stale): the guards run on the values
-// read after the wait. One thread a (page, K or V) run of tokens.
-template <int kTokenBytes>
+// read after the wait. One thread a (page, K or V) run of tokens. An NHD page holds the run's
+// tokens of every KV head as one range (Hkv x run rows): the CTA of KV head h prefetches its h-th
+// Hkv-th of it, so that the Hkv CTAs of a (row, split) cover the range once.
+template <int kTokenBytes, bool kNhd = false>
 __device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& p, int row,
                                                             int kv_head, int split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -703,6 +740,13 @@ __device__ __forceinline__ void decode_prefetch_before_wait(const DecodeParams& 
   const int32_t hi = min(min(want_end, seq_len), (page + 1) << p.page_shift);
   if (lo >= hi || block < 0 || block >= p.pool_blocks) return;
   const uint8_t* base = (threadIdx.x & 1) ? p.kv.v_base : p.kv.k_base;
+  if constexpr (kNhd) {
+    const uint8_t* src = base + static_cast<int64_t>(block) * p.kv.block_stride_bytes +
+                         (lo & ((1 << p.page_shift) - 1)) * p.kv.token_stride_bytes +
+                         static_cast<int64_t>(kv_head) * (hi - lo) * kTokenBytes;
+    prefetch_l2_bulk(src, (hi - lo) * kTokenBytes);
+    return;
+  }
   const uint8_t* src =
       base + static_cast<int64_t>(block) * p.kv.block_stride_bytes +
       (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + (lo & ((1 << p.page_shift) - 1))) *
@@ -750,7 +794,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     // complete (and its writes to be visible) before the first read, then let the next kernel
     // launch, so that its CTAs become resident while this one's tail runs.
     if (p.prefetch_keys > 0) {
-      decode_prefetch_before_wait<Traits::kChunksPerToken * 16>(p, blockIdx.z, blockIdx.y, split);
+      decode_prefetch_before_wait<Traits::kChunksPerToken * 16, Traits::kNhd>(p, blockIdx.z,
+                                                                              blockIdx.y, split);
     }
     griddep_wait();
     griddep_launch_dependents();
@@ -853,10 +898,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
   // shuffle so that consecutive lanes copy consecutive 16 bytes. The main loop computes the
   // offsets one tile ahead, so that the block-table latency overlaps the math.
   // The common paged cache (no beams, not cyclic) takes a short path: one table read and one
-  // multiply per key, with the per-CTA terms hoisted.
+  // multiply per key, with the per-CTA terms hoisted. head_bytes: the KV head's first row in a
+  // block; in_page(t): slot t's row from there (HND rows kTokenBytes apart, NHD Hkv heads' rows).
   const int64_t head_bytes =
-      static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * (Traits::kChunksPerToken * 16);
+      Traits::kNhd
+          ? static_cast<int64_t>(kv_head) * (Traits::kChunksPerToken * 16)
+          : static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * (Traits::kChunksPerToken * 16);
   const int32_t page_mask = (1 << p.page_shift) - 1;
+  // (HND: the product in the type of t, as the offsets were computed before NHD existed.)
+  auto in_page = [&](auto t) -> int64_t {
+    if constexpr (Traits::kNhd) {
+      return static_cast<int64_t>(t) * p.kv.token_stride_bytes;
+    } else {
+      return t * (Traits::kChunksPerToken * 16);
+    }
+  };
   auto key_offset = [&](int tile) -> int64_t {
     const int32_t key = key_begin + tile * kTileN + copy_slot * kCopyKeys + lane;
     if (lane >= kCopyKeys || key >= key_end) return -1;
@@ -868,7 +924,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         return -1;
       }
       return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
-             (pos & page_mask) * (Traits::kChunksPerToken * 16);
+             in_page(pos & page_mask);
     }
     int64_t src_row = row;
     if (p.cache_indirection != nullptr) {
@@ -883,7 +939,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     }
     const int64_t slot = p.kv.slot_of(pos);
     if (p.kv.block_table == nullptr) {
-      return p.kv.byte_offset_shift(src_row, slot, kv_head, 0, p.page_shift);
+      return decode_byte_offset<Traits::kNhd>(p.kv, src_row, slot, kv_head, p.page_shift);
     }
     const int64_t column = slot >> p.page_shift;
     const int32_t block = p.kv.block_table[src_row * p.kv.block_table_row_stride + column];
@@ -892,7 +948,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       return -1;
     }
     return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
-           (slot & page_mask) * (Traits::kChunksPerToken * 16);
+           in_page(slot & page_mask);
   };
   const uint64_t kv_policy = decode_kv_policy();
   // Copies K (copy_k) and / or V (copy_v) of a tile's keys into k_dst / v_dst.
@@ -902,15 +958,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
     constexpr int kChunks = kCopyKeys * Traits::kChunksPerToken;
     constexpr int kTokenBytes = Traits::kChunksPerToken * 16;
     // Fast path (warp-uniform): the warp's keys are consecutive tokens of one page run (the usual
-    // case), so its copy is one linear run of kChunks 16-byte pieces from the first key.
+    // case), so its copy is one linear run of kChunks 16-byte pieces from the first key (HND), or
+    // kCopyKeys rows `pitch` apart (NHD: a token's row of this KV head, then the next token's).
     const int64_t first = __shfl_sync(0xffffffffu, my_offset, 0);
+    [[maybe_unused]] const int64_t pitch = Traits::kNhd ? p.kv.token_stride_bytes : kTokenBytes;
     // With 32 keys a warp (8-bit caches at head_dim 128), keys 16-31 may start a run of their
     // own: pages of 16 keys are copied linearly as well, not through the per-token shuffles.
     // fp8 64 x 4k at page 16 +2.4% (H200), within 1% of page 32.
     constexpr bool kTwoRuns = kCopyKeys == 32;
     int64_t second = first + 16 * kTokenBytes;
     bool linear;
-    if constexpr (kTwoRuns) {
+    if constexpr (Traits::kNhd) {
+      if constexpr (kTwoRuns) {
+        second = __shfl_sync(0xffffffffu, my_offset, 16);
+        const int64_t run_first = lane >= 16 ? second : first;
+        linear =
+            __all_sync(0xffffffffu, my_offset >= 0 && my_offset == run_first + (lane % 16) * pitch);
+      } else {
+        linear = __all_sync(0xffffffffu, lane >= kCopyKeys ||
+                                             (my_offset >= 0 && my_offset == first + lane * pitch));
+      }
+    } else if constexpr (kTwoRuns) {
       second = __shfl_sync(0xffffffffu, my_offset, 16);
       const int64_t run_first = lane >= 16 ? second : first;
       linear = __all_sync(0xffffffffu,
@@ -939,6 +1007,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
       // at run time (scripts/check_sass_descriptors.py checks every kernel).
       const uint32_t k_lane = __shfl_sync(0xffffffffu, smem_u32(k_dst) + lane_dst, lane);
       const uint32_t v_lane = __shfl_sync(0xffffffffu, smem_u32(v_dst) + lane_dst, lane);
+      // NHD: chunk c is part c % kCpt of the warp's key c / kCpt, from that key's row. When the
+      // pieces of a token divide the 32 lanes the lane's part and key offset are fixed
+      // (nhd_lane) and an iteration adds whole rows. (The second run: keys 16-31, from `second`.)
+      static_assert(!kTwoRuns || 32 % kCpt == 0, "two runs: the 8-bit head_dim 128 kernels");
+      [[maybe_unused]] const int64_t nhd_lane =
+          32 % kCpt == 0 ? (lane / kCpt) * pitch + (lane % kCpt) * 16 : 0;
 #pragma unroll
       for (int base = 0; base < kChunks; base += 32) {
         const int c = base + lane;
@@ -957,11 +1031,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
             dst = (c / kCpt) * kDstRowBytes + (c % kCpt) * 16 - lane * 16;
           }
           const bool run2 = kTwoRuns && base >= kChunks / 2;
-          if (copy_k) {
-            cp_async_16_l2_hint(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16, kv_policy);
-          }
-          if (copy_v) {
-            cp_async_16_l2_hint(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16, kv_policy);
+          if constexpr (Traits::kNhd) {
+            int64_t src;
+            if constexpr (32 % kCpt == 0) {
+              const int key = base / kCpt;  // of the lane's first key of the iteration
+              src = (run2 ? second + (key - 16) * pitch : first + key * pitch) + nhd_lane;
+            } else {
+              src = first + (c / kCpt) * pitch + (c % kCpt) * 16;
+            }
+            if (copy_k) cp_async_16_l2_hint(k_lane + dst, p.kv.k_base + src, kv_policy);
+            if (copy_v) cp_async_16_l2_hint(v_lane + dst, p.kv.v_base + src, kv_policy);
+          } else {
+            if (copy_k) {
+              cp_async_16_l2_hint(k_lane + dst, (run2 ? k_src2 : k_src) + base * 16, kv_policy);
+            }
+            if (copy_v) {
+              cp_async_16_l2_hint(v_lane + dst, (run2 ? v_src2 : v_src) + base * 16, kv_policy);
+            }
           }
         }
       }
@@ -1026,7 +1112,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
         if (lane < kCopyKeys && key < key_end) {
           if (static_cast<uint32_t>(early_block[s]) < static_cast<uint32_t>(p.kv.num_blocks)) {
             offsets[s] = static_cast<int64_t>(early_block[s]) * p.kv.block_stride_bytes +
-                         head_bytes + (key & page_mask) * (Traits::kChunksPerToken * 16);
+                         head_bytes + in_page(key & page_mask);
           } else {
             fault_pos = key;  // no window here: the key is its position
           }

@@ -39,21 +39,26 @@ DecodeKernelInfo kernel_info(int32_t head_dim, DType q, DType kv, DecodeKernelCh
   switch (head_dim) {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 64:
-      return decode_kernel_info<64>(q, kv, choice);
+      return choice.nhd ? decode_kernel_info<64, true>(q, kv, choice)
+                        : decode_kernel_info<64, false>(q, kv, choice);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 80:
-      return decode_kernel_info<80>(q, kv, choice);
+      return choice.nhd ? decode_kernel_info<80, true>(q, kv, choice)
+                        : decode_kernel_info<80, false>(q, kv, choice);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 96:
-      return decode_kernel_info<96>(q, kv, choice);
+      return choice.nhd ? decode_kernel_info<96, true>(q, kv, choice)
+                        : decode_kernel_info<96, false>(q, kv, choice);
 #endif
     case 128:
-      return decode_kernel_info<128>(q, kv, choice);
+      return choice.nhd ? decode_kernel_info<128, true>(q, kv, choice)
+                        : decode_kernel_info<128, false>(q, kv, choice);
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 256:
-      return decode_kernel_info<256>(q, kv, choice);
+      return choice.nhd ? decode_kernel_info<256, true>(q, kv, choice)
+                        : decode_kernel_info<256, false>(q, kv, choice);
 #endif
   }
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
@@ -64,21 +69,26 @@ void launch_kernel(int32_t head_dim, const DecodeParams& params, DType q, DType 
   switch (head_dim) {
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 64:
-      return launch_decode<64>(params, q, kv, transformed, choice, stream);
+      return choice.nhd ? launch_decode<64, true>(params, q, kv, transformed, choice, stream)
+                        : launch_decode<64, false>(params, q, kv, transformed, choice, stream);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 80:
-      return launch_decode<80>(params, q, kv, transformed, choice, stream);
+      return choice.nhd ? launch_decode<80, true>(params, q, kv, transformed, choice, stream)
+                        : launch_decode<80, false>(params, q, kv, transformed, choice, stream);
 #endif
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 96:
-      return launch_decode<96>(params, q, kv, transformed, choice, stream);
+      return choice.nhd ? launch_decode<96, true>(params, q, kv, transformed, choice, stream)
+                        : launch_decode<96, false>(params, q, kv, transformed, choice, stream);
 #endif
     case 128:
-      return launch_decode<128>(params, q, kv, transformed, choice, stream);
+      return choice.nhd ? launch_decode<128, true>(params, q, kv, transformed, choice, stream)
+                        : launch_decode<128, false>(params, q, kv, transformed, choice, stream);
 #if !defined(ATTNKIT_KERNEL_SUBSET)
     case 256:
-      return launch_decode<256>(params, q, kv, transformed, choice, stream);
+      return choice.nhd ? launch_decode<256, true>(params, q, kv, transformed, choice, stream)
+                        : launch_decode<256, false>(params, q, kv, transformed, choice, stream);
 #endif
   }
   detail::fail("decode: head_dim ", head_dim, " has no fused kernel");
@@ -310,6 +320,7 @@ DecodePlan plan_decode(const AttentionSpec& spec, const DecodeArgs& args,
   plan.sm_count = sm_count;
   plan.compute_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
   DecodeKernelChoice& choice = plan.choice;
+  choice.nhd = cache.layout == KvCacheLayout::kNHD;
   // Batch-invariant calls (DecodeArgs::batch_invariant) take one kernel for the spec and the
   // dtypes whatever the batch: the tile of decode_batch_invariant_heads_per_cta, the mma.sync
   // kernels (not the wgmma one), the 4-CTA 8-bit kernel wherever it exists (wide_grid), splits
@@ -587,7 +598,7 @@ void fused_decode(const AttentionSpec& spec, const DecodeArgs& args, const detai
   auto launch = [&] {
     if (params.prefetch_keys > 0) g_prefetching_launches.fetch_add(1, std::memory_order_relaxed);
     if (plan.wgmma.use) {
-      launch_decode_wgmma(params, p.dtype, plan.wgmma.ctas_per_sm, stream);
+      launch_decode_wgmma(params, p.dtype, plan.wgmma.ctas_per_sm, plan.choice.nhd, stream);
     } else {
       launch_kernel(spec.head_dim, params, p.dtype, p.kv_dtype, plan.transformed, plan.choice,
                     stream);

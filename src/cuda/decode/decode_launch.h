@@ -23,6 +23,8 @@ struct DecodeKernelChoice {
   // The grid (splits included) has CTAs for about four per SM: 8-bit caches may then take the
   // 4-CTA kernel (launch_traits).
   bool wide_grid = true;
+  // The cache is NHD ([T, Hkv, D] blocks): the DecodeNhdTraits kernels (decode_hd<D>_nhd.cu).
+  bool nhd = false;
 };
 
 // The keys of its first tiles (at the early ramp's guess) that each CTA of a programmatic launch
@@ -47,12 +49,12 @@ int64_t decode_prefetching_launches();
 bool decode_programmatic_launch(int compute_major, int32_t num_splits, int64_t grid_ctas,
                                 int64_t resident_ctas);
 
-// Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair; the logits
-// policy is kTransformed when soft-cap or ALiBi is on.
-template <int kHeadDim>
+// Launches the decode kernel of head_dim kHeadDim for the (q, cache) dtype pair and the cache's
+// layout (kNhd == choice.nhd); the logits policy is kTransformed when soft-cap or ALiBi is on.
+template <int kHeadDim, bool kNhd>
 void launch_decode(const DecodeParams& p, DType q_dtype, DType kv_dtype, bool transformed_logits,
                    DecodeKernelChoice choice, cudaStream_t stream);
-template <int kHeadDim>
+template <int kHeadDim, bool kNhd>
 DecodeKernelInfo decode_kernel_info(DType q_dtype, DType kv_dtype, DecodeKernelChoice choice);
 
 // Query heads a CTA serves (DecodeKernelChoice::heads_per_cta, decode_launch.cu) for a group of
@@ -153,20 +155,25 @@ int32_t decode_wgmma_num_splits(int64_t ctas, int ctas_per_sm, int sm_count, int
 
 // Launches it for `p` (head_dim 128, a cache of q's dtype, plain logits, no window / beams; split
 // calls write partials for launch_decode_merge) on grid (splits x head blocks, KV heads, rows).
-void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm,
+void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm, bool nhd,
                          cudaStream_t stream);
 // Launches of its 2- or 3-CTA build in this process (tests: which calls it served).
 int64_t decode_wgmma_launches(int ctas_per_sm);
 
-#define ATTNKIT_DECLARE_DECODE(kHeadDim)                                                \
-  extern template void launch_decode<kHeadDim>(const DecodeParams&, DType, DType, bool, \
-                                               DecodeKernelChoice, cudaStream_t);       \
-  extern template DecodeKernelInfo decode_kernel_info<kHeadDim>(DType, DType, DecodeKernelChoice);
-ATTNKIT_DECLARE_DECODE(64)
-ATTNKIT_DECLARE_DECODE(80)
-ATTNKIT_DECLARE_DECODE(96)
-ATTNKIT_DECLARE_DECODE(128)
-ATTNKIT_DECLARE_DECODE(256)
+#define ATTNKIT_DECLARE_DECODE(kHeadDim, kNhd)                                                \
+  extern template void launch_decode<kHeadDim, kNhd>(const DecodeParams&, DType, DType, bool, \
+                                                     DecodeKernelChoice, cudaStream_t);       \
+  extern template DecodeKernelInfo decode_kernel_info<kHeadDim, kNhd>(DType, DType,           \
+                                                                      DecodeKernelChoice);
+#define ATTNKIT_DECLARE_DECODE_LAYOUTS(kHeadDim) \
+  ATTNKIT_DECLARE_DECODE(kHeadDim, false)        \
+  ATTNKIT_DECLARE_DECODE(kHeadDim, true)
+ATTNKIT_DECLARE_DECODE_LAYOUTS(64)
+ATTNKIT_DECLARE_DECODE_LAYOUTS(80)
+ATTNKIT_DECLARE_DECODE_LAYOUTS(96)
+ATTNKIT_DECLARE_DECODE_LAYOUTS(128)
+ATTNKIT_DECLARE_DECODE_LAYOUTS(256)
+#undef ATTNKIT_DECLARE_DECODE_LAYOUTS
 #undef ATTNKIT_DECLARE_DECODE
 
 }  // namespace attnkit::cuda

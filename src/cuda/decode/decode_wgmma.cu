@@ -80,7 +80,10 @@ __device__ __forceinline__ uint32_t wg_pack_raw(QT lo, QT hi) {
 
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 
-template <typename QT, int kCtasPerSm>
+// kNhd: the cache is NHD ([T, Hkv, D] blocks): a key's row of this KV head starts at
+// kv_head * 256 bytes in its token's Hkv rows (KvLayout::token_stride_bytes apart); only the key
+// offsets see it.
+template <typename QT, int kCtasPerSm, bool kNhd>
 __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
     decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(ATTNKIT_DECODE_WGMMA_DEVICE)
@@ -96,7 +99,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
   const int head_block = blockIdx.x % p.head_blocks;
   const int split = blockIdx.x / p.head_blocks;
   if (p.pdl) {
-    if (p.prefetch_keys > 0) decode_prefetch_before_wait<256>(p, blockIdx.z, blockIdx.y, split);
+    if (p.prefetch_keys > 0) {
+      decode_prefetch_before_wait<256, kNhd>(p, blockIdx.z, blockIdx.y, split);
+    }
     griddep_wait();
     griddep_launch_dependents();
   }
@@ -143,7 +148,8 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
 
   const int32_t* table_row =
       p.kv.block_table != nullptr ? p.kv.block_table + row * p.kv.block_table_row_stride : nullptr;
-  const int64_t head_bytes = static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * 256;
+  const int64_t head_bytes = kNhd ? static_cast<int64_t>(kv_head) * 256
+                                  : static_cast<int64_t>(kv_head) * p.kv.tokens_per_block * 256;
   const int32_t page_mask = (1 << p.page_shift) - 1;
   // Byte offset of key `tid` of a tile (threads 0-63), -1 past the split's keys. A block id outside
   // the pool gives -1 too (the copy writes zeros, nothing is read) and keeps the key in fault_key:
@@ -159,10 +165,15 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
         fault_key = key;
         return -1;
       }
-      return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
-             static_cast<int64_t>(key & page_mask) * 256;
+      if constexpr (kNhd) {
+        return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
+               (key & page_mask) * p.kv.token_stride_bytes;
+      } else {
+        return static_cast<int64_t>(block) * p.kv.block_stride_bytes + head_bytes +
+               static_cast<int64_t>(key & page_mask) * 256;
+      }
     }
-    return p.kv.byte_offset_shift(row, key, kv_head, 0, p.page_shift);
+    return decode_byte_offset<kNhd>(p.kv, row, key, kv_head, p.page_shift);
   };
   // Unit u of the ring: K (u even) or V (u odd) of tile u / 2, into buffer u % kWgUnits. Thread t
   // copies chunk t % 16 of keys t / 16 + 8 j, so that a warp's copies are two whole key rows, and
@@ -352,9 +363,9 @@ __global__ void __launch_bounds__(kWgThreads, kCtasPerSm)
 #endif  // ATTNKIT_DECODE_WGMMA_DEVICE
 }
 
-template <typename QT, int kCtasPerSm>
+template <typename QT, int kCtasPerSm, bool kNhd>
 void launch_typed(const DecodeParams& p, cudaStream_t stream) {
-  constexpr auto kernel = decode_wgmma_kernel<QT, kCtasPerSm>;
+  constexpr auto kernel = decode_wgmma_kernel<QT, kCtasPerSm, kNhd>;
   constexpr int kWgSmemBytes = wg_smem_bytes<kCtasPerSm>();
   opt_in_dynamic_smem_once<kernel>(
       kWgSmemBytes, "decode: cudaFuncSetAttribute(max dynamic shared memory, wgmma kernel)");
@@ -375,7 +386,18 @@ int64_t decode_wgmma_launches(int ctas_per_sm) {
   return g_wgmma_launches[ctas_per_sm == 3 ? 1 : 0].load(std::memory_order_relaxed);
 }
 
-void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm,
+namespace {
+template <typename QT>
+void launch_layout(const DecodeParams& p, bool three, bool nhd, cudaStream_t stream) {
+  if (nhd) {
+    three ? launch_typed<QT, 3, true>(p, stream) : launch_typed<QT, 2, true>(p, stream);
+  } else {
+    three ? launch_typed<QT, 3, false>(p, stream) : launch_typed<QT, 2, false>(p, stream);
+  }
+}
+}  // namespace
+
+void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm, bool nhd,
                          cudaStream_t stream) {
   ATTNKIT_CHECK(p.head_dim == kWgHeadDim, "decode: the wgmma kernel takes head_dim ", kWgHeadDim,
                 ", got ", p.head_dim);
@@ -385,9 +407,9 @@ void launch_decode_wgmma(const DecodeParams& p, DType q_dtype, int ctas_per_sm,
                 "decode: the wgmma kernel is built for 2 or 3 CTAs an SM, got ", ctas_per_sm);
   const bool three = ctas_per_sm == 3;
   if (q_dtype == DType::kBF16) {
-    three ? launch_typed<__nv_bfloat16, 3>(p, stream) : launch_typed<__nv_bfloat16, 2>(p, stream);
+    launch_layout<__nv_bfloat16>(p, three, nhd, stream);
   } else if (q_dtype == DType::kF16) {
-    three ? launch_typed<__half, 3>(p, stream) : launch_typed<__half, 2>(p, stream);
+    launch_layout<__half>(p, three, nhd, stream);
   } else {
     detail::fail("decode: the wgmma kernel takes bf16 or f16 q, got ", dtype_name(q_dtype));
   }

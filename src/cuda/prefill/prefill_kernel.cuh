@@ -191,6 +191,8 @@ __device__ __forceinline__ RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread> lo
 
 // Issues the cp.async copies of key block `n_block` from the paged cache (K and V when kTwo).
 // kTwo: V lands kDst1Bytes after K in smem (a compile-time distance: no second smem address).
+// The cache's rows of one KV head are KvLayout::token_stride_bytes apart (HND: a row, NHD: the
+// Hkv rows of a token), from the head's first row at kv_head x head_stride_bytes.
 // A run whose id is -1 copies zeros. The per-chunk copy (cyclic caches) reads its block ids here
 // and guards them as lookup_runs does (`fault`).
 template <class T, int kElemBytes, bool kTwo, int kDst1Bytes = 0>
@@ -199,7 +201,6 @@ __device__ __forceinline__ void load_rows_paged(
     const RunPages<PagedCopy<T, kElemBytes>::kRunsPerThread>& ids, const uint8_t* cache0,
     uint8_t* dst0, const uint8_t* cache1, bool& fault) {
   using C = PagedCopy<T, kElemBytes>;
-  constexpr int kRowBytes = T::kHeadDim * kElemBytes;
   constexpr bool kSwz = kElemBytes == 2 && T::kSwizzle;
   constexpr int kDstRowBytes = kElemBytes == 1 ? T::kHeadDim : T::kRowBytes;
   const int32_t key0 = n_block * T::kBlockN;
@@ -213,9 +214,10 @@ __device__ __forceinline__ void load_rows_paged(
         const int ch = C::run_chunk(u);
         const int32_t token = (key0 + run0) & ((1 << src.page_shift) - 1);
         const int32_t entry = ids.id[j];
+        const int64_t pitch = p.kv.token_stride_bytes;
         const int64_t off =
             (entry < 0 ? 0 : static_cast<int64_t>(entry) * p.kv.block_stride_bytes) +
-            static_cast<int64_t>((src.kv_head << src.page_shift) + token) * kRowBytes + ch * 16;
+            src.kv_head * p.kv.head_stride_bytes + token * pitch + ch * 16;
         const uint8_t* g0 = cache0 + off;
         const uint8_t* g1 = kTwo ? cache1 + off : nullptr;
         // A bad page (entry -1 from lookup_runs) copies no row.
@@ -228,8 +230,8 @@ __device__ __forceinline__ void load_rows_paged(
         for (int i = 0; i < C::kRun; ++i) {
           const bool valid = i < rows_left;
           const uint32_t d = i * kDstRowBytes + (kSwz ? ch_phase ^ (i * 16) : ch_phase);
-          cp_async_16(s0 + d, g0 + i * kRowBytes, valid);
-          if constexpr (kTwo) cp_async_16(s0 + kDst1Bytes + d, g1 + i * kRowBytes, valid);
+          cp_async_16(s0 + d, g0 + i * pitch, valid);
+          if constexpr (kTwo) cp_async_16(s0 + kDst1Bytes + d, g1 + i * pitch, valid);
         }
       }
     }
@@ -259,10 +261,7 @@ __device__ __forceinline__ void load_rows_paged(
             block = 0;
           }
         }
-        off = block * p.kv.block_stride_bytes +
-              ((static_cast<int64_t>(src.kv_head) * p.kv.tokens_per_block + token) * p.kv.head_dim +
-               ch * (16 / kElemBytes)) *
-                  kElemBytes;
+        off = p.kv.row_offset(block, token, src.kv_head) + ch * 16;
       }
       const uint32_t d = kElemBytes == 1 ? r * T::kHeadDim + ch * 16 : T::offset(r, ch);
       cp_async_16(smem_u32(dst0) + d, cache0 + off, valid);

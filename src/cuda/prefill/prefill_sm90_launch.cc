@@ -337,11 +337,15 @@ void run_sm90(const PrefillParams& prm, const Sm90Call& call, cudaStream_t strea
                     " page boxes a key tile, more than one warp issues");
       // Exactly the pool (a contiguous cache has a block a row, num_rows <= num_blocks): a block
       // coordinate outside it reads zeros, and the producer skips bad table entries before that.
+      // The dims are (D, T, Hkv, blocks) in both layouts, with the layout's strides (HND: T rows
+      // of D a head; NHD: a token's Hkv rows, so the token stride is the larger one): a box is
+      // the same rows x 64 elements in shared memory and the producer's coordinates (d, token,
+      // head, block) do not depend on the layout.
       const uint64_t blocks = static_cast<uint64_t>(std::max<int32_t>(1, cache.num_blocks));
       const uint64_t dims[4] = {static_cast<uint64_t>(call.head_dim), static_cast<uint64_t>(t),
                                 static_cast<uint64_t>(prm.num_kv_heads), blocks};
-      const uint64_t strides[3] = {static_cast<uint64_t>(call.head_dim * eb),
-                                   static_cast<uint64_t>(t) * call.head_dim * eb,
+      const uint64_t strides[3] = {static_cast<uint64_t>(prm.kv.token_stride_bytes),
+                                   static_cast<uint64_t>(prm.kv.head_stride_bytes),
                                    static_cast<uint64_t>(cache.block_stride_bytes)};
       sp.tma_k = make_map(call.dtype, cache.k_base, dims, strides,
                           static_cast<uint32_t>(sp.page_box_rows), 1, "kv_cache (k)");

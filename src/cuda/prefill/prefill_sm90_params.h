@@ -17,7 +17,8 @@ enum class Sm90KvMode : int32_t {
   // (D, Hkv, tokens, batch).
   kTmaTensor = 0,
   // TMA boxes of a paged cache (block table, no cyclic window) or a contiguous cache (one block a
-  // sequence); map dims (D, tokens_per_block, Hkv, num_blocks), one box per page run.
+  // sequence); map dims (D, tokens_per_block, Hkv, num_blocks) with the cache layout's token and
+  // head strides (HND or NHD, KvLayout), one box per page run.
   kTmaPaged = 1,
   // Loads and shared-memory stores by the 128 producer threads: 8-bit caches (widened to 16 bits
   // on the way), cyclic (sliding-window) caches. Every mode gathers the partial last tile's V this

@@ -149,10 +149,10 @@ __device__ __forceinline__ bool named_barrier_sync_or(int threads, bool pred) {
 // The start of the K (or V) row of key `key` of this work item, or null where no row exists (a
 // table entry outside the pool). Row strides and layouts as PrefillParams / KvLayout say.
 struct KvRows {
-  const uint8_t* k_tensor;  // packed / dense: K of (sequence, kv head), key 0
-  const uint8_t* v_tensor;
-  int64_t k_tok_bytes, v_tok_bytes;
-  int32_t batch, kv_head;
+  const uint8_t* k_tensor;  // packed / dense: K of (sequence, kv head), key 0; paged: the KV
+  const uint8_t* v_tensor;  // head's row at slot 0 of block 0 (k_base + kv_head x head stride)
+  int64_t k_tok_bytes, v_tok_bytes;  // paged: the cache's token stride (KvLayout)
+  int32_t batch;
 
   __device__ const uint8_t* row(const Sm90PrefillParams& sp, bool is_v, int32_t key) const {
     const PrefillParams& p = sp.base;
@@ -166,10 +166,7 @@ struct KvRows {
       token = slot & ((int64_t{1} << p.kv_page_shift) - 1);
       if (static_cast<uint64_t>(block) >= static_cast<uint64_t>(p.kv.num_blocks)) return nullptr;
     }
-    const int64_t off = block * p.kv.block_stride_bytes +
-                        (static_cast<int64_t>(kv_head) * p.kv.tokens_per_block + token) *
-                            p.kv.head_dim * p.kv.element_bytes;
-    return (is_v ? p.kv.v_base : p.kv.k_base) + off;
+    return (is_v ? v_tensor : k_tensor) + block * p.kv.block_stride_bytes + token * k_tok_bytes;
   }
 };
 
@@ -339,15 +336,20 @@ struct Sm90Producer {
       const int32_t kv_head = q_head0 / p.group_size;
       KvRows rows;
       rows.batch = work.batch;
-      rows.kv_head = kv_head;
-      rows.k_tok_bytes = p.k_tok_stride * T::kElemBytes;
-      rows.v_tok_bytes = p.v_tok_stride * T::kElemBytes;
-      rows.k_tensor =
-          static_cast<const uint8_t*>(p.k) +
-          (seq.k_offset + static_cast<int64_t>(kv_head) * p.k_head_stride) * T::kElemBytes;
-      rows.v_tensor =
-          static_cast<const uint8_t*>(p.v) +
-          (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * T::kElemBytes;
+      if (p.paged) {
+        rows.k_tok_bytes = rows.v_tok_bytes = p.kv.token_stride_bytes;
+        rows.k_tensor = p.kv.k_base + kv_head * p.kv.head_stride_bytes;
+        rows.v_tensor = p.kv.v_base + kv_head * p.kv.head_stride_bytes;
+      } else {
+        rows.k_tok_bytes = p.k_tok_stride * T::kElemBytes;
+        rows.v_tok_bytes = p.v_tok_stride * T::kElemBytes;
+        rows.k_tensor =
+            static_cast<const uint8_t*>(p.k) +
+            (seq.k_offset + static_cast<int64_t>(kv_head) * p.k_head_stride) * T::kElemBytes;
+        rows.v_tensor =
+            static_cast<const uint8_t*>(p.v) +
+            (seq.v_offset + static_cast<int64_t>(kv_head) * p.v_head_stride) * T::kElemBytes;
+      }
 
       // kVtGlobal: the V^T column of the sequence's key 0 (Sm90SageParams).
       int32_t vt_col0 = 0;

@@ -251,8 +251,7 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
   constexpr int kVec = AppendKvTraits::kVec;
   const int32_t total_heads = params.num_q_heads + 2 * params.num_kv_heads;
   const int32_t elt = params.layout.element_bytes;
-  const int64_t head_bytes =
-      static_cast<int64_t>(params.layout.tokens_per_block) * params.head_dim * elt;
+  const int64_t head_bytes = params.layout.head_stride_bytes;  // HND or NHD (KvLayout)
   const bool paired = t.paired;
   const int32_t d0 = t.d0, d1 = t.d1;
 #pragma unroll
@@ -331,8 +330,9 @@ __device__ __forceinline__ void finish_units(const AppendKvParams& params, int64
 }
 
 // Byte offset (from k_base or v_base) of element 0 of KV head 0 at `position` of the token's row,
-// or -1 when the token's row, slot or block is outside the cache (append_kv_destination.cuh).
-// 32-bit slot math and a shift for the page, once per thread and token.
+// or -1 when the token's row, slot or block is outside the cache (append_kv_destination.cuh);
+// KV head h's row is h x head_stride_bytes further. 32-bit slot math and a shift for the page,
+// once per thread and token.
 __device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& params, int64_t token,
                                                       int32_t position) {
   AppendKvDestination dst;
@@ -340,7 +340,7 @@ __device__ __forceinline__ int64_t cache_token_offset(const AppendKvParams& para
     return -1;
   }
   return static_cast<int64_t>(dst.block) * params.layout.block_stride_bytes +
-         static_cast<int64_t>(dst.in_block) * params.head_dim * params.layout.element_bytes;
+         static_cast<int64_t>(dst.in_block) * params.layout.token_stride_bytes;
 }
 
 template <DType kIn, DType kKv, RopeStyle kStyle>

@@ -66,11 +66,8 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = is_k ? kv_scale_of(params.k_scale, params.k_scale_per_head, local)
                            : kv_scale_of(params.v_scale, params.v_scale_per_head, local);
   const detail::KvLayout& layout = params.layout;
-  const int64_t offset =
-      dst_slot.block * layout.block_stride_bytes +
-      (static_cast<int64_t>(local) * layout.tokens_per_block + dst_slot.in_block) * dim *
-          layout.element_bytes;
-  uint8_t* dst = (is_k ? layout.k_base : layout.v_base) + offset;
+  uint8_t* dst = (is_k ? layout.k_base : layout.v_base) +
+                 layout.row_offset(dst_slot.block, dst_slot.in_block, local);
   for (int d = threadIdx.x; d < dim; d += kThreads)
     store_element(dst, params.kv_dtype, d, x[d] / scale);
 }

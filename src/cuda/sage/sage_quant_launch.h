@@ -86,12 +86,13 @@ inline size_t fp8_vt_bytes(int64_t num_kv_heads, int64_t head_dim, int64_t colum
 }
 void launch_fp8_transpose_v(const Fp8TransposeArgs& args, cudaStream_t stream);
 
-// The V pages of an fp8 e4m3 KvCacheView (paged HND pages [num_blocks, Hkv, page_size, D] or a
-// contiguous cache; not cyclic), each block-table row's seq_lens[r] tokens gathered in order to
-// V^T columns vt_column(kv_offsets[r], r, t); kv_offsets (device int32 [rows + 1], the exclusive
-// prefix sum of the lengths) is written by the pass.
-// Every block-table entry read and every length is guarded against the pool (docs/safety.md):
-// a bad entry's tokens are written as zeros, a bad length counts as 0; both are recorded.
+// The V pages of an fp8 e4m3 KvCacheView (paged pages in either layout, HND [num_blocks, Hkv,
+// page_size, D] or NHD [num_blocks, page_size, Hkv, D], or a contiguous cache; not cyclic), each
+// block-table row's seq_lens[r] tokens gathered to V^T columns vt_column(kv_offsets[r], r, t);
+// kv_offsets (device int32 [rows + 1], the exclusive prefix sum of the lengths) is written by the
+// pass. Every block-table entry read and every length is guarded against the pool
+// (docs/safety.md): a bad entry's tokens are written as zeros, a bad length counts as 0; both are
+// recorded.
 struct PagedFp8TransposeArgs {
   KvCacheView cache;  // dtype fp8_e4m3; seq_lens: int32 [rows] on the device
   // Columns V^T is sized for: a bound on the rows' total tokens, trusted like max_seqlen (tokens

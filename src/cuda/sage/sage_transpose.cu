@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t len = p.kv_offsets[row + 1] - start;
   const TokenLanes lanes = token_lanes(dim, kCodeVec);
   const int32_t page_tokens = kv.tokens_per_block;
-  const int64_t head_offset = static_cast<int64_t>(h) * page_tokens * dim + lanes.c;
+  // An fp8 cache: the layout's strides are in elements as well as bytes.
+  const int64_t head_offset = static_cast<int64_t>(h) * kv.head_stride_bytes + lanes.c;
   uint8_t* dst = p.v_t + static_cast<int64_t>(h) * dim * p.v_t_stride + vt_seq_column(start, row);
   for_each_vt_tile(len, tile, dst, p.v_t_stride, dim, [&](int64_t t0, int cols) {
     if (lanes.r >= lanes.rows) return;
@@ -113,9 +114,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       uint4 codes16 = make_uint4(0u, 0u, 0u, 0u);
       if (ok) {
-        codes16 =
-            __ldg(reinterpret_cast<const uint4*>(kv.v_base + block * kv.block_stride_bytes +
-                                                 head_offset + static_cast<int64_t>(slot) * dim));
+        codes16 = __ldg(reinterpret_cast<const uint4*>(kv.v_base + block * kv.block_stride_bytes +
+                                                       head_offset + slot * kv.token_stride_bytes));
       }
       put_codes(tile, lanes.c, tt, codes16);
     }

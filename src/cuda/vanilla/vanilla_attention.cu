@@ -177,10 +177,7 @@ __global__ void __launch_bounds__(kVanillaThreads)
       block = guarded_block(site, layout, row, slot / layout.tokens_per_block);
       if (block < 0) return false;
     }
-    const int64_t bytes =
-        block * layout.block_stride_bytes +
-        (static_cast<int64_t>(kv_head) * layout.tokens_per_block + slot % layout.tokens_per_block) *
-            layout.head_dim * layout.element_bytes;
+    const int64_t bytes = layout.row_offset(block, slot % layout.tokens_per_block, kv_head);
     *base = (value ? layout.v_base : layout.k_base) + bytes;
     *offset = 0;
     return true;
