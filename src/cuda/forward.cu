@@ -14,6 +14,7 @@
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_fault.h"
 #include "cuda/common/host_upload.h"
+#include "cuda/common/stream_buffer.h"
 #include "cuda/cuda_backend.h"
 
 namespace attnkit::cuda {
@@ -60,15 +61,6 @@ __global__ void forward_token_meta_kernel(const __grid_constant__ TokenMetaParam
         params.num_context + (lo - params.num_context) * params.beam_width + offset;
   }
 }
-
-// Frees a workspace taken with cudaMallocAsync in stream order, also when a launch throws.
-struct AsyncBuffer {
-  void* ptr = nullptr;
-  cudaStream_t stream = nullptr;
-  ~AsyncBuffer() {
-    if (ptr != nullptr) cudaFreeAsync(ptr, stream);
-  }
-};
 
 // Rows [first, first + count) of the cache as a cache of their own.
 KvCacheView cache_rows(const KvCacheView& cache, int64_t first, int64_t count) {
@@ -197,7 +189,7 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
     }
   }
 
-  AsyncBuffer owned;
+  StreamBuffer owned;
   uint8_t* workspace = nullptr;
   if (args.workspace.defined()) {
     const int64_t given =
@@ -213,10 +205,9 @@ void forward(const AttentionSpec& spec, const ForwardArgs& args, const detail::F
                   "forward: workspace must be ", kWorkspaceAlign, "-byte aligned");
     workspace = static_cast<uint8_t*>(args.workspace.data);
   } else {
-    owned.stream = cuda_stream;
-    check_cuda(cudaMallocAsync(&owned.ptr, static_cast<size_t>(needed), cuda_stream),
-               "forward: cudaMallocAsync of the workspace");
-    workspace = static_cast<uint8_t*>(owned.ptr);
+    owned.allocate(static_cast<size_t>(needed), cuda_stream,
+                   "forward: cudaMallocAsync of the workspace");
+    workspace = static_cast<uint8_t*>(owned.get());
   }
   auto* q_rot = workspace;
   auto* cu_dev = reinterpret_cast<int32_t*>(workspace + q_bytes);

@@ -15,6 +15,7 @@
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_fault.h"
 #include "cuda/common/host_upload.h"
+#include "cuda/common/stream_buffer.h"
 #include "cuda/prefill/prefill_api.h"
 #include "cuda/prefill/prefill_build_set.h"
 #include "cuda/prefill/prefill_launch.h"
@@ -672,24 +673,6 @@ std::string sage_unsupported(const AttentionSpec& spec, DType dtype, int device,
   return why.empty() ? "" : "quant (SAGE): " + why;
 }
 
-// RAII for a stream-ordered scratch allocation (cudaMallocAsync / cudaFreeAsync).
-class StreamScratch {
- public:
-  StreamScratch(size_t bytes, cudaStream_t stream, const char* what) : stream_(stream) {
-    check_cuda(cudaMallocAsync(&ptr_, bytes, stream), what);
-  }
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-  ~StreamScratch() {
-    if (ptr_ != nullptr) cudaFreeAsync(ptr_, stream_);
-  }
-  void* get() const { return ptr_; }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
-
 // The output, LSE and shape fields of a dense call's PrefillParams ([B, S, H, D] tensors), shared
 // by the plain and the SAGE path.
 void fill_dense_common(PrefillParams& prm, const AttentionSpec& spec, const DenseArgs& args,
@@ -727,7 +710,7 @@ int32_t log2_of(int32_t pow2) {
 void run_sage(const AttentionSpec& spec, sage::SageQuantArgs qa, PrefillParams prm, bool masked,
               int device, int forced_ctas, cudaStream_t stream, const char* what) {
   const size_t bytes = sage::sage_workspace_bytes(qa.shape);
-  StreamScratch workspace(bytes, stream, what);
+  StreamBuffer workspace(bytes, stream, what);
   qa.workspace = workspace.get();
   qa.workspace_bytes = bytes;
   const sage::SageQuantized codes = sage::launch_sage_quantize(qa, stream);
@@ -1062,19 +1045,14 @@ class DenseSkipCounts {
     if (args.skip_stats.defined()) {
       counts_ = static_cast<unsigned long long*>(args.skip_stats.data);
     } else {
-      check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&counts_), 2 * sizeof(unsigned long long),
-                                 stream_),
-                 "dense: skip statistics scratch");
-      owned_ = true;
+      owned_.allocate(2 * sizeof(unsigned long long), stream_, "dense: skip statistics scratch");
+      counts_ = static_cast<unsigned long long*>(owned_.get());
     }
     check_cuda(cudaMemsetAsync(counts_, 0, 2 * sizeof(unsigned long long), stream_),
                "dense: zeroing the skip statistics");
   }
   DenseSkipCounts(const DenseSkipCounts&) = delete;
   DenseSkipCounts& operator=(const DenseSkipCounts&) = delete;
-  ~DenseSkipCounts() {
-    if (owned_) cudaFreeAsync(counts_, stream_);
-  }
 
   unsigned long long* device_counts() const { return counts_; }
 
@@ -1103,7 +1081,7 @@ class DenseSkipCounts {
   cudaStream_t stream_;
   int64_t total_;
   unsigned long long* counts_ = nullptr;
-  bool owned_ = false;
+  StreamBuffer owned_;  // counts_ when the caller gave no skip_stats
 };
 
 }  // namespace
@@ -1118,17 +1096,13 @@ void run_dense(const AttentionSpec& spec, const DenseArgs& args, const detail::D
   if (spec.quant && p.seqlen_kv > 0) {
     ATTNKIT_CHECK(!forced_tile || *forced_tile == PrefillTile::kSm90,
                   "dense: quant (SAGE) runs on the sm90 kernel only");
-    // No tile is skipped: the host statistics count every sm90 tile of the call.
-    if (args.stats != nullptr || args.skip_stats.defined()) {
-      const int bn = sm90_block_n(spec.head_dim, false, true);
-      const int64_t tiles = static_cast<int64_t>(p.batch) * spec.num_q_heads *
-                            ((p.seqlen_q + 63) / 64) * ((p.seqlen_kv + bn - 1) / bn);
-      DenseSkipCounts counts(args, stream, tiles, false);
-      run_dense_sage(spec, args, p, stream, forced_section_pairs, forced_ctas);
-      counts.finish(64, bn);
-      return;
-    }
+    // No tile is skipped: the statistics count every sm90 tile of the call.
+    const int bn = sm90_block_n(spec.head_dim, false, true);
+    const int64_t tiles = static_cast<int64_t>(p.batch) * spec.num_q_heads *
+                          ((p.seqlen_q + 63) / 64) * ((p.seqlen_kv + bn - 1) / bn);
+    DenseSkipCounts counts(args, stream, tiles, /*kernel_counts=*/false);
     run_dense_sage(spec, args, p, stream, forced_section_pairs, forced_ctas);
+    counts.finish(64, bn);
     return;
   }
   const CallShape shape{p.device.index, spec.head_dim, p.dtype, p.dtype, false};
